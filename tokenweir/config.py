@@ -1,0 +1,123 @@
+"""Frozen configuration dataclasses.
+
+Every field's `help` metadata doubles as CLI help: `tokenweir.cli` generates `--flag-name`
+options from these classes, so a new field is a new flag with no hand-written mirror.
+Field names follow vLLM's engine arguments wherever vLLM has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _f("smollm2-135m", "model: alias, Hugging Face directory or .gguf file")
+    dtype: str = _f("auto", "weights and KV dtype; auto = bfloat16", choices=DTYPES)
+    max_model_len: Optional[int] = _f(
+        None, "longest prompt + output, in tokens (default: the model's context length)")
+    device: str = _f("auto", "cpu, cuda, or auto (cuda when available)")
+    seed: int = _f(0, "seed for requests that do not set their own")
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _f(16, "tokens per KV cache block")
+    num_gpu_blocks_override: Optional[int] = _f(
+        None, "number of KV blocks in the pool, null block included (overrides kv_cache_space)")
+    kv_cache_space: float = _f(1.0, "GiB of memory for the KV pool when not overridden")
+
+    def validate(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 2 (block 0 is the null block), "
+                f"got {self.num_gpu_blocks_override}")
+        if self.kv_cache_space <= 0:
+            raise ValueError(f"kv_cache_space must be positive, got {self.kv_cache_space}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = _f(2048, "token budget of one step")
+    max_num_seqs: int = _f(256, "most requests running at once (0 = unlimited)")
+    enable_chunked_prefill: bool = _f(
+        True, "split prompts across steps; off: a prompt that does not fit the budget waits")
+    long_prefill_token_threshold: int = _f(
+        0, "most tokens one request may prefill in a step (0 = only the budget caps it)")
+    max_num_partial_prefills: int = _f(1, "most requests mid-prefill (chunked) at once")
+    scheduling_policy: str = _f("fcfs", "waiting-queue order and victim choice",
+                                choices=SCHEDULING_POLICIES)
+    watermark: float = _f(
+        0.01, "fraction of KV blocks new admissions may not take while requests run")
+    scheduler_reserve_full_isl: bool = _f(
+        True, "admit only if prompt + max_tokens (capped at max_model_len) fits the free pool")
+    prioritize_prefill: bool = _f(
+        False, "schedule prefills first, then decodes fill what is left of the budget")
+
+    def validate(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 0:
+            raise ValueError(f"max_num_seqs must be >= 0 (0 = unlimited), got {self.max_num_seqs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(
+                f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Route flat vLLM-style keyword arguments to the config they belong to.
+
+        Unknown names raise TypeError, as a mistyped keyword argument would.
+        """
+        parts: dict[type, dict[str, Any]] = {c: {} for c in CONFIG_CLASSES}
+        owner = {f.name: c for c in CONFIG_CLASSES for f in dataclasses.fields(c)}
+        for name, value in kwargs.items():
+            if name not in owner:
+                raise TypeError(f"unknown engine argument {name!r}")
+            parts[owner[name]][name] = value
+        config = cls(model=ModelConfig(**parts[ModelConfig]),
+                     cache=CacheConfig(**parts[CacheConfig]),
+                     scheduler=SchedulerConfig(**parts[SchedulerConfig]))
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()

@@ -1,0 +1,124 @@
+"""A fixed pool of KV blocks with reference counts and an O(1) LRU free list.
+
+The pool knows nothing of requests. Block 0 is the null block: it is never handed out, never
+freed, and pads block tables. Every other block is either in the free list (ref_cnt == 0) or
+held by at least one owner (ref_cnt > 0); `check_integrity()` proves it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+
+class KVBlock:
+    """One block of `block_size` token slots. Doubly linked while it sits in the free list."""
+
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.prev_free: Optional[KVBlock] = None
+        self.next_free: Optional[KVBlock] = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: pop the least recently freed, append, remove any, O(1)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels: never handed out
+        self._tail = KVBlock(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free list")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Blocks 1..num_blocks-1 are allocatable; block 0 is the null block."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), "
+                             f"got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # held forever by the pool itself
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take n blocks (least recently freed first), each with ref_cnt 1. Caller checks room."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        blocks = [self.free_queue.popleft() for _ in range(n)]
+        for block in blocks:
+            block.ref_cnt = 1
+        return blocks
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each; blocks reaching 0 join the free list in the given order
+        (so the first given is the first to be reused)."""
+        for block in blocks:
+            if block.ref_cnt <= 0 or block is self.null_block:
+                raise ValueError(f"freeing {block}, which is not held")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def usage(self) -> float:
+        """Fraction of allocatable blocks held, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def check_integrity(self) -> None:
+        """Every block is exactly one of: null, free (ref 0), or held (ref > 0)."""
+        free_ids = [b.block_id for b in self.free_queue]
+        assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks, "free list corrupt"
+        assert 0 not in free_ids, "null block in the free list"
+        for block in self.blocks[1:]:
+            in_free = block.prev_free is not None
+            assert block.ref_cnt >= 0, f"{block} has a negative ref count"
+            assert in_free == (block.ref_cnt == 0), f"{block} free-list membership wrong"

@@ -1,0 +1,76 @@
+"""The only objects that cross the scheduler / runner boundary.
+
+`SchedulerOutput` goes out each step; `ModelRunnerOutput` comes back. A runner (the real PyTorch
+one or the simulator's) keeps its own per-request state keyed by request id:
+
+- `scheduled_new_reqs` carry a request in full. A request re-admitted after preemption comes back
+  here too (its runner state was dropped when it was preempted).
+- `scheduled_cached_reqs` carry only what changed: blocks appended this step.
+- `preempted_req_ids` and `finished_req_ids` (since the previous step) tell the runner what to
+  forget. A request never appears both as scheduled and as finished in one output.
+
+The runner samples a token for a request exactly when this step brings `num_computed_tokens`
+up to the number of tokens the runner knows for it (prompt + outputs so far); a chunk that stops
+short of that samples nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tokenweir.request import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (a copy: the runner may append to it)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]  # every block the request holds, in order
+    num_computed_tokens: int  # tokens whose KV is already in those blocks (prefix-cache hit)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]  # appended to the request's block table this step
+    num_computed_tokens: int  # before this step's tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # every scheduled request -> tokens this step (>= 1)
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one sampled position: the sampled token's and the top-n."""
+
+    sampled_logprob: float
+    sampled_rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # Request id -> tokens sampled this step (one, or none for a chunk short of the end).
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Seconds the step took on the runner's clock (wall clock, or virtual for the simulator).
+    step_seconds: Optional[float] = None
+
+
+EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

@@ -1,0 +1,120 @@
+"""Waiting queues behind one interface: FCFS and priority.
+
+Contract: `peek()`/`pop()` give the request to admit next; `prepend()` puts a preempted request
+where it will be admitted before anything that was waiting behind it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Iterator
+
+from tokenweir.request import Request
+
+
+class RequestQueue(ABC):
+    @abstractmethod
+    def add(self, request: Request) -> None:
+        """Enqueue a newly arrived request."""
+
+    @abstractmethod
+    def prepend(self, request: Request) -> None:
+        """Re-enqueue a preempted request ahead of those that waited behind it."""
+
+    @abstractmethod
+    def peek(self) -> Request:
+        """The next request to admit; IndexError when empty."""
+
+    @abstractmethod
+    def pop(self) -> Request:
+        """Remove and return `peek()`."""
+
+    @abstractmethod
+    def remove(self, request: Request) -> None:
+        """Remove a request wherever it is (abort); ValueError if absent."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Request]:
+        """In admission order."""
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+class FCFSQueue(RequestQueue):
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._q.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._q.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class PriorityQueue(RequestQueue):
+    """Lowest `priority` value first (vLLM's convention), then earliest arrival.
+
+    A preempted request keeps its key, so it comes back ahead of every later arrival of its
+    priority: that is what "front of the queue" means under priority scheduling.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, request: Request) -> None:
+        key = (request.priority, request.arrival_time, next(self._seq), request)
+        heapq.heappush(self._heap, key)
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        for i, entry in enumerate(self._heap):
+            if entry[3] is request:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return
+        raise ValueError(f"request {request.request_id} is not waiting")
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[3] for entry in sorted(self._heap))
+
+
+def make_queue(policy: str) -> RequestQueue:
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
+    raise ValueError(f"unknown scheduling policy {policy!r}")

@@ -1,0 +1,363 @@
+"""The token-budget scheduler (vLLM v1 semantics).
+
+There is no prefill phase and no decode phase. Each step hands out `max_num_batched_tokens`:
+running requests first (in admission order), then waiting ones. A request asks for what it
+still owes (`num_tokens - num_computed_tokens`), clamped by `long_prefill_token_threshold` and
+by the budget left; chunked prefill is what the budget does to a long prompt.
+
+When `allocate_slots` returns None, the scheduler sheds load: it preempts a victim (recompute:
+free its blocks, reset `num_computed_tokens`, keep its output tokens, front of the waiting
+queue) and retries; if the victim is the request itself, that request waits. A step that
+preempted admits nobody new.
+
+No torch, no clocks: `now` is passed in by whoever drives the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from tokenweir.config import SchedulerConfig
+from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                    SchedulerOutput, TokenLogprobs)
+from tokenweir.core.sched import policy
+from tokenweir.core.sched.queues import make_queue
+from tokenweir.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request (new tokens, and whether it finished)."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: Optional[TokenLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefill_steps: int = 0  # prefill chunks that stopped short of the prompt's end
+    prompt_tokens: int = 0
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
+    generation_tokens: int = 0
+    last_iteration_tokens: int = 0
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    token_budget: int
+    now: float = 0.0
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    running_reqs: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = block_ids
+        (self.new_reqs if is_new else self.running_reqs).append(request)
+        self.token_budget -= num_tokens
+
+    def drop(self, request: Request) -> None:
+        """Undo `add` for a request preempted later in the same step."""
+        num_tokens = self.num_scheduled.pop(request.request_id, None)
+        if num_tokens is None:
+            return
+        self.token_budget += num_tokens
+        del self.new_block_ids[request.request_id]
+        for reqs in (self.new_reqs, self.running_reqs):
+            if request in reqs:
+                reqs.remove(request)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 max_model_len: int) -> None:
+        config.validate()
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self._check_pool_fits_one_sequence()
+        self.waiting = make_queue(config.scheduling_policy)
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: set[str] = set()
+        self._preempted_since_last_step: set[str] = set()
+        self.watermark_blocks = int(config.watermark * self.kv.num_usable_blocks)
+        self.stats = SchedulerStats()
+
+    def _check_pool_fits_one_sequence(self) -> None:
+        needed = self.kv.blocks_for_tokens(self.max_model_len)
+        if needed > self.kv.num_usable_blocks:
+            raise ValueError(
+                f"the KV pool is too small: one max_model_len={self.max_model_len} request needs "
+                f"{needed} blocks of {self.kv.block_size} tokens but the pool has "
+                f"{self.kv.num_usable_blocks} usable blocks; raise the pool size "
+                f"(num_gpu_blocks_override / kv_cache_space) or lower max_model_len")
+
+    # ---- requests in and out -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.max_num_tokens > self.max_model_len:
+            raise ValueError(f"request {request.request_id}: prompt + max_tokens = "
+                             f"{request.max_num_tokens} exceeds max_model_len={self.max_model_len}")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish (abort) requests wherever they are; unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.add(request.request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    # ---- schedule ----------------------------------------------------------------------
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        """Plan one step. `now` (the caller's clock) only stamps first_scheduled_time."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=now)
+        if self.config.prioritize_prefill:
+            self._schedule_running(plan, prefills=True, decodes=False)
+            self._schedule_waiting(plan)
+            self._schedule_running(plan, prefills=False, decodes=True)
+        else:
+            self._schedule_running(plan, prefills=True, decodes=True)
+            self._schedule_waiting(plan)
+        return self._make_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan, prefills: bool, decodes: bool) -> None:
+        """Give running requests their next tokens; preempt victims when the pool is full."""
+        i = 0
+        while i < len(self.running) and plan.token_budget > 0:
+            request = self.running[i]
+            wanted = prefills if policy.is_prefilling(request) else decodes
+            if not wanted or request.request_id in plan.num_scheduled:
+                i += 1
+                continue
+            num_tokens = policy.num_tokens_to_schedule(
+                request, plan.token_budget, self.config.long_prefill_token_threshold)
+            assert num_tokens > 0, f"running request {request.request_id} owes no tokens"
+            block_ids = self._allocate_or_preempt(request, num_tokens, plan)
+            if block_ids is None:
+                break  # the request itself was preempted: nothing later can be cheaper
+            plan.add(request, num_tokens, block_ids, is_new=False)
+            i += 1
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int,
+                             plan: _StepPlan) -> Optional[list[int]]:
+        while True:
+            block_ids = self.kv.allocate_slots(request, num_tokens)
+            if block_ids is not None:
+                return block_ids
+            victim = policy.choose_victim(self.running, self.config.scheduling_policy)
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.running.remove(request)
+        plan.drop(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.prepend(request)
+        plan.preempted.append(request)
+        self._preempted_since_last_step.add(request.request_id)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests in queue order until one does not fit; never on a step
+        that preempted."""
+        if plan.preempted:
+            return
+        num_partial = sum(1 for r in self.running if policy.is_prefilling(r))
+        while self.waiting and plan.token_budget > 0:
+            if 0 < self.config.max_num_seqs <= len(self.running):
+                break
+            request = self.waiting.peek()
+            num_tokens = self._admission_chunk(request, plan.token_budget, num_partial)
+            if num_tokens == 0:
+                break
+            block_ids = self._allocate_for_admission(request, num_tokens)
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            if num_tokens < request.num_tokens - request.num_computed_tokens:
+                num_partial += 1
+            self._admit(request, plan.now)
+            plan.add(request, num_tokens, block_ids, is_new=True)
+
+    def _admission_chunk(self, request: Request, token_budget: int, num_partial: int) -> int:
+        """Tokens the next waiting request would get this step, or 0 if it must keep waiting."""
+        owed = request.num_tokens - request.num_computed_tokens
+        if not self.config.enable_chunked_prefill and owed > token_budget:
+            return 0
+        num_tokens = policy.num_tokens_to_schedule(
+            request, token_budget, self.config.long_prefill_token_threshold)
+        if num_tokens < owed and num_partial >= self.config.max_num_partial_prefills:
+            return 0
+        return num_tokens
+
+    def _allocate_for_admission(self, request: Request, num_tokens: int) -> Optional[list[int]]:
+        """Admission control: the watermark (only while something runs), then the full-sequence
+        check, then the allocation itself."""
+        reserved = self.watermark_blocks if self.running else 0
+        if self.config.scheduler_reserve_full_isl:
+            full_len = min(request.max_num_tokens, self.max_model_len)
+            needed = self.kv.num_new_blocks_needed(request, full_len)
+            if not policy.full_sequence_fits(needed, self.kv.num_free_blocks, reserved):
+                return None
+        return self.kv.allocate_slots(request, num_tokens, reserved_blocks=reserved)
+
+    def _admit(self, request: Request, now: float) -> None:
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        self.running.append(request)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs = [NewRequestData(
+            req_id=r.request_id, token_ids=list(r.all_token_ids),
+            num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
+            block_ids=self.kv.block_ids(r.request_id), num_computed_tokens=r.num_computed_tokens,
+        ) for r in plan.new_reqs]
+        cached_reqs = [CachedRequestData(
+            req_id=r.request_id, new_block_ids=plan.new_block_ids[r.request_id],
+            num_computed_tokens=r.num_computed_tokens) for r in plan.running_reqs]
+        total = sum(plan.num_scheduled.values())
+        assert total <= self.config.max_num_batched_tokens
+        self._count_step(plan, total)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled, total_num_scheduled_tokens=total,
+            preempted_req_ids=self._preempted_since_last_step,
+            finished_req_ids=self._finished_since_last_step, step_id=self.stats.num_steps)
+        self._preempted_since_last_step = set()
+        self._finished_since_last_step = set()
+        return output
+
+    def _count_step(self, plan: _StepPlan, total: int) -> None:
+        self.stats.num_steps += 1
+        self.stats.last_iteration_tokens = total
+        for request in (*plan.new_reqs, *plan.running_reqs):
+            if request.num_computed_tokens + plan.num_scheduled[request.request_id] < \
+                    request.num_prompt_tokens:
+                self.stats.num_chunked_prefill_steps += 1
+
+    # ---- update ------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput,
+                           now: float = 0.0) -> list[EngineCoreOutput]:
+        """Advance computed counts, append sampled tokens, apply stop rules, free the finished.
+
+        Requests aborted or preempted since `scheduler_output` was made are skipped.
+        """
+        outputs: list[EngineCoreOutput] = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self._count_recomputed_tokens(request, num_tokens)
+            request.num_computed_tokens += num_tokens
+            new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
+            if not new_token_ids:
+                continue
+            outputs.append(self._append_tokens(request, new_token_ids, now))
+            outputs[-1].logprobs = runner_output.logprobs.get(request_id)
+        return outputs
+
+    def _count_recomputed_tokens(self, request: Request, num_tokens: int) -> None:
+        """Tokens rebuilt after a preemption (the recompute tax). Approximate for a request
+        preempted mid-prompt: its never-computed prompt tokens count too."""
+        if request.num_preemptions:
+            self.stats.recomputed_tokens += min(
+                num_tokens, request.num_tokens - 1 - request.num_computed_tokens)
+
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       now: float) -> EngineCoreOutput:
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.stats.prompt_tokens += request.num_prompt_tokens
+        appended: list[int] = []
+        status: Optional[RequestStatus] = None
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            appended.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                break
+        self.stats.generation_tokens += len(appended)
+        output = EngineCoreOutput(request=request, new_token_ids=appended)
+        if status is not None:
+            self.running.remove(request)
+            request.finished_time = now
+            self._finish(request, status)
+            output.finish_reason = status.finish_reason
+        return output
+
+    def _stop_status(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+        """vLLM's stop rules, in its order: min_tokens, EOS, stop_token_ids, length."""
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        if token_id in request.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    # ---- checks ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Invariants that hold between steps; tests call this after every step."""
+        self.kv.check_integrity()
+        waiting = list(self.waiting)
+        ids = [r.request_id for r in self.running] + [r.request_id for r in waiting]
+        assert len(ids) == len(set(ids)), "a request is both running and waiting, or twice"
+        assert set(ids) == set(self.requests), "a request was lost or leaked"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            assert 0 <= request.num_computed_tokens <= request.num_tokens
+        for request in waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert self.kv.num_held_blocks(request.request_id) == 0, "waiting request holds blocks"
+        if 0 < self.config.max_num_seqs:
+            assert len(self.running) <= self.config.max_num_seqs
