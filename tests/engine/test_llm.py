@@ -1,0 +1,173 @@
+"""End-to-end tests of the offline API on the real default model (float32, CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenweir import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0, low: int = 20, high: int = 180) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(low, high))]}
+            for _ in range(n)]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _metric(llm, name: str):
+    return next(m.value for m in llm.get_metrics() if m.name == "tokenweir:" + name)
+
+
+def test_generate_text_and_fields(make_llm):
+    llm = make_llm()
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
+                       use_tqdm=False)[0]
+    assert out.prompt == "The capital of France is"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt)
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    assert "Paris" in out.outputs[0].text
+    assert out.finished and out.metrics.first_token_time >= out.metrics.arrival_time
+    assert out.metrics.num_preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_cramped_pool_gives_identical_tokens(make_llm, policy):
+    """Memory pressure costs time, never correctness."""
+    prompts = _prompts(6, seed=1)
+    priority = [i % 3 for i in range(len(prompts))] if policy == "priority" else None
+    kwargs = dict(scheduling_policy=policy, max_num_batched_tokens=64,
+                  long_prefill_token_threshold=48, max_model_len=256)
+    roomy = make_llm(num_gpu_blocks_override=200, **kwargs)
+    cramped = make_llm(num_gpu_blocks_override=17, scheduler_reserve_full_isl=False, **kwargs)
+    expected = roomy.generate(prompts, GREEDY, priority=priority, use_tqdm=False)
+    got = cramped.generate(prompts, GREEDY, priority=priority, use_tqdm=False)
+    assert _metric(roomy, "num_preemptions") == 0
+    assert _metric(cramped, "num_preemptions") > 0, "the cramped pool never preempted"
+    assert _metric(cramped, "num_chunked_prefills") > 0, "no prompt was chunked"
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert _tokens(got) == _tokens(expected)
+
+
+def test_chunked_and_unchunked_prefill_agree(make_llm):
+    prompts = _prompts(4, seed=2, low=100, high=300)
+    chunked = make_llm(max_num_batched_tokens=48, max_model_len=512)
+    whole = make_llm(max_num_batched_tokens=512, enable_chunked_prefill=False, max_model_len=512)
+    a = chunked.generate(prompts, GREEDY, use_tqdm=False)
+    b = whole.generate(prompts, GREEDY, use_tqdm=False)
+    assert _metric(chunked, "num_chunked_prefills") > 0
+    assert _metric(whole, "num_chunked_prefills") == 0
+    assert _tokens(a) == _tokens(b)
+
+
+def test_seeded_sampling_independent_of_batch(make_llm):
+    llm = make_llm()
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    crowd = llm.generate(["Hello", "Once upon a time", "The weather today"],
+                         [SamplingParams(temperature=1.0, max_tokens=20), params,
+                          SamplingParams(temperature=0.7, seed=9, max_tokens=5)],
+                         use_tqdm=False)[1]
+    assert alone.outputs[0].token_ids == crowd.outputs[0].token_ids
+    other = llm.generate(["Once upon a time"],
+                         SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16,
+                                        ignore_eos=True), use_tqdm=False)[0]
+    assert other.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_stop_rules(make_llm):
+    llm = make_llm()
+    tok = llm.get_tokenizer()
+    base = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(base.text) > 4
+    stop_str = base.text[2:5]
+    stopped = llm.generate(["Count: one, two, three,"],
+                           SamplingParams(temperature=0, max_tokens=12, stop=[stop_str]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_str
+    assert stopped.text == base.text[:base.text.index(stop_str)]
+    stop_token = base.token_ids[3]
+    by_token = llm.generate(["Count: one, two, three,"],
+                            SamplingParams(temperature=0, max_tokens=12,
+                                           stop_token_ids=[stop_token]), use_tqdm=False)[0]
+    assert by_token.outputs[0].token_ids == base.token_ids[:base.token_ids.index(stop_token) + 1]
+    assert by_token.outputs[0].stop_reason == stop_token
+    chat = llm.chat([{"role": "user", "content": "Say hi."}],
+                    SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in tok.eos_token_ids
+    forced = llm.chat([{"role": "user", "content": "Say hi."}],
+                      SamplingParams(temperature=0, max_tokens=40, min_tokens=len(chat.token_ids) + 5),
+                      use_tqdm=False)[0].outputs[0]
+    assert len(forced.token_ids) >= len(chat.token_ids) + 5
+
+
+def test_logprobs(make_llm):
+    llm = make_llm()
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(temperature=0, max_tokens=4, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert entry[token_id].rank == 1  # greedy picks the top token
+        assert len(entry) == 3 and all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ({"prompt_token_ids": [5] * 3000}, SamplingParams(), "3000"),
+    ("", SamplingParams(), "empty"),
+    ("hi", dict(max_tokens=0), "max_tokens"),
+    ("hi", dict(temperature=-1), "temperature"),
+    ("hi", dict(top_p=0), "top_p"),
+    ("hi", dict(top_p=1.5), "top_p"),
+])
+def test_bad_input_clear_error_and_engine_survives(make_llm, prompt, params, message):
+    llm = make_llm()
+    with pytest.raises(ValueError, match=message):
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        llm.generate(["fine prompt", prompt], params, use_tqdm=False)
+    scheduler = llm.llm_engine.scheduler
+    assert not scheduler.has_unfinished_requests(), "a rejected batch left requests behind"
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_prompt_too_long_names_both_numbers(make_llm):
+    llm = make_llm(max_model_len=512)
+    with pytest.raises(ValueError, match=r"600.*512"):
+        llm.generate({"prompt_token_ids": [7] * 600}, use_tqdm=False)
+
+
+def test_pool_too_small_is_refused(make_llm):
+    with pytest.raises(ValueError, match="too small"):
+        make_llm(num_gpu_blocks_override=10, max_model_len=2048)
+
+
+def test_unknown_model_path():
+    from tokenweir import LLM
+    with pytest.raises((FileNotFoundError, ValueError), match="no/such/model"):
+        LLM(model="/no/such/model")
+
+
+def test_metrics_move(make_llm):
+    llm = make_llm()
+    before = {m.name: m for m in llm.get_metrics()}
+    llm.generate(["a", "b c"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                 use_tqdm=False)
+    after = {m.name: m for m in llm.get_metrics()}
+    assert after["tokenweir:generation_tokens"].value - \
+        before["tokenweir:generation_tokens"].value == 10
+    assert after["tokenweir:prompt_tokens"].value > before["tokenweir:prompt_tokens"].value
+    assert after["tokenweir:num_requests_running"].value == 0
+    assert after["tokenweir:kv_cache_usage_perc"].value == 0
+    assert after["tokenweir:iteration_tokens_total"].count > 0

@@ -1,0 +1,43 @@
+"""One engine step: schedule -> execute -> update. The runner is anything with
+`execute(SchedulerOutput) -> ModelRunnerOutput` (the real model runner or the simulator's)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Protocol
+
+from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenweir.core.sched.scheduler import EngineCoreOutput, Scheduler
+from tokenweir.engine.metrics import EngineMetrics
+from tokenweir.request import Request, RequestStatus
+
+
+class Executor(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock
+        self.metrics = EngineMetrics()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule(now=self.clock())
+        runner_output = self.executor.execute(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                    now=self.clock())
+        self.metrics.record_step(scheduler_output, runner_output, self.scheduler)
+        return outputs

@@ -1,0 +1,160 @@
+"""LLMEngine: input validation, the engine core, and output processing in one synchronous
+object. `LLM` (offline) drives it in a loop; the server drives it from a background thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from tokenweir.config import EngineConfig
+from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.sched.scheduler import Scheduler
+from tokenweir.engine.engine_core import EngineCore
+from tokenweir.engine.output_processor import OutputProcessor
+from tokenweir.model.attention import kv_cache_bytes_per_block
+from tokenweir.model.loader import LoadedModel, load_model
+from tokenweir.outputs import RequestOutput
+from tokenweir.request import Request, RequestStatus, SamplingParams
+from tokenweir.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("tokenweir")
+
+PromptType = Union[str, list[int], dict[str, Any]]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "auto" else _DTYPES[name]
+
+
+def resolve_max_model_len(requested: Optional[int], model_len: int) -> int:
+    if requested is None:
+        return model_len
+    if requested > model_len:
+        raise ValueError(f"max_model_len={requested} exceeds the model's context length "
+                         f"{model_len}")
+    return requested
+
+
+def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
+    """The pool size, null block included: the override, or kv_cache_space GiB worth."""
+    if config.cache.num_gpu_blocks_override is not None:
+        return config.cache.num_gpu_blocks_override
+    per_block = kv_cache_bytes_per_block(loaded.arch, config.cache.block_size, dtype)
+    return int(config.cache.kv_cache_space * 2**30) // per_block + 1
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
+        """`loaded` lets callers (tests, sweeps) share one set of weights between engines;
+        it must match the config's model, dtype and device."""
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype)
+        if loaded is None:
+            loaded = load_model(config.model.model, self.dtype, self.device)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.arch.vocab_size
+        self.max_model_len = resolve_max_model_len(config.model.max_model_len,
+                                                   loaded.max_model_len)
+        num_blocks = num_kv_blocks(config, loaded, self.dtype)
+        kv = KVCacheManager(num_blocks, config.cache.block_size)
+        scheduler = Scheduler(config.scheduler, kv, self.max_model_len)  # refuses a tiny pool
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        runner = ModelRunner(loaded.model, loaded.arch, num_blocks, config.cache.block_size,
+                             self.dtype, self.device, self.eos_token_ids, config.model.seed)
+        self.core = EngineCore(scheduler, runner)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        logger.info("tokenweir engine: model=%s dtype=%s device=%s max_model_len=%d "
+                    "kv blocks=%d x %d tokens", self.model_name, self.dtype, self.device,
+                    self.max_model_len, num_blocks, config.cache.block_size)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    # ---- input ------------------------------------------------------------------------
+    def make_request(self, prompt: PromptType, params: SamplingParams,
+                     request_id: Optional[str] = None, priority: int = 0,
+                     arrival_time: Optional[float] = None) -> tuple[Request, Optional[str]]:
+        """Validate and tokenize; raises ValueError with a clear message and changes nothing."""
+        text, token_ids = self._tokenize(prompt)
+        params.validate()
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least one token is required")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}: prompt + at least one output token must fit")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            prompt_token_ids=token_ids, sampling_params=params, max_tokens=max_tokens,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority, eos_token_ids=self.eos_token_ids)
+        return request, text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids, or a dict with 'prompt' "
+                         f"or 'prompt_token_ids'; got {type(prompt).__name__}")
+
+    def add_request(self, request: Request, prompt: Optional[str]) -> None:
+        self.core.add_request(request)
+        self.outputs.add_request(request, prompt)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        self.core.abort_requests(request_ids)
+        for request_id in request_ids:
+            self.outputs.finish_aborted(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    # ---- step -------------------------------------------------------------------------
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that got tokens.
+
+        Finished requests' state is released after their final output is returned.
+        """
+        core_outputs = self.core.step()
+        now = self.core.clock()
+        results: list[RequestOutput] = []
+        for core_output in core_outputs:
+            request_id = core_output.request.request_id
+            if self.outputs.process(core_output, now):
+                self.core.abort_requests([request_id], RequestStatus.FINISHED_STOPPED)
+                core_output.request.finished_time = now
+            results.append(self.outputs.make_output(request_id, delta=delta))
+            if results[-1].finished:
+                self.outputs.pop(request_id)
+        return results
+
+    def get_metrics(self):
+        return self.core.metrics.snapshot(self.scheduler)

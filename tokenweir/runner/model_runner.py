@@ -1,0 +1,129 @@
+"""The real runner: turns a SchedulerOutput into one flattened forward pass and sampled tokens.
+
+It keeps its own copy of each scheduled request (token ids, block table, computed count),
+updated from the scheduler's diffs. Every step runs ONE unpadded forward over all scheduled
+tokens, decodes first (the attention op batches them), then prefill chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
+from tokenweir.model.sampler import sample
+from tokenweir.request import SamplingParams
+
+
+@dataclass(slots=True)
+class _RunnerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Flattened inputs of one step, request order = attention order."""
+
+    req_ids: list[str]
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    context_lens: list[int]  # tokens already cached before this step
+    sample_req_ids: list[str]  # requests whose step reaches the end of their known tokens
+    sample_rows: list[int]  # flat index of each one's last token
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, arch, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, eos_token_ids: frozenset[int],
+                 seed: int = 0) -> None:
+        self.model = model
+        self.arch = arch
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.seed = seed
+        self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+        self.requests: dict[str, _RunnerRequest] = {}
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        self._update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = self._make_batch(out)
+        hidden = self._forward(batch)
+        sampled, logprobs = self._sample(batch, hidden, out.step_id)
+        self._advance(batch, out, sampled)
+        return ModelRunnerOutput(sampled_token_ids={r: [t] for r, t in sampled.items()},
+                                 logprobs=logprobs, step_seconds=time.perf_counter() - start)
+
+    # ---- state ------------------------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = _RunnerRequest(
+                token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                params=new.sampling_params)
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            assert state.num_computed_tokens == cached.num_computed_tokens, (
+                f"{cached.req_id}: runner has {state.num_computed_tokens} computed tokens, "
+                f"scheduler says {cached.num_computed_tokens}")
+
+    def _advance(self, batch: _Batch, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        for req_id in batch.req_ids:
+            self.requests[req_id].num_computed_tokens += out.num_scheduled_tokens[req_id]
+        for req_id, token_id in sampled.items():
+            self.requests[req_id].token_ids.append(token_id)
+
+    # ---- inputs -----------------------------------------------------------------------
+    def _make_batch(self, out: SchedulerOutput) -> _Batch:
+        counts = out.num_scheduled_tokens
+        req_ids = sorted(counts, key=lambda r: counts[r] != 1)  # decodes first, stable
+        batch = _Batch(req_ids, [], [], [], [], [], [])
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            start, n = state.num_computed_tokens, counts[req_id]
+            end = start + n
+            batch.input_ids.extend(state.token_ids[start:end])
+            batch.positions.extend(range(start, end))
+            batch.query_lens.append(n)
+            batch.context_lens.append(start)
+            if end >= len(state.token_ids):
+                batch.sample_req_ids.append(req_id)
+                batch.sample_rows.append(len(batch.input_ids) - 1)
+        return batch
+
+    def _forward(self, batch: _Batch) -> torch.Tensor:
+        block_tables = [self.requests[r].block_ids for r in batch.req_ids]
+        attn = build_attention_metadata(batch.query_lens, batch.context_lens, block_tables,
+                                        self.block_size, self.device)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        return self.model(input_ids, positions, attn, self.kv_caches)
+
+    def _sample(self, batch: _Batch, hidden: torch.Tensor, step_id: int):
+        if not batch.sample_req_ids:
+            return {}, {}
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        states = [self.requests[r] for r in batch.sample_req_ids]
+        result = sample(logits, [s.params for s in states],
+                        [len(s.token_ids) - s.num_prompt_tokens for s in states],
+                        self.eos_token_ids, self.seed, step_id)
+        sampled = dict(zip(batch.sample_req_ids, result.token_ids))
+        logprobs = {r: lp for r, lp in zip(batch.sample_req_ids, result.logprobs)
+                    if lp is not None}
+        return sampled, logprobs
