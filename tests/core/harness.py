@@ -29,7 +29,8 @@ class FakeRunner:
         self.computed: dict[str, int] = {}
         self.blocks: dict[str, list[int]] = {}
         self.prompt_len: dict[str, int] = {}
-        self.eos_at = eos_at or {}  # request id -> output index that samples EOS
+        # request id -> output index that samples EOS; the caller may keep adding to its dict
+        self.eos_at = eos_at if eos_at is not None else {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids | out.preempted_req_ids:
@@ -62,8 +63,10 @@ class FakeRunner:
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.0,
-                 priority: int = 0, ignore_eos: bool = False) -> Request:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+                 priority: int = 0, ignore_eos: bool = False, **params_kw) -> Request:
+    """`params_kw` go to SamplingParams (min_tokens, stop_token_ids, ...)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                            **params_kw)
     prompt = [token_at(rid + "-p", i) for i in range(prompt_len)]
     return Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
                    max_tokens=max_tokens, arrival_time=arrival, priority=priority,
@@ -91,3 +94,21 @@ def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int =
         if check:
             scheduler.check_integrity()
     raise AssertionError("scheduler did not finish")
+
+
+def step(scheduler: Scheduler, runner: FakeRunner, now: float = 0.0):
+    """One engine step: schedule, execute, update. Returns (SchedulerOutput, EngineCoreOutputs)."""
+    out = scheduler.schedule(now)
+    return out, scheduler.update_from_output(out, runner.execute(out), now)
+
+
+def expected_output(request: Request, eos_at: int | None = None) -> list[int]:
+    """The tokens FakeRunner must produce for `request` if it runs to completion under any
+    schedule: token_at per position, EOS at output index `eos_at`, capped by max_tokens."""
+    tokens: list[int] = []
+    for k in range(request.max_tokens):
+        if eos_at == k:
+            tokens.append(EOS)
+            break
+        tokens.append(token_at(request.request_id, request.num_prompt_tokens + k))
+    return tokens

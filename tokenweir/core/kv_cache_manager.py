@@ -57,11 +57,17 @@ class KVCacheManager:
         `reserved_blocks` must stay free after the allocation (the admission watermark).
         """
         total = request.num_computed_tokens + num_new_tokens
-        needed = self.num_new_blocks_needed(request, total)
+        held = self.req_to_blocks.get(request.request_id)
+        needed = -(-total // self.block_size) - (len(held) if held else 0)
+        if needed <= 0:
+            return []  # the hot path: a decode inside its last block
         if needed > self.pool.num_free_blocks - reserved_blocks:
             return None
         new_blocks = self.pool.get_new_blocks(needed)
-        self.req_to_blocks.setdefault(request.request_id, []).extend(new_blocks)
+        if held is None:
+            self.req_to_blocks[request.request_id] = new_blocks
+        else:
+            held.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
     def free(self, request: Request) -> None:

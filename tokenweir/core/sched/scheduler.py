@@ -86,6 +86,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self._check_pool_fits_one_sequence()
+        self._check_budget_fits_one_sequence()
         self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -102,6 +103,16 @@ class Scheduler:
                 f"{needed} blocks of {self.kv.block_size} tokens but the pool has "
                 f"{self.kv.num_usable_blocks} usable blocks; raise the pool size "
                 f"(num_gpu_blocks_override / kv_cache_space) or lower max_model_len")
+
+    def _check_budget_fits_one_sequence(self) -> None:
+        """Without chunked prefill a request is (re)computed in one step: a longer one, or one
+        preempted after growing past the budget, could never be scheduled."""
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and budget < self.max_model_len:
+            raise ValueError(
+                f"with enable_chunked_prefill off, max_num_batched_tokens={budget} must be >= "
+                f"max_model_len={self.max_model_len} (a longer prompt could never be scheduled); "
+                f"raise the budget, lower max_model_len, or enable chunked prefill")
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -172,6 +183,10 @@ class Scheduler:
             block_ids = self._allocate_or_preempt(request, num_tokens, plan)
             if block_ids is None:
                 break  # the request itself was preempted: nothing later can be cheaper
+            if plan.preempted:
+                # A victim ahead of `request` in `running` (priority policy) shifted it left.
+                while i >= len(self.running) or self.running[i] is not request:
+                    i -= 1
             plan.add(request, num_tokens, block_ids, is_new=False)
             i += 1
 
@@ -201,7 +216,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in queue order until one does not fit; never on a step
         that preempted."""
-        if plan.preempted:
+        if plan.preempted or not self.waiting:
             return
         num_partial = sum(1 for r in self.running if policy.is_prefilling(r))
         while self.waiting and plan.token_budget > 0:
@@ -223,8 +238,8 @@ class Scheduler:
     def _admission_chunk(self, request: Request, token_budget: int, num_partial: int) -> int:
         """Tokens the next waiting request would get this step, or 0 if it must keep waiting."""
         owed = request.num_tokens - request.num_computed_tokens
-        if not self.config.enable_chunked_prefill and owed > token_budget:
-            return 0
+        if not self.config.enable_chunked_prefill:
+            return owed if owed <= token_budget else 0  # whole or not at all: no threshold
         num_tokens = policy.num_tokens_to_schedule(
             request, token_budget, self.config.long_prefill_token_threshold)
         if num_tokens < owed and num_partial >= self.config.max_num_partial_prefills:
@@ -292,7 +307,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            self._count_recomputed_tokens(request, num_tokens)
+            if request.num_preemptions:
+                self._count_recomputed_tokens(request, num_tokens)
             request.num_computed_tokens += num_tokens
             new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
             if not new_token_ids:
@@ -303,10 +319,10 @@ class Scheduler:
 
     def _count_recomputed_tokens(self, request: Request, num_tokens: int) -> None:
         """Tokens rebuilt after a preemption (the recompute tax). Approximate for a request
-        preempted mid-prompt: its never-computed prompt tokens count too."""
-        if request.num_preemptions:
-            self.stats.recomputed_tokens += min(
-                num_tokens, request.num_tokens - 1 - request.num_computed_tokens)
+        preempted mid-prompt: its never-computed prompt tokens count too. Called only for
+        requests preempted at least once."""
+        self.stats.recomputed_tokens += min(
+            num_tokens, request.num_tokens - 1 - request.num_computed_tokens)
 
     def _append_tokens(self, request: Request, token_ids: list[int],
                        now: float) -> EngineCoreOutput:
@@ -331,16 +347,18 @@ class Scheduler:
         return output
 
     def _stop_status(self, request: Request, token_id: int) -> Optional[RequestStatus]:
-        """vLLM's stop rules, in its order: min_tokens, EOS, stop_token_ids, length."""
+        """vLLM's stop rules: EOS, then stop_token_ids, both held off until min_tokens; then
+        length. The length cap is hard: `request.max_tokens` (capped to max_model_len) may be
+        below min_tokens."""
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        if token_id in request.eos_token_ids and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if (request.num_output_tokens >= request.max_tokens
+        num_output_tokens = request.num_output_tokens
+        if num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if (num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
