@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_POLICIES = ("fcfs", "priority", "cost")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -41,6 +43,9 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int] = _f(
         None, "number of KV blocks in the pool, null block included (overrides kv_cache_space)")
     kv_cache_space: float = _f(1.0, "GiB of memory for the KV pool when not overridden")
+    enable_prefix_caching: bool = _f(True, "reuse the KV of identical leading full blocks")
+    swap_space: float = _f(
+        4.0, "GiB of host memory for swapped-out KV (used by preemption_mode swap / auto)")
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -51,6 +56,8 @@ class CacheConfig:
                 f"got {self.num_gpu_blocks_override}")
         if self.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space must be positive, got {self.kv_cache_space}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,14 @@ class SchedulerConfig:
         True, "admit only if prompt + max_tokens (capped at max_model_len) fits the free pool")
     prioritize_prefill: bool = _f(
         False, "schedule prefills first, then decodes fill what is left of the budget")
+    preemption_mode: str = _f(
+        "recompute", "what a victim loses: recompute (drop its KV), swap (copy it to host), "
+        "or auto (the cheaper, by measured rates)", choices=PREEMPTION_MODES)
+    preemption_policy: Optional[str] = _f(
+        None, "victim choice: fcfs, priority, or cost (least work lost); default: the "
+        "scheduling policy", choices=PREEMPTION_POLICIES)
+    max_preemptions: int = _f(
+        3, "under the cost policy, a request preempted this many times becomes immune")
 
     def validate(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -88,6 +103,18 @@ class SchedulerConfig:
                              f"got {self.scheduling_policy!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if self.preemption_policy not in (None, *PREEMPTION_POLICIES):
+            raise ValueError(f"preemption_policy must be one of {PREEMPTION_POLICIES}, "
+                             f"got {self.preemption_policy!r}")
+        if self.max_preemptions < 1:
+            raise ValueError(f"max_preemptions must be >= 1, got {self.max_preemptions}")
+
+    @property
+    def victim_policy(self) -> str:
+        return self.preemption_policy or self.scheduling_policy
 
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig)

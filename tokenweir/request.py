@@ -117,6 +117,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    max_computed_tokens: int = 0  # high-water mark of num_computed_tokens (survives preemption)
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     stop_reason: Optional[int | str] = None

@@ -74,9 +74,11 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.
 
 
 def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_model_len: int = 4096,
-                   **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size),
-                     max_model_len)
+                   enable_prefix_caching: bool = False, num_host_blocks: int = 0,
+                   costs=None, **config) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                        num_host_blocks=num_host_blocks)
+    return Scheduler(SchedulerConfig(**config), kv, max_model_len, costs=costs)
 
 
 def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 100_000,

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from tests.core.harness import (FakeRunner, expected_output, make_request, make_scheduler,
                                 run_to_completion, step)
-from tokenweir.core.sched.policy import choose_victim
+from tokenweir.core.sched import policy
+
+
+def choose_victim(running, name):
+    """fcfs/priority ignore the requester and the cost function."""
+    return policy.choose_victim(running, running[0], name, lambda r: 0.0, max_preemptions=3)
 from tokenweir.request import RequestStatus
 
 # Block size 4, watermark and full-sequence check off: every block count below is by hand.

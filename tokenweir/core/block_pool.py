@@ -1,25 +1,37 @@
-"""A fixed pool of KV blocks with reference counts and an O(1) LRU free list.
+"""A fixed pool of KV blocks with reference counts, an O(1) LRU free list and a content map.
 
 The pool knows nothing of requests. Block 0 is the null block: it is never handed out, never
 freed, and pads block tables. Every other block is either in the free list (ref_cnt == 0) or
 held by at least one owner (ref_cnt > 0); `check_integrity()` proves it.
+
+Prefix caching: a full block can be registered under a `BlockKey`
+`(parent_block_id, parent_generation, token_ids)`. The key names the parent block *and the
+generation of its content*, so equal keys mean equal token histories, exactly: a hit is
+confirmed by comparing token ids (tuple equality), never by trusting a hash. A free block keeps
+its content and its key until it is handed out again; then its key is dropped and its
+generation bumps, so children keyed on its old content can never be reached through it.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Optional
 
+BlockKey = tuple  # (parent_block_id, parent_generation, tuple of token ids); parent -1 = root
+ROOT_PARENT = (-1, 0)
+
 
 class KVBlock:
     """One block of `block_size` token slots. Doubly linked while it sits in the free list."""
 
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free", "key", "generation")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.prev_free: Optional[KVBlock] = None
         self.next_free: Optional[KVBlock] = None
+        self.key: Optional[BlockKey] = None  # set while the block is in the content map
+        self.generation = 0  # bumps whenever the block's content is given up
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt})"
@@ -81,6 +93,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # held forever by the pool itself
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[BlockKey, KVBlock] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -96,8 +109,36 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         blocks = [self.free_queue.popleft() for _ in range(n)]
         for block in blocks:
+            if block.key is not None:
+                self._evict(block)
             block.ref_cnt = 1
         return blocks
+
+    # ---- prefix caching ----------------------------------------------------------------
+    def lookup(self, key: BlockKey) -> Optional[KVBlock]:
+        return self.cached.get(key)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference to cache hits; a free one leaves the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def register(self, block: KVBlock, key: BlockKey) -> None:
+        """Publish a held, full block's content. A key already published keeps its block."""
+        if block.key is None and key not in self.cached:
+            self.cached[key] = block
+            block.key = key
+
+    def _evict(self, block: KVBlock) -> None:
+        del self.cached[block.key]
+        block.key = None
+        block.generation += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.cached.values()):
+            self._evict(block)
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each; blocks reaching 0 join the free list in the given order
@@ -122,3 +163,5 @@ class BlockPool:
             in_free = block.prev_free is not None
             assert block.ref_cnt >= 0, f"{block} has a negative ref count"
             assert in_free == (block.ref_cnt == 0), f"{block} free-list membership wrong"
+        for key, block in self.cached.items():
+            assert block.key == key, f"{block} is mapped under a key it does not carry"

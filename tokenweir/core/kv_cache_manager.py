@@ -1,15 +1,24 @@
-"""Which blocks each request holds, and whether the pool has room for more.
+"""Which blocks each request holds, whether the pool has room for more, and the prefix cache.
 
 Contract: `allocate_slots` either gives a request every block it needs for its next tokens and
 returns the new block ids, or changes nothing and returns None. None means "shed load"; only
 the scheduler decides who pays. No torch here.
+
+Prefix caching (when enabled): a request's full blocks are published in the pool's content map
+once the step that computed them has run (`register_computed_blocks`, called from the
+scheduler's update), so a hit never reads K/V that was planned but not written.
+`get_computed_blocks` finds the longest run of a new request's leading full blocks in the map.
+
+Swap: `swap_out` moves a request's blocks to a bounded host pool (ids only: the runner copies
+the bytes) and frees its device blocks; `swap_in` does the reverse.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
-from tokenweir.core.block_pool import BlockPool, KVBlock
+from tokenweir.core.block_pool import ROOT_PARENT, BlockKey, BlockPool, KVBlock
 from tokenweir.request import Request
 
 
@@ -17,11 +26,43 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up at admission
+    hits: int = 0  # of those, tokens served from the cache
+
+
+class HostBlockPool:
+    """Host-side block ids for swapped-out KV. No content map, no LRU: a plain free list."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"asked for {n} host blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, block_ids: list[int]) -> None:
+        self._free.extend(reversed(block_ids))
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.host_pool = HostBlockPool(num_host_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.num_registered: dict[str, int] = {}  # leading blocks already published
+        self.req_to_host_blocks: dict[str, list[int]] = {}
+        self.prefix_stats = PrefixCacheStats()
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -49,38 +90,140 @@ class KVCacheManager:
         held = self.num_held_blocks(request.request_id)
         return max(0, self.blocks_for_tokens(total_tokens) - held)
 
-    # ---- mutations ---------------------------------------------------------------------
+    def num_shared_tokens(self, request: Request) -> int:
+        """Computed tokens in blocks someone else also holds: they survive this request's
+        preemption for certain."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        shared = sum(1 for b in blocks if b.ref_cnt > 1)
+        return min(shared * self.block_size, request.num_computed_tokens)
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of the request's leading full blocks already cached. At least one
+        token is always left to compute (the step must produce logits). Takes no reference."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[KVBlock] = []
+        parent = ROOT_PARENT
+        for k in range(max_blocks):
+            block = self.pool.lookup(self._key(parent, tokens, k))
+            if block is None:
+                break
+            hits.append(block)
+            parent = (block.block_id, block.generation)
+        return hits
+
+    def _key(self, parent: tuple[int, int], tokens: list[int], k: int) -> BlockKey:
+        bs = self.block_size
+        return (*parent, tuple(tokens[k * bs:(k + 1) * bs]))
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Publish the request's full blocks whose K/V is computed (`num_computed_tokens`)."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        full = request.num_computed_tokens // self.block_size
+        start = self.num_registered.get(rid, 0)
+        if full <= start:
+            return
+        blocks = self.req_to_blocks[rid]
+        for k in range(start, full):
+            parent = ROOT_PARENT if k == 0 else (blocks[k - 1].block_id, blocks[k - 1].generation)
+            self.pool.register(blocks[k], self._key(parent, request.all_token_ids, k))
+        self.num_registered[rid] = full
+
+    # ---- allocation --------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Optional[list[KVBlock]] = None,
                        reserved_blocks: int = 0) -> Optional[list[int]]:
         """Room for `num_new_tokens` after the request's computed ones, or None (nothing changed).
 
-        `reserved_blocks` must stay free after the allocation (the admission watermark).
+        `computed_blocks` (admission only, from `get_computed_blocks`) become the request's first
+        blocks, covering its first len(computed_blocks) * block_size tokens. `reserved_blocks`
+        must stay free after the allocation (the admission watermark). Returns the ids of the
+        blocks added (cache hits included).
         """
-        total = request.num_computed_tokens + num_new_tokens
-        held = self.req_to_blocks.get(request.request_id)
-        needed = -(-total // self.block_size) - (len(held) if held else 0)
-        if needed <= 0:
+        rid = request.request_id
+        hits = computed_blocks or []
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        total = num_computed + num_new_tokens
+        held = self.req_to_blocks.get(rid)
+        needed = cdiv(total, self.block_size) - (len(held) if held else 0) - len(hits)
+        if needed <= 0 and not hits:
             return []  # the hot path: a decode inside its last block
-        if needed > self.pool.num_free_blocks - reserved_blocks:
+        free_hits = sum(1 for b in hits if b.ref_cnt == 0)  # touching takes them off the free list
+        if needed + free_hits > self.pool.num_free_blocks - reserved_blocks:
             return None
-        new_blocks = self.pool.get_new_blocks(needed)
+        self.pool.touch(hits)
+        new_blocks = hits + self.pool.get_new_blocks(max(needed, 0))
         if held is None:
-            self.req_to_blocks[request.request_id] = new_blocks
-        else:
-            held.extend(new_blocks)
+            self.req_to_blocks[rid] = held = []
+            self.num_registered[rid] = len(hits)
+        held.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
-    def free(self, request: Request) -> None:
-        """Release every block the request holds. The tail block is freed first, so a request's
-        later blocks are reused before its earlier ones."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.pool.free_blocks(reversed(blocks))
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        self.prefix_stats.queries += request.num_tokens
+        self.prefix_stats.hits += num_hit_tokens
 
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (device and host). The tail block is freed
+        first, so a request's later blocks are reused before its earlier ones."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_registered.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+        self.host_pool.free(self.req_to_host_blocks.pop(request.request_id, []))
+
+    # ---- swap --------------------------------------------------------------------------
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.req_to_host_blocks
+
+    def can_swap_out(self, request: Request) -> bool:
+        return 0 < self.num_held_blocks(request.request_id) <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to host blocks; returns (device id, host id) pairs to copy
+        before the device blocks are reused. Caller checks `can_swap_out` first."""
+        blocks = self.req_to_blocks.pop(request.request_id)
+        self.num_registered.pop(request.request_id, None)
+        host_ids = self.host_pool.allocate(len(blocks))
+        self.req_to_host_blocks[request.request_id] = host_ids
+        self.pool.free_blocks(reversed(blocks))  # content stays cached for prefix hits
+        return [(b.block_id, h) for b, h in zip(blocks, host_ids)]
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return len(self.req_to_host_blocks.get(request_id, ()))
+
+    def swap_in(self, request: Request, reserved_blocks: int = 0) -> Optional[list[tuple[int, int]]]:
+        """Device blocks for a swapped-out request; returns (host id, device id) pairs to copy,
+        or None (nothing changed) when the pool lacks room."""
+        host_ids = self.req_to_host_blocks[request.request_id]
+        if len(host_ids) > self.pool.num_free_blocks - reserved_blocks:
+            return None
+        del self.req_to_host_blocks[request.request_id]
+        blocks = self.pool.get_new_blocks(len(host_ids))
+        self.req_to_blocks[request.request_id] = blocks
+        self.num_registered[request.request_id] = 0
+        self.host_pool.free(host_ids)
+        return [(h, b.block_id) for h, b in zip(host_ids, blocks)]
+
+    # ---- checks ------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Blocks are conserved: free + held by requests == usable, and no block has two owners."""
+        """Blocks are conserved in both pools; a device block's holders are its ref count."""
         self.pool.check_integrity()
-        held = [b.block_id for blocks in self.req_to_blocks.values() for b in blocks]
-        assert len(held) == len(set(held)), "a block is held by two requests"
-        assert self.pool.num_free_blocks + len(held) == self.pool.num_usable_blocks, (
-            f"blocks not conserved: {self.pool.num_free_blocks} free + {len(held)} held "
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for block in blocks:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks[1:]:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"{block} ref count != {refs.get(block.block_id, 0)} holders")
+        assert self.pool.num_free_blocks + len(refs) == self.pool.num_usable_blocks, (
+            f"blocks not conserved: {self.pool.num_free_blocks} free + {len(refs)} held "
             f"!= {self.pool.num_usable_blocks}")
+        host_held = [h for ids in self.req_to_host_blocks.values() for h in ids]
+        assert len(host_held) == len(set(host_held)), "a host block is held twice"
+        assert self.host_pool.num_free_blocks + len(host_held) == self.host_pool.num_blocks, (
+            "host blocks not conserved")

@@ -48,9 +48,14 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
     step_id: int = 0
+    # Copies the runner makes BEFORE this step's forward, swap-ins first, then swap-outs:
+    # (host block, device block) and (device block, host block) pairs.
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (there may still be swaps to copy)."""
         return self.total_num_scheduled_tokens == 0
 
 

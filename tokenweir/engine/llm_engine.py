@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from typing import Any, Iterable, Optional, Union
 
@@ -54,6 +55,35 @@ def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype)
     return int(config.cache.kv_cache_space * 2**30) // per_block + 1
 
 
+def host_memory_bytes() -> int:
+    """Memory available on the host now (Linux /proc/meminfo; total memory elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
+    """Host blocks for swapped-out KV: swap_space GiB worth, only when swapping can happen."""
+    if config.scheduler.preemption_mode == "recompute":
+        return 0
+    space = int(config.cache.swap_space * 2**30)
+    available = host_memory_bytes()
+    if space > 0.9 * available:
+        raise ValueError(f"swap_space={config.cache.swap_space} GiB exceeds what host memory "
+                         f"allows ({available / 2**30:.1f} GiB available); lower swap_space")
+    return space // kv_cache_bytes_per_block(loaded.arch, config.cache.block_size, dtype)
+
+
+def needs_measured_costs(config: EngineConfig) -> bool:
+    return (config.scheduler.preemption_mode == "auto"
+            or config.scheduler.victim_policy == "cost")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
         """`loaded` lets callers (tests, sweeps) share one set of weights between engines;
@@ -70,11 +100,18 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.model.max_model_len,
                                                    loaded.max_model_len)
         num_blocks = num_kv_blocks(config, loaded, self.dtype)
-        kv = KVCacheManager(num_blocks, config.cache.block_size)
+        num_host_blocks = num_swap_blocks(config, loaded, self.dtype)
+        kv = KVCacheManager(num_blocks, config.cache.block_size,
+                            enable_prefix_caching=config.cache.enable_prefix_caching,
+                            num_host_blocks=num_host_blocks)
         scheduler = Scheduler(config.scheduler, kv, self.max_model_len)  # refuses a tiny pool
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         runner = ModelRunner(loaded.model, loaded.arch, num_blocks, config.cache.block_size,
-                             self.dtype, self.device, self.eos_token_ids, config.model.seed)
+                             self.dtype, self.device, self.eos_token_ids, config.model.seed,
+                             num_host_blocks=num_host_blocks)
+        if needs_measured_costs(config):
+            scheduler.costs = runner.measure_preemption_costs()
+            logger.info("measured preemption costs: %s", scheduler.costs)
         self.core = EngineCore(scheduler, runner)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -87,5 +87,9 @@ class EngineMetrics:
             Counter(PREFIX + "num_steps", stats.num_steps),
             Counter(PREFIX + "num_chunked_prefills", stats.num_chunked_prefill_steps),
             Counter(PREFIX + "recomputed_tokens", stats.recomputed_tokens),
+            Counter(PREFIX + "prefix_cache_queries", scheduler.kv.prefix_stats.queries),
+            Counter(PREFIX + "prefix_cache_hits", scheduler.kv.prefix_stats.hits),
+            Counter(PREFIX + "num_swapped_out", stats.num_swapped_out),
+            Counter(PREFIX + "num_swapped_in", stats.num_swapped_in),
             Histogram(PREFIX + "iteration_tokens_total", it.count, it.sum, it.cumulative()),
         ]

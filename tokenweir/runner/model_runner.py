@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
 from tokenweir.model.sampler import sample
 from tokenweir.request import SamplingParams
@@ -43,7 +44,7 @@ class _Batch:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, eos_token_ids: frozenset[int],
-                 seed: int = 0) -> None:
+                 seed: int = 0, num_host_blocks: int = 0) -> None:
         self.model = model
         self.arch = arch
         self.block_size = block_size
@@ -51,12 +52,17 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.seed = seed
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+        # The swap pool lives in host memory; on a CPU-only machine it is a second CPU pool.
+        self.host_caches = (allocate_kv_caches(arch, num_host_blocks, block_size, dtype,
+                                               torch.device("cpu"))
+                            if num_host_blocks else [])
         self.requests: dict[str, _RunnerRequest] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         self._update_states(out)
+        self._swap(out)
         if out.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._make_batch(out)
@@ -65,6 +71,48 @@ class ModelRunner:
         self._advance(batch, out, sampled)
         return ModelRunnerOutput(sampled_token_ids={r: [t] for r, t in sampled.items()},
                                  logprobs=logprobs, step_seconds=time.perf_counter() - start)
+
+    # ---- measured rates ---------------------------------------------------------------
+    @torch.inference_mode()
+    def measure_preemption_costs(self, num_tokens: int = 256, repeats: int = 2) -> PreemptionCosts:
+        """Time a prefill (seconds per token) and block copies to and from the host pool
+        (seconds per block, one direction). Call before serving: it writes scratch K/V into
+        the first blocks of the (still empty) pool."""
+        num_blocks = -(-num_tokens // self.block_size)
+        block_ids = list(range(1, num_blocks + 1))
+        positions = torch.arange(num_tokens, device=self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+
+        def prefill() -> None:
+            attn = build_attention_metadata([num_tokens], [0], [block_ids], self.block_size,
+                                            self.device)
+            self.model(input_ids, positions, attn, self.kv_caches)
+
+        per_token = self._best_time(prefill, repeats) / num_tokens
+        host = self.host_caches or self.kv_caches  # no host pool: swap is never chosen anyway
+        pairs = [(b, i) for i, b in enumerate(block_ids[:host[0].shape[1]])]
+        back = [(h, d) for d, h in pairs]
+
+        def round_trip() -> None:
+            copy_blocks(self.kv_caches, host, pairs)
+            copy_blocks(host, self.kv_caches, back)
+
+        per_block = self._best_time(round_trip, repeats) / (2 * len(pairs))
+        return PreemptionCosts(prefill_seconds_per_token=per_token,
+                               swap_seconds_per_block=per_block)
+
+    def _best_time(self, fn, repeats: int) -> float:
+        fn()  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
 
     # ---- state ------------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -81,6 +129,13 @@ class ModelRunner:
             assert state.num_computed_tokens == cached.num_computed_tokens, (
                 f"{cached.req_id}: runner has {state.num_computed_tokens} computed tokens, "
                 f"scheduler says {cached.num_computed_tokens}")
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """Swap-ins first, then swap-outs (see SchedulerOutput), before the forward."""
+        if out.blocks_to_swap_in:
+            copy_blocks(self.host_caches, self.kv_caches, out.blocks_to_swap_in)
+        if out.blocks_to_swap_out:
+            copy_blocks(self.kv_caches, self.host_caches, out.blocks_to_swap_out)
 
     def _advance(self, batch: _Batch, out: SchedulerOutput, sampled: dict[str, int]) -> None:
         for req_id in batch.req_ids:
@@ -127,3 +182,12 @@ class ModelRunner:
         logprobs = {r: lp for r, lp in zip(batch.sample_req_ids, result.logprobs)
                     if lp is not None}
         return sampled, logprobs
+
+
+def copy_blocks(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
+                pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (K and V, every layer): dst[:, d] = src[:, s] for each (s, d)."""
+    src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_layers[0].device)
+    dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_layers[0].device)
+    for src, dst in zip(src_layers, dst_layers):
+        dst.index_copy_(1, dst_ids, src.index_select(1, src_ids).to(dst.device))

@@ -5,10 +5,14 @@ running requests first (in admission order), then waiting ones. A request asks f
 still owes (`num_tokens - num_computed_tokens`), clamped by `long_prefill_token_threshold` and
 by the budget left; chunked prefill is what the budget does to a long prompt.
 
-When `allocate_slots` returns None, the scheduler sheds load: it preempts a victim (recompute:
-free its blocks, reset `num_computed_tokens`, keep its output tokens, front of the waiting
-queue) and retries; if the victim is the request itself, that request waits. A step that
-preempted admits nobody new.
+When `allocate_slots` returns None, the scheduler sheds load: it preempts a victim and retries;
+if the victim is the request itself, that request waits. A victim goes to the front of the
+waiting queue with its output tokens kept, and either loses its KV (recompute: blocks freed,
+`num_computed_tokens` reset to 0) or has it copied to a host pool (swap: resumes where it
+stopped once copied back). A step that preempted admits nobody new.
+
+With prefix caching a new request starts from the longest run of its leading full blocks
+already in the cache (`num_computed_tokens` = the hit).
 
 No torch, no clocks: `now` is passed in by whoever drives the scheduler.
 """
@@ -23,6 +27,7 @@ from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                     SchedulerOutput, TokenLogprobs)
 from tokenweir.core.sched import policy
+from tokenweir.core.sched.policy import SWAP, PreemptionCosts, PreemptionPlan
 from tokenweir.core.sched.queues import make_queue
 from tokenweir.request import Request, RequestStatus
 
@@ -46,6 +51,10 @@ class SchedulerStats:
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     generation_tokens: int = 0
     last_iteration_tokens: int = 0
+    num_swapped_out: int = 0  # preemptions that swapped (requests)
+    num_swapped_in: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
 
 
 @dataclass
@@ -59,6 +68,8 @@ class _StepPlan:
     running_reqs: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -80,9 +91,10 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int) -> None:
+                 max_model_len: int, costs: Optional[PreemptionCosts] = None) -> None:
         config.validate()
         self.config = config
+        self.costs = costs or PreemptionCosts()
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self._check_pool_fits_one_sequence()
@@ -178,7 +190,8 @@ class Scheduler:
                 i += 1
                 continue
             num_tokens = policy.num_tokens_to_schedule(
-                request, plan.token_budget, self.config.long_prefill_token_threshold)
+                request.num_tokens - request.num_computed_tokens, plan.token_budget,
+                self.config.long_prefill_token_threshold)
             assert num_tokens > 0, f"running request {request.request_id} owes no tokens"
             block_ids = self._allocate_or_preempt(request, num_tokens, plan)
             if block_ids is None:
@@ -196,17 +209,34 @@ class Scheduler:
             block_ids = self.kv.allocate_slots(request, num_tokens)
             if block_ids is not None:
                 return block_ids
-            victim = policy.choose_victim(self.running, self.config.scheduling_policy)
+            victim = policy.choose_victim(
+                self.running, request, self.config.victim_policy,
+                lambda r: self._preemption_plan(r).seconds, self.config.max_preemptions)
             self._preempt(victim, plan)
             if victim is request:
                 return None
 
+    def _preemption_plan(self, request: Request) -> PreemptionPlan:
+        """Swap or recompute, and what it costs; prefix-cache blocks shared with other holders
+        survive a recompute and are not counted as lost."""
+        lost_tokens = request.num_computed_tokens - self.kv.num_shared_tokens(request)
+        return policy.plan_preemption(
+            self.config.preemption_mode, lost_tokens,
+            self.kv.num_held_blocks(request.request_id), self.kv.can_swap_out(request),
+            self.costs)
+
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
         plan.drop(request)
-        self.kv.free(request)
+        if self._preemption_plan(request).action == SWAP:
+            pairs = self.kv.swap_out(request)
+            plan.swap_out.extend(pairs)
+            self.stats.num_swapped_out += 1
+            self.stats.blocks_swapped_out += len(pairs)
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.prepend(request)
@@ -223,39 +253,73 @@ class Scheduler:
             if 0 < self.config.max_num_seqs <= len(self.running):
                 break
             request = self.waiting.peek()
-            num_tokens = self._admission_chunk(request, plan.token_budget, num_partial)
-            if num_tokens == 0:
+            admitted = self._try_admit(request, plan, num_partial)
+            if admitted is None:
                 break
-            block_ids = self._allocate_for_admission(request, num_tokens)
-            if block_ids is None:
-                break
+            num_tokens, block_ids = admitted
             self.waiting.pop()
             if num_tokens < request.num_tokens - request.num_computed_tokens:
                 num_partial += 1
             self._admit(request, plan.now)
             plan.add(request, num_tokens, block_ids, is_new=True)
 
-    def _admission_chunk(self, request: Request, token_budget: int, num_partial: int) -> int:
-        """Tokens the next waiting request would get this step, or 0 if it must keep waiting."""
-        owed = request.num_tokens - request.num_computed_tokens
+    def _try_admit(self, request: Request, plan: _StepPlan,
+                   num_partial: int) -> Optional[tuple[int, list[int]]]:
+        """Admission control for the queue head: prefix-cache hit, chunk size, the watermark
+        (only while something runs), the full-sequence check, then the allocation.
+        Returns (tokens this step, new block ids), or None with nothing changed."""
+        reserved = self.watermark_blocks if self.running else 0
+        if self.kv.is_swapped(request.request_id):
+            return self._try_swap_in(request, plan, num_partial, reserved)
+        hits = self.kv.get_computed_blocks(request)
+        num_hit_tokens = len(hits) * self.kv.block_size
+        num_tokens = self._admission_chunk(request.num_tokens - num_hit_tokens,
+                                           plan.token_budget, num_partial)
+        if num_tokens == 0:
+            return None
+        if self.config.scheduler_reserve_full_isl:
+            full_len = min(request.max_num_tokens, self.max_model_len)
+            needed = (self.kv.blocks_for_tokens(full_len) - len(hits)
+                      + sum(1 for b in hits if b.ref_cnt == 0))
+            if not policy.full_sequence_fits(needed, self.kv.num_free_blocks, reserved):
+                return None
+        block_ids = self.kv.allocate_slots(request, num_tokens, computed_blocks=hits,
+                                           reserved_blocks=reserved)
+        if block_ids is None:
+            return None
+        request.num_computed_tokens = num_hit_tokens
+        self.kv.record_admission(request, num_hit_tokens)
+        return num_tokens, block_ids
+
+    def _try_swap_in(self, request: Request, plan: _StepPlan, num_partial: int,
+                     reserved: int) -> Optional[tuple[int, list[int]]]:
+        """Re-admit a swapped-out request: copy its blocks back, then room for its next tokens."""
+        num_tokens = self._admission_chunk(request.num_tokens - request.num_computed_tokens,
+                                           plan.token_budget, num_partial)
+        if num_tokens == 0:
+            return None
+        swapped = self.kv.num_swapped_blocks(request.request_id)
+        total = self.kv.blocks_for_tokens(request.num_computed_tokens + num_tokens)
+        if max(swapped, total) > self.kv.num_free_blocks - reserved:
+            return None
+        pairs = self.kv.swap_in(request, reserved)
+        assert pairs is not None
+        new_block_ids = self.kv.allocate_slots(request, num_tokens, reserved_blocks=reserved)
+        assert new_block_ids is not None
+        plan.swap_in.extend(pairs)
+        self.stats.num_swapped_in += 1
+        self.stats.blocks_swapped_in += len(pairs)
+        return num_tokens, [device for _, device in pairs] + new_block_ids
+
+    def _admission_chunk(self, owed: int, token_budget: int, num_partial: int) -> int:
+        """Tokens the queue head gets this step out of `owed`, or 0 if it must keep waiting."""
         if not self.config.enable_chunked_prefill:
             return owed if owed <= token_budget else 0  # whole or not at all: no threshold
         num_tokens = policy.num_tokens_to_schedule(
-            request, token_budget, self.config.long_prefill_token_threshold)
+            owed, token_budget, self.config.long_prefill_token_threshold)
         if num_tokens < owed and num_partial >= self.config.max_num_partial_prefills:
             return 0
         return num_tokens
-
-    def _allocate_for_admission(self, request: Request, num_tokens: int) -> Optional[list[int]]:
-        """Admission control: the watermark (only while something runs), then the full-sequence
-        check, then the allocation itself."""
-        reserved = self.watermark_blocks if self.running else 0
-        if self.config.scheduler_reserve_full_isl:
-            full_len = min(request.max_num_tokens, self.max_model_len)
-            needed = self.kv.num_new_blocks_needed(request, full_len)
-            if not policy.full_sequence_fits(needed, self.kv.num_free_blocks, reserved):
-                return None
-        return self.kv.allocate_slots(request, num_tokens, reserved_blocks=reserved)
 
     def _admit(self, request: Request, now: float) -> None:
         request.status = RequestStatus.RUNNING
@@ -281,7 +345,8 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=plan.num_scheduled, total_num_scheduled_tokens=total,
             preempted_req_ids=self._preempted_since_last_step,
-            finished_req_ids=self._finished_since_last_step, step_id=self.stats.num_steps)
+            finished_req_ids=self._finished_since_last_step, step_id=self.stats.num_steps,
+            blocks_to_swap_in=plan.swap_in, blocks_to_swap_out=plan.swap_out)
         self._preempted_since_last_step = set()
         self._finished_since_last_step = set()
         return output
@@ -310,6 +375,9 @@ class Scheduler:
             if request.num_preemptions:
                 self._count_recomputed_tokens(request, num_tokens)
             request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens > request.max_computed_tokens:
+                request.max_computed_tokens = request.num_computed_tokens
+            self.kv.register_computed_blocks(request)
             new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
             if not new_token_ids:
                 continue
@@ -318,11 +386,12 @@ class Scheduler:
         return outputs
 
     def _count_recomputed_tokens(self, request: Request, num_tokens: int) -> None:
-        """Tokens rebuilt after a preemption (the recompute tax). Approximate for a request
-        preempted mid-prompt: its never-computed prompt tokens count too. Called only for
-        requests preempted at least once."""
-        self.stats.recomputed_tokens += min(
-            num_tokens, request.num_tokens - 1 - request.num_computed_tokens)
+        """Tokens computed again after a preemption (the recompute tax): the part of this
+        step's range that lies below the request's high-water mark. Called only for requests
+        preempted at least once."""
+        start = request.num_computed_tokens
+        self.stats.recomputed_tokens += max(
+            0, min(start + num_tokens, request.max_computed_tokens) - start)
 
     def _append_tokens(self, request: Request, token_ids: list[int],
                        now: float) -> EngineCoreOutput:
@@ -377,5 +446,7 @@ class Scheduler:
         for request in waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert self.kv.num_held_blocks(request.request_id) == 0, "waiting request holds blocks"
+            if not self.kv.is_swapped(request.request_id):
+                assert request.num_computed_tokens == 0, "a waiting request kept computed tokens"
         if 0 < self.config.max_num_seqs:
             assert len(self.running) <= self.config.max_num_seqs
