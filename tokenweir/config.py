@@ -24,7 +24,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = _f("smollm2-135m", "model: alias, Hugging Face directory or .gguf file")
-    dtype: str = _f("auto", "weights and KV dtype; auto = bfloat16", choices=DTYPES)
+    dtype: str = _f("auto", "weights and KV dtype; auto = bfloat16 where the hardware runs it fast, else float32", choices=DTYPES)
     max_model_len: Optional[int] = _f(
         None, "longest prompt + output, in tokens (default: the model's context length)")
     device: str = _f("auto", "cpu, cuda, or auto (cuda when available)")

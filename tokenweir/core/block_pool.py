@@ -111,6 +111,10 @@ class BlockPool:
         for block in blocks:
             if block.key is not None:
                 self._evict(block)
+            else:
+                # Unpublished content (a duplicate of a cached block) can still be the parent
+                # in a published child's key: handing the block out must orphan that child too.
+                block.generation += 1
             block.ref_cnt = 1
         return blocks
 

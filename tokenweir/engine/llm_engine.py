@@ -17,7 +17,7 @@ from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.engine_core import EngineCore
 from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.model.attention import kv_cache_bytes_per_block
-from tokenweir.model.loader import LoadedModel, load_model
+from tokenweir.model.loader import LoadedModel, load_model, preferred_dtype
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import Request, RequestStatus, SamplingParams
 from tokenweir.runner.model_runner import ModelRunner
@@ -34,8 +34,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    return torch.bfloat16 if name == "auto" else _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 where the hardware runs it fast (CUDA, AVX512-BF16/AMX CPUs), else
+    float32 (on an AVX2-only CPU a bfloat16 matmul is ~10x slower than float32)."""
+    return preferred_dtype(device) if name == "auto" else _DTYPES[name]
 
 
 def resolve_max_model_len(requested: Optional[int], model_len: int) -> int:
@@ -91,7 +93,7 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
         if loaded is None:
             loaded = load_model(config.model.model, self.dtype, self.device)
         self.model_name = loaded.name

@@ -49,6 +49,8 @@ class OutputProcessor:
         state.last_token_time = now
         state.new_token_ids = list(output.new_token_ids)
         delta = state.detokenizer.add_tokens(output.new_token_ids)
+        if output.finish_reason is not None:
+            delta += state.detokenizer.flush()  # a trailing partial UTF-8 character, if any
         if output.logprobs is not None and state.logprobs is not None:
             self._add_logprobs(state, output.new_token_ids[-1], output.logprobs)
         stopped_by_string = self._append_text(state, delta)

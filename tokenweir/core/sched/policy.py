@@ -67,15 +67,14 @@ def choose_victim(running: Sequence[Request], requester: Request, policy: str,
     fcfs: the most recently admitted (the tail of `running`, which is in admission order).
     priority: the lowest priority (largest value), then the latest arrival.
     cost: the least work lost (`cost_of`), then the lowest priority, then the latest arrival;
-      a request already preempted `max_preemptions` times is immune, so nobody starves. When
-      every other request is immune, the requester gives way itself.
+      a request already preempted `max_preemptions` times is immune, the requester included,
+      so nobody starves. When every running request is immune, the requester gives way itself.
     """
     if policy == "priority":
         return max(running, key=lambda r: (r.priority, r.arrival_time))
     if policy == "cost":
-        candidates = [r for r in running
-                      if r is requester or r.num_preemptions < max_preemptions]
-        if len(candidates) == 1:
-            return candidates[0]
+        candidates = [r for r in running if r.num_preemptions < max_preemptions]
+        if not candidates:
+            return requester
         return min(candidates, key=lambda r: (cost_of(r), -r.priority, -r.arrival_time))
     return running[-1]

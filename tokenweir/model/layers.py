@@ -1,0 +1,151 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SiLU-gated MLP.
+
+All modules take flattened token-major tensors (`[T, ...]`); none of them holds per-request state.
+Numerics follow transformers' Llama implementation (norm statistics in float32, RoPE cos/sin
+computed in float32 then cast to the activation dtype) so float32 results agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Linear):
+    """nn.Linear without random init: parameters start uninitialized (weights are loaded)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without random init: the table starts uninitialized (weights are loaded)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), statistics in float32, output in x's dtype."""
+
+    def __init__(self, dim: int, eps: float, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (float32) for plain, "linear" or "llama3" RoPE.
+
+    "freq_factors" scaling (GGUF `rope_freqs.weight`) starts from the plain frequencies; the
+    factors are applied later by `RotaryEmbedding.set_freq_factors`."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 frequency remapping: long wavelengths divided by `factor`, short ones kept,
+    a smooth interpolation in between."""
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin table [max_positions, head_dim // 2] (float32), rotate-half layout
+    (the Hugging Face convention: pairs are (i, i + head_dim/2))."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: Optional[dict], device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta, self.scaling = theta, scaling
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._build()
+
+    def rebuild(self) -> None:
+        """Recompute the tables on the buffers' current device (after `to_empty`)."""
+        device = self.inv_freq.device
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        self._build()
+
+    def _build(self) -> None:
+        pos = torch.arange(self.max_positions, dtype=torch.int64, device=self.inv_freq.device)
+        freqs = pos.float()[:, None] * self.inv_freq.float()[None, :]
+        self.register_buffer("cos_cached", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+
+    def set_freq_factors(self, factors: torch.Tensor) -> None:
+        """Divide the frequencies by per-frequency factors (GGUF `rope_freqs.weight`) and
+        rebuild the table."""
+        self.inv_freq = (self.inv_freq.float() / factors.float().to(self.inv_freq.device))
+        self._build()
+
+    def _apply(self, fn, recurse=True):  # keep the tables in float32 across .to(dtype)
+        result = super()._apply(fn, recurse)
+        for name in ("inv_freq", "cos_cached", "sin_cached"):
+            buf = getattr(self, name)
+            if buf.dtype != torch.float32:
+                setattr(self, name, buf.float())
+        return result
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim // 2] in `dtype`, for the given absolute positions."""
+        cos = self.cos_cached.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cached.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by (cos, sin) [T, 1, head_dim // 2]; returns a new tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`,
+    rows [0, I) = gate, [I, 2I) = up)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

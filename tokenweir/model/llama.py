@@ -1,0 +1,209 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) running on the paged KV cache.
+
+`CausalLM.forward(input_ids[T], positions[T], attn, kv_caches) -> hidden[T, hidden]` runs ONE
+flattened, unpadded forward over every token scheduled in a step; `compute_logits` turns the
+rows the runner wants to sample into float32 logits.
+
+Weights: q/k/v are fused into `qkv_proj`, gate/up into `gate_up_proj`. `load_weights` takes
+Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`, ...) and copies each
+tensor into its slice of the fused parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from tokenweir.model.arch import ArchConfig
+from tokenweir.model.attention import AttentionMetadata, paged_attention
+from tokenweir.model.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
+                                    apply_rotary)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused qkv projection, optional q/k bias (Qwen2), optional per-head
+    q/k RMSNorm before RoPE (Qwen3), GQA, and the paged KV cache."""
+
+    def __init__(self, arch: ArchConfig, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim ** -0.5
+        kw = {"device": device, "dtype": dtype}
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=arch.qkv_bias, **kw)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias, **kw)
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes this step's K/V into kv_cache."""
+        t = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, d)
+        v = qkv[:, h + kvh:]
+        if self.qk_norm:
+            q = apply_rotary(self.q_norm(qkv[:, :h]), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, h:h + kvh]), cos, sin)
+        else:  # rotate q and k together: one set of elementwise ops
+            qk = apply_rotary(qkv[:, :h + kvh], cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+        out = paged_attention(q, k, v, kv_cache, attn, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, arch: ArchConfig, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **kw)
+        self.self_attn = Attention(arch, **kw)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **kw)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm."""
+
+    def __init__(self, arch: ArchConfig, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(arch, **kw) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **kw)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
+                                          arch.rope_theta, arch.rope_scaling, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, attn, kv_cache)
+        return self.norm(x)
+
+
+# HF name suffix -> (our parameter suffix, shard index into the fused parameter or None)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class CausalLM(nn.Module):
+    """The decoder plus LM head. `lm_head` shares the embedding matrix when the architecture
+    ties them."""
+
+    def __init__(self, arch: ArchConfig, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        """Parameters are allocated UNINITIALIZED (except norms = 1): call `load_weights`."""
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, device, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False, device=device,
+                                  dtype=dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: LongTensor[T] of the flattened step (requests in the order of
+        `attn`). Returns the final-norm hidden states [T, hidden] in the model dtype."""
+        return self.model(input_ids, positions, attn, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+    def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
+        """Row range [start, end) of shard `shard` inside fused parameter `fused`."""
+        a = self.arch
+        if fused.endswith("qkv_proj"):
+            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        i = a.intermediate_size
+        return (shard * i, (shard + 1) * i)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy (hf_name, tensor) pairs into the parameters (casting dtype/device).
+
+        Returns the names written (`name@row` for a shard of a fused parameter), for
+        `check_loaded`. Unknown names raise KeyError, shape mismatches ValueError; rotary
+        `inv_freq` buffers and a tied `lm_head.weight` are skipped. The special name
+        `rope_freqs` (GGUF frequency factors) rescales the rotary table."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "rope_freqs":
+                self.model.rotary_emb.set_freq_factors(tensor)
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            target, rows = self._map_name(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
+            param = params[target]
+            dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}"
+                                 f" vs model {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            loaded.add(target if rows is None else f"{target}@{rows[0]}")
+        return loaded
+
+    def _map_name(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        """Our parameter name and fused row range (or None) for an HF name."""
+        m = _LAYER_RE.match(name)
+        if m:
+            layer, module, kind = m.groups()
+            if module in _FUSED:
+                fused, shard = _FUSED[module]
+                rows = self._shard_rows(fused, shard)
+                return f"model.layers.{layer}.{fused}.{kind}", rows
+        return name, None
+
+    def check_loaded(self, loaded: set[str]) -> None:
+        """Raise ValueError naming parameters (or fused shards) that load_weights never wrote."""
+        expected = set()
+        for name in dict(self.named_parameters()):
+            module = name.rsplit(".", 1)[0]
+            shards = [f[0] for f in _FUSED.values() if module.endswith(f[0])]
+            if not shards:
+                expected.add(name)
+                continue
+            n = 3 if shards[0].endswith("qkv_proj") else 2
+            expected.update(f"{name}@{self._shard_rows(shards[0], i)[0]}" for i in range(n))
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
