@@ -1,4 +1,4 @@
-"""Command line: `tokenweir generate [flags]`.
+"""Command line: `tokenweir generate | serve | bench serve [flags]`.
 
 Engine flags are generated from the config dataclasses (tokenweir/config.py): every field
 becomes `--field-name`, with its help text, type and choices. Nothing is mirrored by hand.
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--summary", action="store_true", help="print the engine summary")
     add_engine_args(gen)
+    from tokenweir.server import cli as server_cli
+    server_cli.add_subcommands(sub)
     return parser
 
 
@@ -124,6 +126,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command in ("serve", "bench"):
+        from tokenweir.server import cli as server_cli
+        return server_cli.run(args)
     return 2
 
 

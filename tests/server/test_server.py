@@ -1,0 +1,338 @@
+"""End-to-end tests of `tokenweir serve`: one real server subprocess on 127.0.0.1, driven with
+the official openai client and raw httpx. The last test sends SIGTERM and checks a clean exit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+API_KEY = "test-key"
+MODEL = "smollm2-135m"
+MAX_WAITING = 80
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENWEIR_API_KEY": API_KEY,
+           "NO_PROXY": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "tokenweir.server.cli", "serve", MODEL, "--dtype", "float32",
+           "--max-model-len", "1024", "--num-gpu-blocks-override", "512", "--host",
+           "127.0.0.1", "--port", str(port), "--max-waiting-requests", str(MAX_WAITING),
+           "--drain-timeout", "10", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-3000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=1, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not come up")
+            time.sleep(0.5)
+        yield {"base": base, "proc": proc}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=60, http_client=httpx.Client(trust_env=False))
+
+
+def _post(server, path, body, key=API_KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server["base"] + path, json=body if raw is None else None,
+                      content=raw, headers=headers, timeout=60, trust_env=False)
+
+
+def _metrics(server) -> dict:
+    text = httpx.get(server["base"] + "/metrics", timeout=10, trust_env=False).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            reason = sample.labels.get("finished_reason")
+            key = sample.name + (f"[{reason}]" if reason else "")
+            values[key] = sample.value
+    return values
+
+
+def _wait_kv_free(server, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if m["tokenweir:kv_cache_usage_perc"] == 0 and m["tokenweir:num_requests_running"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"KV never freed: {m}"
+        time.sleep(0.2)
+
+
+def _assert_error(resp, status, fragment=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if fragment:
+        assert fragment in err["message"], err["message"]
+
+
+# ---- happy paths ----------------------------------------------------------------------------
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data][0] == MODEL
+    assert httpx.get(server["base"] + "/health", trust_env=False).status_code == 200
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                  temperature=0, logprobs=2, seed=1, user="ignored")
+    choice = r.choices[0]
+    assert choice.text and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
+    assert len(choice.logprobs.tokens) == 8 and len(choice.logprobs.top_logprobs[0]) == 2
+    again = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                      max_tokens=8, temperature=0)
+    assert again.choices[0].text == choice.text  # greedy is deterministic
+
+
+def test_chat_with_vllm_extras(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+        max_completion_tokens=6, temperature=0.7, top_p=0.9, seed=3, logprobs=True,
+        top_logprobs=2, stop=["\n\n"],
+        extra_body={"top_k": 20, "min_p": 0.01, "min_tokens": 2, "ignore_eos": True,
+                    "priority": 1, "ttft_slo_ms": 500})
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert r.usage.completion_tokens <= 6
+    assert len(choice.logprobs.content[0].top_logprobs) == 2
+
+
+def test_streaming_completion_is_incremental(client):
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True})
+    pieces, usage, arrivals = [], None, []
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            arrivals.append(time.monotonic())
+        if chunk.usage:
+            usage = chunk.usage
+    assert len(pieces) >= 6  # one chunk per step, not one blob
+    assert arrivals[-1] > arrivals[0]
+    assert usage.completion_tokens == 12
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(pieces) == full.choices[0].text
+
+
+def test_streaming_chat_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=8,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+def test_prompt_too_long(server, client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=list(range(100, 1200)), max_tokens=4)
+    message = exc.value.body["message"]
+    assert "1100" in message and "1024" in message
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n=2"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"logprobs": 99}, "logprobs"),
+])
+def test_bad_sampling_values(server, body, fragment):
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", **body}),
+                  400, fragment)
+
+
+def test_unknown_model_and_malformed_json(server):
+    _assert_error(_post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 400,
+                  "gpt-9")
+    _assert_error(_post(server, "/v1/chat/completions", None, raw=b"{not json"), 400,
+                  "malformed JSON")
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400)
+
+
+def test_auth(server):
+    _assert_error(_post(server, "/v1/completions", {"prompt": "hi"}, key=None), 401)
+    _assert_error(_post(server, "/v1/completions", {"prompt": "hi"}, key="wrong"), 401)
+    assert httpx.get(server["base"] + "/v1/models", trust_env=False).status_code == 401
+    assert httpx.get(server["base"] + "/health", trust_env=False).status_code == 200
+
+
+# ---- metrics and abort ----------------------------------------------------------------------
+def test_metrics_parse_and_move(server, client):
+    before = _metrics(server)
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    after = _metrics(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "num_preemptions_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "iteration_tokens_total_count",
+                 "inter_token_latency_seconds_count", "request_queue_time_seconds_count"):
+        assert "tokenweir:" + name in after, name
+    assert after["tokenweir:generation_tokens_total"] >= before["tokenweir:generation_tokens_total"] + 5
+    assert after["tokenweir:prompt_tokens_total"] > before["tokenweir:prompt_tokens_total"]
+    assert after["tokenweir:request_success_total[length]"] == \
+        before["tokenweir:request_success_total[length]"] + 1
+    assert after["tokenweir:time_to_first_token_seconds_count"] == \
+        before["tokenweir:time_to_first_token_seconds_count"] + 1
+    assert after["tokenweir:e2e_request_latency_seconds_count"] == \
+        before["tokenweir:e2e_request_latency_seconds_count"] + 1
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    before = _wait_kv_free(server)
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    chunks = 0
+    saw_kv_in_use = False
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        with http.stream("POST", server["base"] + "/v1/completions", json=body,
+                         headers=headers) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                if chunks == 3:
+                    m = _metrics(server)
+                    saw_kv_in_use = m["tokenweir:kv_cache_usage_perc"] > 0 and \
+                        m["tokenweir:num_requests_running"] == 1
+                    break
+    # probe: the stream really started and held KV blocks
+    assert chunks == 3 and saw_kv_in_use
+    after = _wait_kv_free(server)
+    assert after["tokenweir:request_success_total[abort]"] == \
+        before["tokenweir:request_success_total[abort]"] + 1
+    assert after["tokenweir:generation_tokens_total"] - \
+        before["tokenweir:generation_tokens_total"] < 900  # it did not run to the end
+
+
+def test_overload_returns_503_with_retry_after(server):
+    async def go():
+        async with httpx.AsyncClient(trust_env=False, timeout=120,
+                                     limits=httpx.Limits(max_connections=200)) as http:
+            body = {"model": MODEL, "prompt": list(range(1000, 1120)), "max_tokens": 1}
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            return await asyncio.gather(*[
+                http.post(server["base"] + "/v1/completions", json=body, headers=headers)
+                for _ in range(2 * MAX_WAITING)])
+    responses = asyncio.run(go())
+    codes = [r.status_code for r in responses]
+    rejected = [r for r in responses if r.status_code == 503]
+    assert set(codes) <= {200, 503} and rejected and 200 in codes, codes
+    assert rejected[0].headers["retry-after"]
+    _assert_error(rejected[0], 503, "waiting")
+    _wait_kv_free(server)
+
+
+# ---- load -----------------------------------------------------------------------------------
+def test_load_64_concurrent_streams(server):
+    total, concurrency = 256, 64
+    health_codes: list[int] = []
+    stop = threading.Event()
+
+    def probe_health():
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            while not stop.is_set():
+                health_codes.append(http.get(server["base"] + "/health").status_code)
+                time.sleep(0.2)
+
+    async def one(aclient, sem, i):
+        async with sem:
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=f"Request number {i}: say something.", max_tokens=8,
+                temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            usage = None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+            return usage.completion_tokens
+
+    async def go():
+        aclient = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=API_KEY,
+                                     max_retries=0, timeout=120,
+                                     http_client=httpx.AsyncClient(
+                                         trust_env=False,
+                                         limits=httpx.Limits(max_connections=concurrency)))
+        sem = asyncio.Semaphore(concurrency)
+        return await asyncio.gather(*[one(aclient, sem, i) for i in range(total)],
+                                    return_exceptions=True)
+
+    prober = threading.Thread(target=probe_health)
+    prober.start()
+    started = time.monotonic()
+    try:
+        results = asyncio.run(asyncio.wait_for(go(), timeout=150))
+    finally:
+        stop.set()
+        prober.join()
+    elapsed = time.monotonic() - started
+    failures = [r for r in results if not isinstance(r, int)]
+    assert not failures, [(f, f.__cause__) for f in failures[:3]]
+    assert all(r == 8 for r in results)
+    assert health_codes and all(c == 200 for c in health_codes)
+    assert len(health_codes) >= 2 or elapsed < 1
+    _wait_kv_free(server)
+
+
+# ---- shutdown (last: it stops the module's server) ------------------------------------------
+def test_sigterm_graceful(server):
+    proc = server["proc"]
+    body = {"model": MODEL, "prompt": "A story:", "max_tokens": 40, "ignore_eos": True,
+            "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    pieces = []
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        with http.stream("POST", server["base"] + "/v1/completions", json=body,
+                         headers=headers) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    proc.send_signal(signal.SIGTERM)  # mid-stream
+                    pieces.append(json.loads(line[6:]))
+                    break
+            for line in lines:
+                if line.startswith("data: {"):
+                    pieces.append(json.loads(line[6:]))
+    assert pieces[-1]["choices"][0]["finish_reason"] == "length"  # the running one finished
+    assert proc.wait(timeout=60) == 0

@@ -1,0 +1,1 @@
+"""Load generators and benchmarks that work against any OpenAI-compatible endpoint."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: `tokenweir serve` (see tokenweir.server.cli)."""
