@@ -1,4 +1,4 @@
-"""Command line: `tokenweir generate | serve | bench serve [flags]`.
+"""Command line: `tokenweir generate | serve | bench serve | simulate | sweep [flags]`.
 
 Engine flags are generated from the config dataclasses (tokenweir/config.py): every field
 becomes `--field-name`, with its help text, type and choices. Nothing is mirrored by hand.
@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--summary", action="store_true", help="print the engine summary")
     add_engine_args(gen)
     from tokenweir.server import cli as server_cli
+    from tokenweir.sim import cli as sim_cli
     server_cli.add_subcommands(sub)
+    sim_cli.add_subcommands(sub)
     return parser
 
 
@@ -129,6 +131,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command in ("serve", "bench"):
         from tokenweir.server import cli as server_cli
         return server_cli.run(args)
+    from tokenweir.sim import cli as sim_cli
+    if args.command in sim_cli.SIM_COMMANDS:
+        return sim_cli.run(args)
     return 2
 
 

@@ -1,0 +1,55 @@
+"""Assemble a Simulation from flat engine arguments, a model shape and a hardware profile."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tokenweir.config import EngineConfig
+from tokenweir.core.sched.policy import PreemptionCosts
+from tokenweir.sim.hardware import GiB, get_hardware, get_shape
+from tokenweir.sim.latency import RooflineLatencyModel
+from tokenweir.sim.simulator import Simulation
+from tokenweir.sim.workload import RequestSpec
+
+PCIE_BYTES_PER_S = 25e9  # host <-> device copies for swap
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLatencyModel) -> int:
+    """KV pool size, null block included: the explicit override, else an explicit
+    kv_cache_space, else what the devices hold after the weights (90% utilisation)."""
+    if config.cache.num_gpu_blocks_override is not None:
+        return config.cache.num_gpu_blocks_override
+    block_bytes = block_size_bytes(config, model)
+    if "kv_cache_space" in kwargs:
+        return int(config.cache.kv_cache_space * GiB // block_bytes) + 1
+    hw, shape = model.hardware, model.shape
+    free = (hw.memory_bytes * model.tp * GPU_MEMORY_UTILIZATION
+            - shape.num_matmul_params * hw.dtype_bytes)
+    if free <= block_bytes:
+        raise ValueError(f"{shape.name} weights do not fit {model.tp} x {hw.name}")
+    return int(free // block_bytes) + 1
+
+
+def block_size_bytes(config: EngineConfig, model: RooflineLatencyModel) -> int:
+    return config.cache.block_size * model.shape.kv_bytes_per_token(model.hardware.dtype_bytes)
+
+
+def build_simulation(kwargs: dict[str, Any], specs: list[RequestSpec],
+                     model_shape: str = "llama-7b", hardware: str = "h100", tp: int = 1,
+                     latency_model: Optional[RooflineLatencyModel] = None,
+                     **sim_kw: Any) -> Simulation:
+    kwargs = {k: v for k, v in kwargs.items() if k != "model"}
+    config = EngineConfig.from_kwargs(**kwargs)
+    shape = get_shape(model_shape)
+    model = latency_model or RooflineLatencyModel(shape, get_hardware(hardware), tp)
+    max_model_len = config.model.max_model_len or shape.max_position_embeddings
+    block_bytes = block_size_bytes(config, model)
+    num_host_blocks = (int(config.cache.swap_space * GiB // block_bytes)
+                       if config.scheduler.preemption_mode != "recompute" else 0)
+    probe = 2048
+    costs = PreemptionCosts(prefill_seconds_per_token=model.step_time([(probe, 0)]) / probe,
+                            swap_seconds_per_block=block_bytes / PCIE_BYTES_PER_S)
+    return Simulation(config, model, specs, num_blocks=pool_blocks(config, kwargs, model),
+                      max_model_len=max_model_len, num_host_blocks=num_host_blocks,
+                      costs=costs, **sim_kw)
