@@ -114,3 +114,123 @@ def expected_output(request: Request, eos_at: int | None = None) -> list[int]:
             break
         tokens.append(token_at(request.request_id, request.num_prompt_tokens + k))
     return tokens
+
+
+def make_prompt_request(rid: str, prompt: list[int], max_tokens: int, arrival: float = 0.0,
+                        priority: int = 0, **params_kw) -> Request:
+    """Like make_request, with explicit prompt token ids (for shared prefixes)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **params_kw)
+    return Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params,
+                   max_tokens=max_tokens, arrival_time=arrival, priority=priority,
+                   eos_token_ids=frozenset({EOS}))
+
+
+def kv_chain(token_ids: list[int], start: list[int] | None = None) -> list[int]:
+    """The 'KV' of each position: a hash of the whole token history up to it, so equal KV means
+    an equal prefix. `start` is an existing chain to extend."""
+    chain = list(start or [])
+    h = chain[-1] if chain else 0
+    for t in token_ids[len(chain):]:
+        h = hash((h, t))
+        chain.append(h)
+    return chain
+
+
+class KVContentRunner(FakeRunner):
+    """FakeRunner that also models the KV bytes in device and host blocks.
+
+    Before the forward it copies swap-ins, then swap-outs (the outputs.py contract). Then, for
+    every scheduled request, it checks that each position below `num_computed_tokens` holds that
+    request's KV in its block table (prefix hits, swapped-in blocks, its own earlier steps), and
+    writes the KV of the positions computed this step, asserting each written block is held by
+    this request alone (ref count 1) and is not published in the prefix cache.
+    """
+
+    def __init__(self, pool, block_size: int, eos_at: dict[str, int] | None = None) -> None:
+        super().__init__(eos_at)
+        self.pool = pool  # the scheduler's BlockPool (kv.pool)
+        self.bs = block_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.chain: dict[str, list[int]] = {}  # request id -> KV of every known position
+        self.tokens: dict[str, list[int]] = {}
+        self.context_checks = 0  # positions verified (a probe that checking happened)
+        self.writes = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        garbage = [None] * self.bs  # a block never written (its copy is garbage too)
+        for h, d in out.blocks_to_swap_in:
+            self.device[d] = list(self.host.get(h, garbage))
+        for d, h in out.blocks_to_swap_out:
+            self.host[h] = list(self.device.get(d, garbage))
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.chain.pop(rid, None)
+            self.tokens.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = list(new.token_ids)
+            self.chain[new.req_id] = kv_chain(new.token_ids)
+        result = super().execute(out)
+        spans = {rid: (self.computed[rid] - n, self.computed[rid])
+                 for rid, n in out.num_scheduled_tokens.items()}
+        for rid, (start, _) in spans.items():  # every read happens before any write
+            self._check_context(rid, start)
+        for rid, (start, end) in spans.items():
+            self._write(rid, start, end)
+        for rid, toks in result.sampled_token_ids.items():
+            self.tokens[rid].extend(toks)
+            self.chain[rid] = kv_chain(self.tokens[rid], self.chain[rid])
+        return result
+
+    def _check_context(self, rid: str, num_computed: int) -> None:
+        bs, table, chain = self.bs, self.blocks[rid], self.chain[rid]
+        for k in range(-(-num_computed // bs)):
+            lo, hi = k * bs, min((k + 1) * bs, num_computed)
+            got = self.device.get(table[k], [])[:hi - lo]
+            assert got == chain[lo:hi], (
+                f"{rid}: block {table[k]} (index {k}) does not hold its KV for positions "
+                f"{lo}..{hi - 1}")
+        self.context_checks += num_computed
+
+    def _write(self, rid: str, start: int, end: int) -> None:
+        bs, table, chain = self.bs, self.blocks[rid], self.chain[rid]
+        for p in range(start, end):
+            block_id = table[p // bs]
+            block = self.pool.blocks[block_id]
+            assert block_id != 0 and block.ref_cnt == 1 and block.key is None, (
+                f"{rid} writes position {p} into {block} (key {block.key}): shared or published")
+            self.device.setdefault(block_id, [None] * bs)[p % bs] = chain[p]
+        self.writes += end - start
+
+
+def device_tables(scheduler: Scheduler) -> dict[str, list[int]]:
+    """Every request's device block ids (take it before schedule(): the content is live)."""
+    return {rid: [b.block_id for b in blocks]
+            for rid, blocks in scheduler.kv.req_to_blocks.items()}
+
+
+def check_swap_order(out: SchedulerOutput, scheduler: Scheduler,
+                     tables_before: dict[str, list[int]],
+                     scheduled_tables: dict[str, list[int]]) -> dict:
+    """The copy-order contract of one step: swap-ins (host -> device), then swap-outs
+    (device -> host), then the forward. Returns what overlapped, for probes.
+
+    `tables_before`: `device_tables` taken before this step was scheduled.
+    `scheduled_tables`: every request scheduled this step -> its whole block table.
+    Safe: a swap-out source handed to another request this step (the copy reads it before the
+    forward writes it); a request swapped in and straight out again (its blocks get the
+    swapped-in bytes, then copy them back). Broken: a swap-in overwriting a block whose live
+    content a victim swapped out in the same step still has to copy; any block written twice
+    by copies. (A device block may be read twice: a prefix block shared by two victims.)
+    """
+    in_dev = [d for _, d in out.blocks_to_swap_in]
+    out_dev = [d for d, _ in out.blocks_to_swap_out]
+    out_host = [h for _, h in out.blocks_to_swap_out]
+    assert len(set(in_dev)) == len(in_dev), "two swap-ins write one device block"
+    assert len(set(out_host)) == len(out_host), "two swap-outs write one host block"
+    live = {b for rid in out.preempted_req_ids if scheduler.kv.is_swapped(rid)
+            for b in tables_before.get(rid, ())}
+    assert live <= set(out_dev), "a swapped-out victim's block is not copied"
+    clobbered = set(in_dev) & live
+    assert not clobbered, f"swap-ins overwrite {clobbered} before their swap-outs read them"
+    held_now = {b for table in scheduled_tables.values() for b in table}
+    return {"swap_out_reused": set(out_dev) & held_now, "in_and_out": set(in_dev) & set(out_dev)}

@@ -165,6 +165,8 @@ class KVCacheManager:
         return [b.block_id for b in new_blocks]
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
         self.prefix_stats.queries += request.num_tokens
         self.prefix_stats.hits += num_hit_tokens
 
