@@ -110,20 +110,20 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto",
                         help="auto: bfloat16 where the CPU has native bf16, else float32")
-    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--system-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=192)
-    parser.add_argument("--num-blocks", type=int, default=260,
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-blocks", type=int, default=140,
                         help="KV pool (blocks of 16): sized to force preemption")
     parser.add_argument("--budget", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=1536)
     parser.add_argument("--swap-space", type=float, default=0.5)
     parser.add_argument("--prefix-requests", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     args = parser.parse_args()
     if args.quick:
-        args.num_requests, args.output_len, args.num_blocks, args.prefix_requests = 8, 48, 150, 3
+        args.num_requests, args.output_len, args.num_blocks, args.prefix_requests = 8, 48, 100, 3
     torch.manual_seed(0)
     loaded = load_model(args.model, resolve_dtype(args.dtype, torch.device("cpu")),
                         torch.device("cpu"))

@@ -227,8 +227,9 @@ def check_swap_order(out: SchedulerOutput, scheduler: Scheduler,
     out_host = [h for _, h in out.blocks_to_swap_out]
     assert len(set(in_dev)) == len(in_dev), "two swap-ins write one device block"
     assert len(set(out_host)) == len(out_host), "two swap-outs write one host block"
+    # A swapped victim keeps (and still holds) its leading blocks shared with others.
     live = {b for rid in out.preempted_req_ids if scheduler.kv.is_swapped(rid)
-            for b in tables_before.get(rid, ())}
+            for b in tables_before.get(rid, ()) if b not in scheduler.kv.block_ids(rid)}
     assert live <= set(out_dev), "a swapped-out victim's block is not copied"
     clobbered = set(in_dev) & live
     assert not clobbered, f"swap-ins overwrite {clobbered} before their swap-outs read them"

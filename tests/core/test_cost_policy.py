@@ -134,11 +134,12 @@ def test_immune_requester_is_not_preempted_by_its_own_allocation():
     assert reqs[1].num_preemptions == 1
 
 
-@pytest.mark.parametrize("mode,victim", [("recompute", "z"), ("swap", "y")])
+@pytest.mark.parametrize("mode,victim", [("recompute", "z"), ("swap", "z")])
 def test_cost_is_unshared_tokens_for_recompute_and_blocks_for_swap(mode, victim):
     """x (P Q + 2) runs; then y (6 fresh tokens) and z (P Q + 1, hitting x's two blocks).
     When x needs its fourth block: y has 7 computed in 2 blocks, z 10 computed in 3 blocks of
-    which 8 tokens are shared with x. Recompute loses y 7, z 2: z. Swap copies y 2, z 3: y."""
+    which 8 tokens are shared with x. Recompute loses y 7, z 2: z. Swap copies y 2, z 1 (its
+    two blocks shared with x stay held on the device): z."""
     s = make_scheduler(num_blocks=7, max_model_len=24, preemption_policy="cost",
                        preemption_mode=mode, num_host_blocks=40, enable_prefix_caching=True,
                        **CRAMPED)

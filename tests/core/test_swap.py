@@ -177,11 +177,12 @@ def test_auto_follows_the_costs(costs, expect_swap):
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_auto_recomputes_a_victim_that_loses_little(shared):
-    """Same costs (a token to prefill costs what a block copy does), two victims. With 8 of its
-    17 computed tokens in blocks x holds too, c loses 9 tokens < 2 * 5 block copies: recompute.
-    Without the shared prefix c (preempted earlier) loses all 13 > 2 * 4: swap."""
+    """A token to prefill costs 1e-5 s, a block copy 1.6e-5 s. With 8 of its 17 computed tokens
+    in 2 blocks x holds too, c loses 9 tokens (9e-5 s) < copying its 3 unshared blocks out and
+    back (9.6e-5 s): recompute. Without the shared prefix c (preempted earlier) loses all 13
+    (1.3e-4 s) > 2 * 4 copies (1.28e-4 s): swap."""
     s = make_scheduler(num_blocks=8, preemption_mode="auto", num_host_blocks=8,
-                       enable_prefix_caching=True, costs=PreemptionCosts(1e-5, 1e-5), **CRAMPED)
+                       enable_prefix_caching=True, costs=PreemptionCosts(1e-5, 1.6e-5), **CRAMPED)
     runner = KVContentRunner(s.kv.pool, 4)
     x = make_prompt_request("x", P + Q + [1], 12)
     s.add_request(x)

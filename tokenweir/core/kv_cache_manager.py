@@ -182,32 +182,50 @@ class KVCacheManager:
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self.req_to_host_blocks
 
+    def num_swappable_blocks(self, request: Request) -> int:
+        """Blocks a swap would move: all but the leading run shared with other holders
+        (a shared block frees no memory, so it stays on the device, held)."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        shared = 0
+        while shared < len(blocks) and blocks[shared].ref_cnt > 1:
+            shared += 1
+        return len(blocks) - shared
+
     def can_swap_out(self, request: Request) -> bool:
-        return 0 < self.num_held_blocks(request.request_id) <= self.host_pool.num_free_blocks
+        return 0 < self.num_swappable_blocks(request) <= self.host_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's blocks to host blocks; returns (device id, host id) pairs to copy
-        before the device blocks are reused. Caller checks `can_swap_out` first."""
-        blocks = self.req_to_blocks.pop(request.request_id)
-        self.num_registered.pop(request.request_id, None)
-        host_ids = self.host_pool.allocate(len(blocks))
-        self.req_to_host_blocks[request.request_id] = host_ids
-        self.pool.free_blocks(reversed(blocks))  # content stays cached for prefix hits
-        return [(b.block_id, h) for b, h in zip(blocks, host_ids)]
+        """Move the request's unshared blocks to host blocks; returns (device id, host id) pairs
+        to copy before the device blocks are reused. The shared leading blocks stay held.
+        Caller checks `can_swap_out` first."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        keep = len(blocks) - self.num_swappable_blocks(request)
+        moved = blocks[keep:]
+        del blocks[keep:]
+        if not blocks:
+            del self.req_to_blocks[rid]
+        self.num_registered[rid] = min(self.num_registered.get(rid, 0), keep)
+        host_ids = self.host_pool.allocate(len(moved))
+        self.req_to_host_blocks[rid] = host_ids
+        self.pool.free_blocks(reversed(moved))  # content stays cached for prefix hits
+        return [(b.block_id, h) for b, h in zip(moved, host_ids)]
 
     def num_swapped_blocks(self, request_id: str) -> int:
         return len(self.req_to_host_blocks.get(request_id, ()))
 
     def swap_in(self, request: Request, reserved_blocks: int = 0) -> Optional[list[tuple[int, int]]]:
-        """Device blocks for a swapped-out request; returns (host id, device id) pairs to copy,
-        or None (nothing changed) when the pool lacks room."""
-        host_ids = self.req_to_host_blocks[request.request_id]
+        """Device blocks for a swapped-out request's host blocks, appended after the blocks it
+        kept; returns (host id, device id) pairs to copy, or None (nothing changed) when the
+        pool lacks room."""
+        rid = request.request_id
+        host_ids = self.req_to_host_blocks[rid]
         if len(host_ids) > self.pool.num_free_blocks - reserved_blocks:
             return None
-        del self.req_to_host_blocks[request.request_id]
+        del self.req_to_host_blocks[rid]
         blocks = self.pool.get_new_blocks(len(host_ids))
-        self.req_to_blocks[request.request_id] = blocks
-        self.num_registered[request.request_id] = 0
+        self.req_to_blocks.setdefault(rid, []).extend(blocks)
+        self.num_registered.setdefault(rid, 0)
         self.host_pool.free(host_ids)
         return [(h, b.block_id) for h, b in zip(host_ids, blocks)]
 

@@ -116,6 +116,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def model_of(body: dict) -> str:
         return body.get("model") or settings.served_model_names[0]
 
+    async def collect(request_id: str, queue) -> tuple[P.Accumulator, list]:
+        """Run a non-streamed request to its end: the accumulated output and logprob entries."""
+        acc = P.Accumulator()
+        entries: list = []
+        async for out in engine.stream(request_id, queue):
+            _, _, new = acc.add(out)
+            entries.extend(new)
+        return acc, entries
+
     # ---- /v1/completions ---------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -130,11 +139,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         tok = engine.tokenizer
         if parsed.stream:
             return sse(stream_completion(request_id, queue, model, parsed, k, tok))
-        acc = P.Accumulator()
-        entries: list = []
-        async for out in engine.stream(request_id, queue):
-            _, _, new = acc.add(out)
-            entries.extend(new)
+        acc, entries = await collect(request_id, queue)
         text = acc.text
         if echo and isinstance(prompt, str):
             text = prompt + text
@@ -191,11 +196,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         tok = engine.tokenizer
         if parsed.stream:
             return sse(stream_chat(request_id, queue, model, parsed, k, tok))
-        acc = P.Accumulator()
-        entries: list = []
-        async for out in engine.stream(request_id, queue):
-            _, _, new = acc.add(out)
-            entries.extend(new)
+        acc, entries = await collect(request_id, queue)
         choice = {"index": 0, "message": {"role": "assistant", "content": acc.text},
                   "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
                   "logprobs": (P.chat_logprobs(tok, acc.token_ids, entries, k)

@@ -222,7 +222,7 @@ class Scheduler:
         lost_tokens = request.num_computed_tokens - self.kv.num_shared_tokens(request)
         return policy.plan_preemption(
             self.config.preemption_mode, lost_tokens,
-            self.kv.num_held_blocks(request.request_id), self.kv.can_swap_out(request),
+            self.kv.num_swappable_blocks(request), self.kv.can_swap_out(request),
             self.costs)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
@@ -299,8 +299,9 @@ class Scheduler:
         if num_tokens == 0:
             return None
         swapped = self.kv.num_swapped_blocks(request.request_id)
+        kept = self.kv.num_held_blocks(request.request_id)
         total = self.kv.blocks_for_tokens(request.num_computed_tokens + num_tokens)
-        if max(swapped, total) > self.kv.num_free_blocks - reserved:
+        if max(swapped, total - kept) > self.kv.num_free_blocks - reserved:
             return None
         pairs = self.kv.swap_in(request, reserved)
         assert pairs is not None
@@ -445,8 +446,8 @@ class Scheduler:
             assert 0 <= request.num_computed_tokens <= request.num_tokens
         for request in waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert self.kv.num_held_blocks(request.request_id) == 0, "waiting request holds blocks"
-            if not self.kv.is_swapped(request.request_id):
+            if not self.kv.is_swapped(request.request_id):  # a swapped one keeps shared blocks
+                assert self.kv.num_held_blocks(request.request_id) == 0, "waiting request holds blocks"
                 assert request.num_computed_tokens == 0, "a waiting request kept computed tokens"
         if 0 < self.config.max_num_seqs:
             assert len(self.running) <= self.config.max_num_seqs
