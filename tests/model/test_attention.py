@@ -10,15 +10,10 @@ import torch
 from tokenweir.model import attention as A
 from tokenweir.model.arch import ArchConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BS = 4
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _arch(heads: int, kv_heads: int, head_dim: int = 64) -> ArchConfig:

