@@ -12,7 +12,7 @@ tensor into its slice of the fused parameter.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -21,6 +21,11 @@ from tokenweir.model.arch import ArchConfig
 from tokenweir.model.attention import AttentionMetadata, paged_attention
 from tokenweir.model.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
                                     apply_rotary)
+
+
+# Called with the layer index before each decoder layer (an attention-layer boundary). It may
+# raise to unwind the forward pass; the layers before `index` have then written their K/V.
+LayerHook = Callable[[int], None]
 
 
 class Attention(nn.Module):
@@ -93,10 +98,13 @@ class LlamaModel(nn.Module):
                                           arch.rope_theta, arch.rope_scaling, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                attn: AttentionMetadata, kv_caches: list[torch.Tensor],
+                layer_hook: Optional[LayerHook] = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if layer_hook is not None:
+                layer_hook(index)
             x = layer(x, cos, sin, attn, kv_cache)
         return self.norm(x)
 
@@ -133,10 +141,12 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                attn: AttentionMetadata, kv_caches: list[torch.Tensor],
+                layer_hook: Optional[LayerHook] = None) -> torch.Tensor:
         """input_ids, positions: LongTensor[T] of the flattened step (requests in the order of
-        `attn`). Returns the final-norm hidden states [T, hidden] in the model dtype."""
-        return self.model(input_ids, positions, attn, kv_caches)
+        `attn`). Returns the final-norm hidden states [T, hidden] in the model dtype.
+        `layer_hook`, when given, runs before every decoder layer (see LayerHook)."""
+        return self.model(input_ids, positions, attn, kv_caches, layer_hook)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
