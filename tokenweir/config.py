@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+SLO_GATES = ("conservative", "aggressive")
 PREEMPTION_POLICIES = ("fcfs", "priority", "cost")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -85,6 +86,25 @@ class SchedulerConfig:
         "scheduling policy", choices=PREEMPTION_POLICIES)
     max_preemptions: int = _f(
         3, "under the cost policy, a request preempted this many times becomes immune")
+    slo_preempt_gate: str = _f(
+        "conservative", "slo policy: preempt a running prefill for a waiter more urgent than "
+        "the most urgent (conservative) or the least urgent (aggressive) one", choices=SLO_GATES)
+    slo_margin_ms: float = _f(
+        10.0, "slo policy: how much less slack (ms) the waiter must have than the reference")
+    slo_max_preemptions: int = _f(
+        1, "slo policy: a request paused or cut this many times becomes immune")
+    slo_mid_step_cut: bool = _f(
+        True, "slo policy: a monitor thread may cut a running step at an attention-layer "
+        "boundary (off: only between steps)")
+    slo_cut_layer_fraction: float = _f(
+        0.9, "slo policy: a forward pass past this fraction of its layers refuses to be cut")
+    slo_ttft_a_ms_per_token: Optional[float] = _f(
+        None, "slo policy: TTFT predictor slope, ms per uncached prompt token "
+        "(default: the profile, else measured at start-up)")
+    slo_ttft_c_ms: Optional[float] = _f(
+        None, "slo policy: TTFT predictor intercept in ms (default: the profile, else measured)")
+    slo_ttft_profile: Optional[str] = _f(
+        None, "slo policy: JSON profile (tokenweir calibrate) holding the TTFT predictor")
 
     def validate(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -111,6 +131,23 @@ class SchedulerConfig:
                              f"got {self.preemption_policy!r}")
         if self.max_preemptions < 1:
             raise ValueError(f"max_preemptions must be >= 1, got {self.max_preemptions}")
+        self._validate_slo()
+
+    def _validate_slo(self) -> None:
+        if self.slo_preempt_gate not in SLO_GATES:
+            raise ValueError(f"slo_preempt_gate must be one of {SLO_GATES}, "
+                             f"got {self.slo_preempt_gate!r}")
+        if self.slo_margin_ms < 0:
+            raise ValueError(f"slo_margin_ms must be >= 0, got {self.slo_margin_ms}")
+        if self.slo_max_preemptions < 0:
+            raise ValueError(f"slo_max_preemptions must be >= 0, got {self.slo_max_preemptions}")
+        if not 0 <= self.slo_cut_layer_fraction <= 1:
+            raise ValueError(f"slo_cut_layer_fraction must be in [0, 1], "
+                             f"got {self.slo_cut_layer_fraction}")
+        for name in ("slo_ttft_a_ms_per_token", "slo_ttft_c_ms"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
 
     @property
     def victim_policy(self) -> str:

@@ -121,6 +121,11 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     stop_reason: Optional[int | str] = None
+    # TTFT target: `ttft_slo_ms` after arrival, or an absolute `deadline` (engine clock); the
+    # explicit deadline wins. Read by the "slo" scheduling policy (core/sched/slo.py).
+    ttft_slo_ms: Optional[float] = None
+    deadline: Optional[float] = None
+    num_slo_preemptions: int = 0  # times paused or cut for a more urgent request
     # Timestamps the engine fills in (seconds, engine clock); policy reads them, never time.time().
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
@@ -154,6 +159,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def ttft_deadline(self) -> Optional[float]:
+        """The absolute time the first token is due by, or None (no TTFT target)."""
+        if self.deadline is not None:
+            return self.deadline
+        if self.ttft_slo_ms is not None:
+            return self.arrival_time + self.ttft_slo_ms / 1000.0
+        return None
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

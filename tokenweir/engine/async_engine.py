@@ -215,7 +215,7 @@ class AsyncEngine:
             _, prompt, params, request_id, priority, ttft_slo_ms, done = command
             try:
                 request, text = engine.make_request(prompt, params, request_id=request_id,
-                                                    priority=priority)
+                                                    priority=priority, ttft_slo_ms=ttft_slo_ms)
                 engine.add_request(request, text)
                 self._tracked[request_id] = _Tracked(ttft_slo_ms)
                 self._resolve(done, None)

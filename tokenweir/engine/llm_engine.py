@@ -128,12 +128,16 @@ class LLMEngine:
     # ---- input ------------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams,
                      request_id: Optional[str] = None, priority: int = 0,
-                     arrival_time: Optional[float] = None) -> tuple[Request, Optional[str]]:
-        """Validate and tokenize; raises ValueError with a clear message and changes nothing."""
+                     arrival_time: Optional[float] = None, ttft_slo_ms: Optional[float] = None,
+                     deadline: Optional[float] = None) -> tuple[Request, Optional[str]]:
+        """Validate and tokenize; raises ValueError with a clear message and changes nothing.
+        `ttft_slo_ms` (after arrival) or `deadline` (absolute, engine clock) set a TTFT target."""
         text, token_ids = self._tokenize(prompt)
         params.validate()
         if not token_ids:
             raise ValueError("the prompt is empty: at least one token is required")
+        if ttft_slo_ms is not None and ttft_slo_ms <= 0:
+            raise ValueError(f"ttft_slo_ms must be positive, got {ttft_slo_ms}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is "
@@ -147,7 +151,8 @@ class LLMEngine:
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt_token_ids=token_ids, sampling_params=params, max_tokens=max_tokens,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority, eos_token_ids=self.eos_token_ids)
+            priority=priority, eos_token_ids=self.eos_token_ids, ttft_slo_ms=ttft_slo_ms,
+            deadline=deadline)
         return request, text
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

@@ -137,7 +137,7 @@ class Simulation:
         request = Request(request_id=spec.request_id, prompt_token_ids=spec.prompt_tokens(),
                           sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
                           max_tokens=max_tokens, arrival_time=now, priority=spec.priority,
-                          eos_token_ids=_EOS)
+                          eos_token_ids=_EOS, ttft_slo_ms=spec.ttft_slo_ms)
         self.targets[spec.request_id] = spec.output_len
         self.records[spec.request_id] = RequestRecord(
             spec.request_id, now, spec.prompt_len, spec.output_len, spec.priority,

@@ -1,4 +1,4 @@
-"""Waiting queues behind one interface: FCFS and priority.
+"""Waiting queues behind one interface: FCFS, priority and deadline (slo).
 
 Contract: `peek()`/`pop()` give the request to admit next; `prepend()` puts a preempted request
 where it will be admitted before anything that was waiting behind it.
@@ -10,7 +10,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tokenweir.request import Request
 
@@ -112,9 +112,50 @@ class PriorityQueue(RequestQueue):
         return (entry[3] for entry in sorted(self._heap))
 
 
+class DeadlineQueue(RequestQueue):
+    """The "slo" order: urgency changes with time, so the scheduler calls `reorder(key)` with
+    the current EDF key (larger first) before reading the queue; between reorders requests
+    stay in that order, new arrivals at the back. Ties keep arrival order (a stable sort).
+
+    A preempted request is re-enqueued like a new one: its deadline, not its history, places it.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self._items.append(request)
+
+    prepend = add
+
+    def reorder(self, key: Callable[[Request], float]) -> None:
+        self._items.sort(key=lambda r: (-key(r), r.arrival_time))
+
+    def peek(self) -> Request:
+        return self._items[0]
+
+    def pop(self) -> Request:
+        return self._items.pop(0)
+
+    def remove(self, request: Request) -> None:
+        for i, item in enumerate(self._items):
+            if item is request:
+                del self._items[i]
+                return
+        raise ValueError(f"request {request.request_id} is not waiting")
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._items))
+
+
 def make_queue(policy: str) -> RequestQueue:
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
+    if policy == "slo":
+        return DeadlineQueue()
     raise ValueError(f"unknown scheduling policy {policy!r}")

@@ -1,0 +1,154 @@
+"""SLO policy as pure functions: slack, EDF order, the four slack-sign cases of both gates,
+both stubbornness rules, and the deadline queue."""
+
+import math
+
+import pytest
+
+from tokenweir.core.sched import slo
+from tokenweir.core.sched.queues import make_queue
+from tests.core.harness import make_request
+
+MARGIN = 0.010
+
+
+def waiter(now_slack: float, wait_slack: float = -1.0) -> slo.Waiter:
+    return slo.Waiter("w", slack_if_served_now=now_slack, slack_if_it_waits=wait_slack)
+
+
+def cands(*slacks: float, preempted: int = 0) -> list[slo.Candidate]:
+    return [slo.Candidate(f"r{i}", s, preempted) for i, s in enumerate(slacks)]
+
+
+# ---- predictor, slack, EDF ---------------------------------------------------------------
+def test_predictor_counts_the_work_queued_ahead():
+    p = slo.TTFTPredictor(a=0.001, c=0.02)
+    assert p.predict(500) == pytest.approx(0.52)
+    assert p.predict(500, tokens_ahead=1500) == pytest.approx(2.02)
+
+
+def test_slack_is_time_left_minus_predicted_ttft():
+    assert slo.slack(10.0, now=9.0, predicted_ttft=0.25) == pytest.approx(0.75)
+    assert slo.slack(10.0, now=9.9, predicted_ttft=0.25) == pytest.approx(-0.15)
+    assert slo.slack(None, now=0.0, predicted_ttft=5.0) == math.inf
+
+
+def test_edf_rescuable_first_most_urgent_first_hopeless_sink():
+    now = 100.0
+    # (slack, deadline): two rescuable, one without a deadline, two hopeless
+    keys = {"near": slo.edf_key(0.1, 100.5, now), "far": slo.edf_key(3.0, 110.0, now),
+            "none": slo.edf_key(math.inf, None, now),
+            "hopeless_soon": slo.edf_key(-0.5, 100.2, now),
+            "hopeless_late": slo.edf_key(-2.0, 104.0, now)}
+    order = sorted(keys, key=lambda name: -keys[name])
+    assert order == ["near", "far", "none", "hopeless_late", "hopeless_soon"]
+
+
+def test_edf_key_is_finite_at_the_deadline():
+    assert math.isfinite(slo.edf_key(0.0, 5.0, 5.0))
+
+
+def test_deadline_queue_reorders_by_key_and_keeps_arrival_order_on_ties():
+    q = make_queue("slo")
+    a, b, c = (make_request(r, 4, 1, arrival=t) for r, t in (("a", 0.0), ("b", 1.0), ("c", 2.0)))
+    for r in (a, b, c):
+        q.add(r)
+    keys = {"a": 1.0, "b": 5.0, "c": 1.0}
+    q.reorder(lambda r: keys[r.request_id])
+    assert [r.request_id for r in q] == ["b", "a", "c"]
+    assert q.pop() is b and q.peek() is a
+    q.remove(c)
+    assert len(q) == 1
+    with pytest.raises(ValueError):
+        q.remove(c)
+
+
+# ---- the gate: preconditions -------------------------------------------------------------
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_gate_holds_without_waiter_or_candidates(mode):
+    assert slo.gate(None, cands(1.0), mode, MARGIN, 1).case == slo.NO_WAITER
+    assert slo.gate(waiter(0.5), [], mode, MARGIN, 1).case == slo.NO_CANDIDATE
+
+
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_gate_holds_when_waiting_meets_the_deadline(mode):
+    d = slo.gate(waiter(0.5, wait_slack=0.1), cands(5.0), mode, MARGIN, 1)
+    assert not d.fire and d.case == slo.NO_NEED
+
+
+# ---- the four slack-sign cases, both gates ------------------------------------------------
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_both_positive_fires_only_past_the_margin(mode):
+    fired = slo.gate(waiter(0.5), cands(2.0), mode, MARGIN, 1)
+    assert fired.fire and fired.case == slo.MARGIN_BEATEN and fired.victim_id == "r0"
+    held = slo.gate(waiter(0.5), cands(0.505), mode, MARGIN, 1)
+    assert not held.fire and held.case == slo.MARGIN_NOT_BEATEN
+
+
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_waiter_hopeless_never_fires(mode):
+    d = slo.gate(waiter(-0.1), cands(5.0), mode, MARGIN, 1)
+    assert not d.fire and d.case == slo.WAITER_HOPELESS
+
+
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_running_hopeless_yields_to_a_rescuable_waiter(mode):
+    d = slo.gate(waiter(0.5), cands(-1.0), mode, MARGIN, 1)
+    assert d.fire and d.case == slo.RUNNING_HOPELESS and d.victim_id == "r0"
+
+
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_both_hopeless_never_fires(mode):
+    d = slo.gate(waiter(-0.1), cands(-1.0), mode, MARGIN, 1)
+    assert not d.fire and d.case == slo.BOTH_HOPELESS
+
+
+def test_conservative_must_beat_the_most_urgent_aggressive_the_least():
+    # running prefills with slack 0.3 (urgent) and 5.0 (generous); the waiter has 0.5
+    running = cands(0.3, 5.0)
+    conservative = slo.gate(waiter(0.5), running, slo.CONSERVATIVE, MARGIN, 1)
+    assert not conservative.fire and conservative.case == slo.MARGIN_NOT_BEATEN
+    aggressive = slo.gate(waiter(0.5), running, slo.AGGRESSIVE, MARGIN, 1)
+    assert aggressive.fire and aggressive.victim_id == "r1"  # the least urgent pays
+
+
+def test_conservative_victim_is_the_least_urgent_when_it_fires():
+    d = slo.gate(waiter(0.1), cands(2.0, 7.0, 3.0), slo.CONSERVATIVE, MARGIN, 1)
+    assert d.fire and d.victim_id == "r1"
+
+
+def test_conservative_yields_to_a_hopeless_running_request():
+    d = slo.gate(waiter(0.5), cands(-0.2, 5.0), slo.CONSERVATIVE, MARGIN, 1)
+    assert d.fire and d.case == slo.RUNNING_HOPELESS and d.victim_id == "r0"
+
+
+def test_gate_rejects_an_unknown_mode():
+    with pytest.raises(ValueError):
+        slo.gate(waiter(0.5), cands(2.0), "reckless", MARGIN, 1)
+
+
+# ---- stubbornness ------------------------------------------------------------------------
+def test_a_request_preempted_once_is_immune():
+    assert slo.gate(waiter(0.5), cands(5.0, preempted=1), slo.AGGRESSIVE, MARGIN, 1).case == \
+        slo.ALL_IMMUNE
+    # the immune one is skipped, the other pays
+    mixed = [slo.Candidate("old", 9.0, 1), slo.Candidate("new", 4.0, 0)]
+    d = slo.gate(waiter(0.5), mixed, slo.AGGRESSIVE, MARGIN, 1)
+    assert d.fire and d.victim_id == "new"
+    # immunity is configurable: two preemptions allowed
+    assert slo.gate(waiter(0.5), cands(5.0, preempted=1), slo.AGGRESSIVE, MARGIN, 2).fire
+
+
+def test_a_forward_pass_past_the_layer_fraction_refuses_the_cut():
+    assert slo.may_cut_at_layer(0, 30, 0.9)
+    assert slo.may_cut_at_layer(26, 30, 0.9)
+    assert not slo.may_cut_at_layer(27, 30, 0.9)
+    assert not slo.may_cut_at_layer(29, 30, 0.9)
+    assert not slo.may_cut_at_layer(0, 30, 0.0)
+
+
+def test_met_deadline():
+    assert slo.met_deadline(1.0, 1.0) is True
+    assert slo.met_deadline(1.1, 1.0) is False
+    assert slo.met_deadline(None, 1.0) is False
+    assert slo.met_deadline(1.0, None) is None

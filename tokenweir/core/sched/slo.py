@@ -1,0 +1,153 @@
+"""Deadline-aware (SLO) policy: pure functions, no state, no clocks, no torch.
+
+Vocabulary (all times in seconds on the caller's clock; `now` is always an argument):
+
+- A request's TTFT deadline is absolute (`Request.ttft_deadline`): an explicit deadline, or
+  arrival + ttft_slo_ms. A request without one is infinitely patient (slack = +inf).
+- `TTFTPredictor`: predicted_ttft = a * (uncached prompt tokens + tokens queued ahead) + c.
+- slack = (deadline - now) - predicted_ttft. slack >= 0: rescuable; slack < 0: hopeless.
+- EDF waiting order: descending sign(slack) / |deadline - now|, i.e. rescuable requests first,
+  most urgent (nearest deadline) first; no-deadline requests next; hopeless ones sink.
+- The preempt gate compares the best waiter with the running prefills that could be paused
+  or cut (the candidates), with the four slack-sign cases handled explicitly (see `gate`).
+- Stubbornness: a request already SLO-preempted `max_slo_preemptions` times is immune, and a
+  forward pass past `layer_fraction` of its layers refuses to be cut (`may_cut_at_layer`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+CONSERVATIVE, AGGRESSIVE = "conservative", "aggressive"
+SLO_GATES = (CONSERVATIVE, AGGRESSIVE)
+
+# Gate outcomes (`GateDecision.case`): why the gate fired or held.
+NO_WAITER = "no-waiter"
+NO_CANDIDATE = "no-candidate"
+ALL_IMMUNE = "all-immune"
+NO_NEED = "waiter-meets-deadline-by-waiting"
+BOTH_HOPELESS = "both-hopeless"
+WAITER_HOPELESS = "waiter-hopeless"
+RUNNING_HOPELESS = "running-hopeless-yields"
+MARGIN_BEATEN = "margin-beaten"
+MARGIN_NOT_BEATEN = "margin-not-beaten"
+
+_EPSILON = 1e-9  # seconds: keeps sign(slack) / |deadline - now| finite at the deadline
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTPredictor:
+    """predicted_ttft = a * tokens + c, with `a` seconds per uncached prompt token and `c`
+    seconds of fixed cost (fitted by `tokenweir calibrate`, measured at start-up, or given)."""
+
+    a: float
+    c: float
+
+    def predict(self, uncached_tokens: int, tokens_ahead: int = 0) -> float:
+        """TTFT of a request that still has `uncached_tokens` to prefill, behind
+        `tokens_ahead` tokens of work that will run before it."""
+        return self.a * (uncached_tokens + tokens_ahead) + self.c
+
+
+def slack(deadline: Optional[float], now: float, predicted_ttft: float) -> float:
+    """(deadline - now) - predicted_ttft; +inf without a deadline."""
+    if deadline is None:
+        return math.inf
+    return (deadline - now) - predicted_ttft
+
+
+def edf_key(request_slack: float, deadline: Optional[float], now: float) -> float:
+    """Larger = admit first: sign(slack) / |deadline - now|. No deadline -> 0 (after every
+    rescuable request, before every hopeless one)."""
+    if deadline is None:
+        return 0.0
+    sign = 1.0 if request_slack >= 0 else -1.0
+    return sign / max(abs(deadline - now), _EPSILON)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A running prefill the gate may pause or cut, as the gate sees it."""
+
+    request_id: str
+    slack: float  # if it keeps running
+    num_slo_preemptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """The best waiting request: its slack if served now and if it waits its turn."""
+
+    request_id: str
+    slack_if_served_now: float
+    slack_if_it_waits: float
+
+
+@dataclass(frozen=True, slots=True)
+class GateDecision:
+    fire: bool
+    case: str
+    victim_id: Optional[str] = None
+
+
+def is_immune(num_slo_preemptions: int, max_slo_preemptions: int) -> bool:
+    """Stubbornness rule 1: a request SLO-preempted this often may not be preempted again."""
+    return num_slo_preemptions >= max_slo_preemptions
+
+
+def may_cut_at_layer(layer_index: int, num_layers: int, layer_fraction: float) -> bool:
+    """Stubbornness rule 2: a forward pass that has run `layer_fraction` of its layers (the
+    layers before `layer_index`) refuses to be cut: finishing costs less than redoing."""
+    return layer_index < layer_fraction * num_layers
+
+
+def gate(waiter: Optional[Waiter], candidates: Sequence[Candidate], mode: str,
+         margin: float, max_slo_preemptions: int) -> GateDecision:
+    """Should `waiter` take the place of a running prefill? Returns the victim when it should.
+
+    Preconditions checked first: a waiter, a non-immune candidate, and a waiter that would
+    miss its deadline by waiting (otherwise preempting buys nothing). Then the reference is
+    the MOST urgent candidate (conservative) or the LEAST urgent one (aggressive), and:
+      waiter hopeless and reference hopeless -> never (BOTH_HOPELESS)
+      waiter hopeless                        -> never (WAITER_HOPELESS)
+      reference hopeless                     -> yield: the reference is the victim
+      both rescuable                         -> fire iff waiter slack + margin < reference
+                                                slack; the victim is the least urgent candidate.
+    "Hopeless" is slack < 0; the waiter's is its slack if served now.
+    """
+    if waiter is None:
+        return GateDecision(False, NO_WAITER)
+    if not candidates:
+        return GateDecision(False, NO_CANDIDATE)
+    eligible = [c for c in candidates if not is_immune(c.num_slo_preemptions, max_slo_preemptions)]
+    if not eligible:
+        return GateDecision(False, ALL_IMMUNE)
+    if waiter.slack_if_it_waits >= 0:
+        return GateDecision(False, NO_NEED)
+    if mode == CONSERVATIVE:
+        reference = min(eligible, key=lambda c: c.slack)
+    elif mode == AGGRESSIVE:
+        reference = max(eligible, key=lambda c: c.slack)
+    else:
+        raise ValueError(f"unknown SLO gate {mode!r}; known: {SLO_GATES}")
+    waiter_hopeless = waiter.slack_if_served_now < 0
+    running_hopeless = reference.slack < 0
+    if waiter_hopeless and running_hopeless:
+        return GateDecision(False, BOTH_HOPELESS)
+    if waiter_hopeless:
+        return GateDecision(False, WAITER_HOPELESS)
+    if running_hopeless:
+        return GateDecision(True, RUNNING_HOPELESS, reference.request_id)
+    if waiter.slack_if_served_now + margin < reference.slack:
+        victim = max(eligible, key=lambda c: c.slack)
+        return GateDecision(True, MARGIN_BEATEN, victim.request_id)
+    return GateDecision(False, MARGIN_NOT_BEATEN)
+
+
+def met_deadline(first_token_time: Optional[float], deadline: Optional[float]) -> Optional[bool]:
+    """Whether a first token came by the deadline; None for a request without one."""
+    if deadline is None:
+        return None
+    return first_token_time is not None and first_token_time <= deadline
