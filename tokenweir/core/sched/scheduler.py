@@ -26,7 +26,7 @@ from tokenweir.config import SchedulerConfig
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                     SchedulerOutput, TokenLogprobs)
-from tokenweir.core.sched import policy
+from tokenweir.core.sched import policy, slo
 from tokenweir.core.sched.policy import SWAP, PreemptionCosts, PreemptionPlan
 from tokenweir.core.sched.queues import make_queue
 from tokenweir.request import Request, RequestStatus
@@ -55,6 +55,20 @@ class SchedulerStats:
     num_swapped_in: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+    # Preemption events by cause (MEMORY, SLO_BETWEEN_STEPS: a prefill paused or freed for an
+    # urgent waiter, SLO_MID_STEP: a step cut at a layer boundary). `num_preemptions` counts
+    # the requests sent back to the waiting queue, whatever the cause.
+    preemptions_by_cause: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(PREEMPTION_CAUSES, 0))
+    slo_cut_steps: int = 0
+    slo_wasted_layer_tokens: int = 0  # sum over cut steps of tokens x layers run, discarded
+    slo_total_layer_tokens: int = 0  # sum over cut steps of tokens x all layers
+    # TTFT attainment per request class (the request's priority, as a string): [met, missed]
+    slo_attainment: dict[str, list[int]] = field(default_factory=dict)
+
+
+MEMORY, SLO_BETWEEN_STEPS, SLO_MID_STEP = "memory", "slo-between-steps", "slo-mid-step"
+PREEMPTION_CAUSES = (MEMORY, SLO_BETWEEN_STEPS, SLO_MID_STEP)
 
 
 @dataclass
@@ -70,6 +84,8 @@ class _StepPlan:
     preempted: list[Request] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
+    paused: set[str] = field(default_factory=set)  # running prefills skipped for an urgent waiter
+    slo_waiter: Optional[str] = None  # the urgent waiter they were paused for
 
     def add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -106,6 +122,14 @@ class Scheduler:
         self._preempted_since_last_step: set[str] = set()
         self.watermark_blocks = int(config.watermark * self.kv.num_usable_blocks)
         self.stats = SchedulerStats()
+        self.slo_enabled = config.scheduling_policy == "slo"
+        self.ttft_predictor = slo.TTFTPredictor(
+            a=(config.slo_ttft_a_ms_per_token / 1000 if config.slo_ttft_a_ms_per_token is not None
+               else self.costs.prefill_seconds_per_token),
+            c=(config.slo_ttft_c_ms or 0.0) / 1000)
+        # The latest StepSnapshot (slo policy): replaced whole after each schedule(), never
+        # mutated, so a monitor thread may read it without a lock.
+        self.slo_snapshot: Optional[slo.StepSnapshot] = None
 
     def _check_pool_fits_one_sequence(self) -> None:
         needed = self.kv.blocks_for_tokens(self.max_model_len)
@@ -171,6 +195,9 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """Plan one step. `now` (the caller's clock) only stamps first_scheduled_time."""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=now)
+        if self.slo_enabled:
+            self._slo_order(now)
+            self._slo_between_steps(plan)
         if self.config.prioritize_prefill:
             self._schedule_running(plan, prefills=True, decodes=False)
             self._schedule_waiting(plan)
@@ -178,7 +205,12 @@ class Scheduler:
         else:
             self._schedule_running(plan, prefills=True, decodes=True)
             self._schedule_waiting(plan)
-        return self._make_output(plan)
+        if plan.paused:
+            self._slo_free_paused_if_memory_blocked(plan)
+        output = self._make_output(plan)
+        if self.slo_enabled:
+            self.slo_snapshot = self._slo_make_snapshot(output, now)
+        return output
 
     def _schedule_running(self, plan: _StepPlan, prefills: bool, decodes: bool) -> None:
         """Give running requests their next tokens; preempt victims when the pool is full."""
@@ -186,7 +218,8 @@ class Scheduler:
         while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
             wanted = prefills if policy.is_prefilling(request) else decodes
-            if not wanted or request.request_id in plan.num_scheduled:
+            if not wanted or request.request_id in plan.num_scheduled or \
+                    request.request_id in plan.paused:
                 i += 1
                 continue
             num_tokens = policy.num_tokens_to_schedule(
@@ -225,10 +258,13 @@ class Scheduler:
             self.kv.num_swappable_blocks(request), self.kv.can_swap_out(request),
             self.costs)
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: _StepPlan, cause: str = MEMORY,
+                 count_cause: bool = True) -> None:
+        """Send a running request back to the waiting queue. SLO preemptions always recompute
+        (prefix caching keeps its full blocks findable) and do not stop admissions."""
         self.running.remove(request)
         plan.drop(request)
-        if self._preemption_plan(request).action == SWAP:
+        if cause == MEMORY and self._preemption_plan(request).action == SWAP:
             pairs = self.kv.swap_out(request)
             plan.swap_out.extend(pairs)
             self.stats.num_swapped_out += 1
@@ -239,8 +275,11 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
+        if count_cause:
+            self.stats.preemptions_by_cause[cause] += 1
         self.waiting.prepend(request)
-        plan.preempted.append(request)
+        if cause == MEMORY:
+            plan.preempted.append(request)
         self._preempted_since_last_step.add(request.request_id)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
@@ -248,7 +287,8 @@ class Scheduler:
         that preempted."""
         if plan.preempted or not self.waiting:
             return
-        num_partial = sum(1 for r in self.running if policy.is_prefilling(r))
+        num_partial = sum(1 for r in self.running
+                          if policy.is_prefilling(r) and r.request_id not in plan.paused)
         while self.waiting and plan.token_budget > 0:
             if 0 < self.config.max_num_seqs <= len(self.running):
                 break
@@ -399,6 +439,7 @@ class Scheduler:
         if request.first_token_time is None:
             request.first_token_time = now
             self.stats.prompt_tokens += request.num_prompt_tokens
+            self._count_attainment(request, now)
         appended: list[int] = []
         status: Optional[RequestStatus] = None
         for token_id in token_ids:
@@ -432,6 +473,130 @@ class Scheduler:
                 or request.num_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    # ---- slo policy --------------------------------------------------------------------
+    _SNAPSHOT_WAITERS = 8  # the gate reads the head of the EDF order; a few suffice
+
+    def _ttft_deadline(self, request: Request) -> Optional[float]:
+        """The deadline that still matters: None once the first token came."""
+        return None if request.first_token_time is not None else request.ttft_deadline
+
+    def _edf_key(self, request: Request, now: float) -> float:
+        deadline = self._ttft_deadline(request)
+        owed = request.num_tokens - request.num_computed_tokens
+        return slo.edf_key(slo.slack(deadline, now, self.ttft_predictor.predict(owed)),
+                           deadline, now)
+
+    def _slo_order(self, now: float) -> None:
+        """Waiting queue in EDF order; running decodes first (admission order), then running
+        prefills most urgent first, so an admitted urgent request gets its chunks first."""
+        self.waiting.reorder(lambda r: self._edf_key(r, now))
+        self.running.sort(key=lambda r: (1, -self._edf_key(r, now))
+                          if policy.is_prefilling(r) else (0, 0.0))
+
+    def _prefill_view(self, request: Request) -> slo.PrefillView:
+        return slo.PrefillView(request.request_id, self._ttft_deadline(request),
+                               request.num_tokens - request.num_computed_tokens,
+                               request.num_slo_preemptions)
+
+    def _waiter_views(self) -> tuple[slo.WaiterView, ...]:
+        views = []
+        for request in self.waiting:
+            if len(views) == self._SNAPSHOT_WAITERS:
+                break
+            views.append(slo.WaiterView(request.request_id, self._ttft_deadline(request),
+                                        request.num_tokens - request.num_computed_tokens))
+        return tuple(views)
+
+    def _slo_decide(self, prefills, waiters, now: float, ahead_seconds: float,
+                    backlog_tokens: int) -> tuple[slo.GateDecision, Optional[str]]:
+        c = self.config
+        return slo.evaluate(waiters, prefills, now, self.ttft_predictor, ahead_seconds,
+                            backlog_tokens, c.slo_preempt_gate, c.slo_margin_ms / 1000,
+                            c.slo_max_preemptions)
+
+    def _slo_between_steps(self, plan: _StepPlan) -> None:
+        """Pause the running prefill the gate names for this step, so the urgent waiter can be
+        admitted in its place; the victim keeps its blocks and computed tokens."""
+        prefills = [self._prefill_view(r) for r in self.running if policy.is_prefilling(r)]
+        if not prefills or not self.waiting:
+            return
+        backlog = sum(p.owed_tokens for p in prefills)
+        decision, waiter_id = self._slo_decide(prefills, self._waiter_views(), plan.now, 0.0,
+                                               backlog)
+        if not decision.fire:
+            return
+        victim = self.requests[decision.victim_id]
+        victim.num_slo_preemptions += 1
+        self.stats.preemptions_by_cause[SLO_BETWEEN_STEPS] += 1
+        plan.paused.add(victim.request_id)
+        plan.slo_waiter = waiter_id
+
+    def _slo_free_paused_if_memory_blocked(self, plan: _StepPlan) -> None:
+        """The pause was not enough when the waiter still waits with budget and seats left:
+        its blocks are the problem, so the paused victims are preempted (their blocks freed,
+        re-queued) and admission is tried again."""
+        waiter = self.requests.get(plan.slo_waiter) if plan.slo_waiter else None
+        if waiter is None or waiter.status == RequestStatus.RUNNING or plan.token_budget <= 0:
+            return
+        if 0 < self.config.max_num_seqs <= len(self.running):
+            return
+        for request_id in sorted(plan.paused):
+            victim = self.requests.get(request_id)
+            if victim is not None and victim.status == RequestStatus.RUNNING:
+                self._preempt(victim, plan, SLO_BETWEEN_STEPS, count_cause=False)
+        plan.paused.clear()
+        self._schedule_waiting(plan)
+
+    def _slo_make_snapshot(self, output: SchedulerOutput, now: float) -> slo.StepSnapshot:
+        counts = output.num_scheduled_tokens
+        prefills, backlog = [], 0
+        for request in self.running:
+            if not policy.is_prefilling(request):
+                continue
+            scheduled = counts.get(request.request_id, 0)
+            backlog += request.num_tokens - request.num_computed_tokens - scheduled
+            if scheduled > 1:
+                prefills.append(self._prefill_view(request))
+        predicted = (self.ttft_predictor.predict(output.total_num_scheduled_tokens)
+                     if counts else 0.0)
+        return slo.StepSnapshot(output.step_id, now, predicted, tuple(prefills),
+                                self._waiter_views(), backlog)
+
+    def roll_back_cut_step(self, scheduler_output: SchedulerOutput, victim_id: Optional[str],
+                           layers_run: int, num_layers: int) -> None:
+        """The step was cut at a layer boundary: call this INSTEAD of update_from_output.
+
+        As if the step never ran: no request's num_computed_tokens advances, nothing is
+        sampled, the K/V the step wrote lies past every request's computed tokens (it is never
+        read, and is overwritten when those positions are computed again; it was never
+        published to the prefix cache). Requests keep the blocks the step gave them. The
+        victim is preempted (blocks freed, re-queued); the urgent waiter is admitted next step.
+        Step ids are not reused, so a stale cut order can never match a later step.
+        """
+        self._uncount_chunks(scheduler_output)
+        victim = self.requests.get(victim_id) if victim_id is not None else None
+        if victim is not None and victim.status == RequestStatus.RUNNING:
+            victim.num_slo_preemptions += 1
+            self._preempt(victim, _StepPlan(token_budget=0), SLO_MID_STEP)
+        tokens = scheduler_output.total_num_scheduled_tokens
+        self.stats.slo_cut_steps += 1
+        self.stats.slo_wasted_layer_tokens += tokens * layers_run
+        self.stats.slo_total_layer_tokens += tokens * num_layers
+
+    def _uncount_chunks(self, scheduler_output: SchedulerOutput) -> None:
+        """Undo _count_step's chunked-prefill count for a step that did not happen."""
+        for request_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None and \
+                    request.num_computed_tokens + n < request.num_prompt_tokens:
+                self.stats.num_chunked_prefill_steps -= 1
+
+    def _count_attainment(self, request: Request, now: float) -> None:
+        met = slo.met_deadline(now, request.ttft_deadline)
+        if met is not None:
+            counts = self.stats.slo_attainment.setdefault(str(request.priority), [0, 0])
+            counts[0 if met else 1] += 1
 
     # ---- checks ------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -151,3 +151,67 @@ def met_deadline(first_token_time: Optional[float], deadline: Optional[float]) -
     if deadline is None:
         return None
     return first_token_time is not None and first_token_time <= deadline
+
+
+# ---- from requests to the gate's inputs ------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    """A running prefill as the gate needs it (immutable: safe to read from another thread)."""
+
+    request_id: str
+    deadline: Optional[float]  # None: no TTFT target, or its first token already came
+    owed_tokens: int  # still to prefill (before the step in flight, for a snapshot)
+    num_slo_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaiterView:
+    request_id: str
+    deadline: Optional[float]
+    owed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepSnapshot:
+    """What the scheduler publishes after planning step `step_id` (an atomic reference swap):
+    the step's prefills (the cut candidates) and the waiting requests in EDF order."""
+
+    step_id: int
+    started_at: float
+    predicted_seconds: float
+    prefills: tuple[PrefillView, ...]
+    waiters: tuple[WaiterView, ...]
+    backlog_tokens: int  # prefill tokens owed by running requests after this step
+
+
+def evaluate(waiters: Sequence[WaiterView], prefills: Sequence[PrefillView], now: float,
+             predictor: TTFTPredictor, ahead_seconds: float, backlog_tokens: int, mode: str,
+             margin: float, max_slo_preemptions: int) -> tuple[GateDecision, Optional[str]]:
+    """Run the gate for the most urgent waiter with a deadline. `ahead_seconds` is time that
+    passes whatever the gate decides (the rest of a step in flight; 0 between steps);
+    waiting adds `backlog_tokens` of running prefill work before the waiter's own.
+    Returns the decision and the waiter's id."""
+    best = most_urgent_waiter(waiters, now, predictor)
+    if best is None:
+        return gate(None, (), mode, margin, max_slo_preemptions), None
+    served_now = ahead_seconds + predictor.predict(best.owed_tokens)
+    if_waits = ahead_seconds + predictor.predict(best.owed_tokens, backlog_tokens)
+    waiter = Waiter(best.request_id, slack(best.deadline, now, served_now),
+                    slack(best.deadline, now, if_waits))
+    candidates = [Candidate(p.request_id,
+                            slack(p.deadline, now, predictor.predict(p.owed_tokens)),
+                            p.num_slo_preemptions) for p in prefills]
+    return gate(waiter, candidates, mode, margin, max_slo_preemptions), best.request_id
+
+
+def most_urgent_waiter(waiters: Sequence[WaiterView], now: float,
+                       predictor: TTFTPredictor) -> Optional[WaiterView]:
+    """The waiter with a deadline that EDF puts first (largest key), or None."""
+    best, best_key = None, -math.inf
+    for w in waiters:
+        if w.deadline is None:
+            continue
+        key = edf_key(slack(w.deadline, now, predictor.predict(w.owed_tokens)), w.deadline, now)
+        if key > best_key:
+            best, best_key = w, key
+    return best
