@@ -1,4 +1,4 @@
-"""`tokenweir simulate` and `tokenweir sweep`.
+"""`tokenweir simulate`, `tokenweir sweep` and `tokenweir study`.
 
 Wire into tokenweir/cli.py with `add_subcommands(sub)` in build_parser() and
 `if args.command in SIM_COMMANDS: return run(args)` in main().
@@ -7,12 +7,10 @@ Wire into tokenweir/cli.py with `add_subcommands(sub)` in build_parser() and
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import itertools
 import json
 import math
-import multiprocessing
 import sys
 import typing
 from typing import Any, Optional
@@ -20,7 +18,7 @@ from typing import Any, Optional
 from tokenweir.config import CONFIG_CLASSES
 from tokenweir.sim.hardware import HARDWARE_PROFILES, MODEL_SHAPES
 
-SIM_COMMANDS = ("simulate", "sweep")
+SIM_COMMANDS = ("simulate", "sweep", "study")
 
 
 def add_subcommands(subparsers) -> None:
@@ -30,6 +28,7 @@ def add_subcommands(subparsers) -> None:
     _add_sim_args(sim)
     sim.add_argument("--chrome-trace", help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--json", dest="json_out", help="write the metrics as JSON here")
+    _add_cluster_args(sim)
     add_engine_args(sim)
     sweep = subparsers.add_parser("sweep", help="simulate a grid of config values in parallel")
     _add_sim_args(sweep)
@@ -39,6 +38,31 @@ def add_subcommands(subparsers) -> None:
                        "when matplotlib is installed)")
     sweep.add_argument("--jobs", type=int, default=0, help="processes (0: one per CPU)")
     add_engine_args(sweep)
+    from tokenweir.sim.studies import add_study_parser
+    add_study_parser(subparsers)
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    from tokenweir.sim.router import ROUTERS
+
+    g = p.add_argument_group("cluster (any of these runs the cluster simulator)")
+    g.add_argument("--num-instances", type=int, default=1, help="instances behind the router")
+    g.add_argument("--router", default="round-robin", choices=ROUTERS)
+    g.add_argument("--pp-size", type=int, default=1,
+                   help="pipeline stages per instance: at most this many batches in flight")
+    g.add_argument("--pd", default=None, metavar="P:D",
+                   help="prefill/decode disaggregation: P prefill and D decode instances "
+                   "(replaces --num-instances)")
+    g.add_argument("--link-gbps", type=float, default=100.0,
+                   help="KV-transfer link into each decode instance, Gbit/s")
+    g.add_argument("--sessions", type=int, default=0,
+                   help="multi-turn agentic sessions (replace the synthetic requests; they "
+                   "start at --request-rate, first prompt --prompt-len, outputs --output-len)")
+    g.add_argument("--turns", default="fixed:4", help="turns per session (length distribution)")
+    g.add_argument("--turn-prompt-len", default="fixed:64",
+                   help="new user tokens in each later turn")
+    g.add_argument("--tool-delay-ms", default="fixed:500",
+                   help="tool-call delay before each later turn, ms (length distribution)")
 
 
 def _add_sim_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +90,12 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "simulate":
+            if _wants_cluster(args):
+                return _simulate_cluster(args)
             return _simulate(args)
+        if args.command == "study":
+            from tokenweir.sim.studies import run_study
+            return run_study(args)
         return _sweep(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -119,6 +148,48 @@ def _simulate(args: argparse.Namespace) -> int:
                             args.ttft_slo_ms, args.tpot_slo_ms, args.chrome_trace)
     print(f"--- tokenweir simulate: {args.model_shape} on {args.tp} x {args.hardware} ---")
     print(format_report(metrics))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(metrics, f, indent=1)
+    return 0
+
+
+# ---- cluster -----------------------------------------------------------------------------
+def _wants_cluster(args: argparse.Namespace) -> bool:
+    return (args.num_instances != 1 or args.pp_size != 1 or bool(args.pd)
+            or args.sessions > 0)
+
+
+def _simulate_cluster(args: argparse.Namespace) -> int:
+    from tokenweir.sim.cluster import (build_cluster, format_instance_table, parse_pd,
+                                       summarize_cluster)
+    from tokenweir.sim.hardware import get_shape
+    from tokenweir.sim.metrics import format_report
+    from tokenweir.sim.sessions import synthetic_sessions
+
+    if args.chrome_trace:
+        raise ValueError("--chrome-trace covers one instance; drop the cluster flags")
+    kwargs = _engine_kwargs(args)
+    sessions = None
+    if args.sessions:
+        max_len = kwargs.get("max_model_len") or get_shape(args.model_shape).max_position_embeddings
+        sessions = synthetic_sessions(args.sessions, args.request_rate, kwargs.get("seed", 0),
+                                      args.prompt_len, args.output_len, args.turns,
+                                      args.turn_prompt_len, args.tool_delay_ms, args.arrival,
+                                      args.cv, max_len)
+        specs = []
+    else:
+        specs = _workload(args, kwargs)
+    cluster = build_cluster(kwargs, specs, args.model_shape, args.hardware, args.tp,
+                            args.pp_size, args.num_instances, args.router, parse_pd(args.pd),
+                            args.link_gbps, sessions)
+    metrics = summarize_cluster(cluster.run(), args.ttft_slo_ms, args.tpot_slo_ms)
+    layout = (f"PD {args.pd}" if args.pd else f"{args.num_instances} instance(s)")
+    print(f"--- tokenweir simulate: {args.model_shape} on {args.tp} x {args.hardware}, "
+          f"{layout}, pp {args.pp_size}, router {args.router} ---")
+    print(format_report(metrics["overall"]))
+    print("per instance:")
+    print(format_instance_table(metrics["instances"]))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(metrics, f, indent=1)
@@ -179,44 +250,28 @@ def _sweep(args: argparse.Namespace) -> int:
     points = sweep_points(grid, base)
     jobs = [(p, specs, args.model_shape, args.hardware, args.tp, args.ttft_slo_ms,
              args.tpot_slo_ms) for p in points]
-    processes = args.jobs or multiprocessing.cpu_count()
-    if processes > 1 and len(jobs) > 1:
-        with multiprocessing.get_context("fork").Pool(min(processes, len(jobs))) as pool:
-            results = pool.map(_sweep_point, jobs)
-    else:
-        results = [_sweep_point(j) for j in jobs]
+    from tokenweir.sim.plots import parallel_map, write_csv
+
+    results = parallel_map(_sweep_point, jobs, args.jobs, "sweep")
     names = [name for name, _ in grid]
     rows = [{**{n: p[n] for n in names}, **m} for p, m in zip(points, results)]
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, args.out)
     print(f"wrote {len(rows)} rows to {args.out}")
     for row in rows:
         print("  " + "  ".join(f"{n}={row[n]}" for n in names)
               + f"  throughput={row['request_throughput']:.2f} req/s"
               f"  ttft_p99={row['ttft_p99_ms']:.1f} ms  tpot_p50={row['tpot_p50_ms']:.2f} ms")
-    png = _plot(rows, names[0], args.out)
+    png = _plot(rows, names, args.out)
     if png:
         print(f"wrote {png}")
     return 0
 
 
-def _plot(rows: list[dict], x: str, csv_path: str) -> Optional[str]:
+def _plot(rows: list[dict], names: list[str], csv_path: str) -> Optional[str]:
+    """A PNG beside the CSV (metrics against the first grid field), or None without
+    matplotlib."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from tokenweir.sim.plots import plot_sweep
+        return plot_sweep(rows, names, csv_path.rsplit(".", 1)[0] + ".png")
     except ImportError:
         return None
-    metrics = ("request_throughput", "ttft_p99_ms", "tpot_p50_ms", "preemptions")
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.2))
-    for ax, metric in zip(axes, metrics):
-        ax.plot([str(r[x]) for r in rows], [r[metric] for r in rows], marker="o")
-        ax.set_xlabel(x)
-        ax.set_title(metric)
-    fig.tight_layout()
-    path = csv_path.rsplit(".", 1)[0] + ".png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path

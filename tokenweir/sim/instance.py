@@ -1,0 +1,274 @@
+"""One serving instance of a cluster simulation: its own real Scheduler, KVCacheManager and
+SimRunner, driven by the cluster's event loop (cluster.py), which owns the clock.
+
+Pipeline parallelism (`pp_size` > 1), modelled simply: the latency model's step time T is split
+into `pp_size` equal stages of T / pp_size; a batch enters stage s once it has left stage s - 1
+and the batch ahead of it has left stage s. A new batch may start when stage 0 is free and fewer
+than `pp_size` batches are in flight, so batches complete in the order they started. Requests
+of an in-flight batch are hidden from the scheduler while the next batch is planned (they owe
+no tokens until their batch returns), so micro-batches never share a request. The token budget
+applies per micro-batch (it is what spreads a burst of prompts over the stages);
+`max_num_seqs` stays a limit on the whole instance. With pp_size == 1 this is exactly
+`Simulation`'s loop.
+
+KV import/hold (prefill/decode disaggregation): `hold_prefix` pins the cached full blocks of a
+finished prefill until its transfer is done; `reserve_import` allocates blocks for an incoming
+prompt's full blocks (reusing any it already caches), `complete_import` publishes them in the
+prefix cache once the bytes have arrived, and the decode request's admission then hits them.
+A hold is a placeholder owner in the KV manager (ids start with '~'), never a scheduler request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenweir.config import EngineConfig
+from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenweir.core.sched.policy import PreemptionCosts
+from tokenweir.core.sched.scheduler import EngineCoreOutput, Scheduler
+from tokenweir.request import Request, SamplingParams
+from tokenweir.runner.sim_runner import DEFAULT_EOS, SimRunner
+from tokenweir.sim.simulator import RequestRecord, StepRecord
+
+_EOS = frozenset({DEFAULT_EOS})
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass(slots=True)
+class Batch:
+    out: SchedulerOutput
+    runner_out: ModelRunnerOutput
+    start: float
+
+
+@dataclass(slots=True)
+class KVImport:
+    """Blocks reserved on a receiving instance for one incoming prompt."""
+
+    holder: Request
+    num_blocks: int  # full prompt blocks the holder covers
+    num_new_blocks: int  # of those, blocks whose bytes must cross the link
+    need_after: int  # blocks the request still needs at admission (its tail and output)
+
+
+def make_request(request_id: str, tokens: list[int], output_len: int, max_model_len: int,
+                 arrival: float, priority: int = 0,
+                 ttft_slo_ms: Optional[float] = None) -> Request:
+    max_tokens = max(1, min(output_len, max_model_len - len(tokens)))
+    return Request(request_id=request_id, prompt_token_ids=tokens,
+                   sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                   max_tokens=max_tokens, arrival_time=arrival, priority=priority,
+                   eos_token_ids=_EOS, ttft_slo_ms=ttft_slo_ms)
+
+
+class Instance:
+    def __init__(self, index: int, config: EngineConfig, latency_model, num_blocks: int,
+                 max_model_len: int, role: str = "mixed", num_host_blocks: int = 0,
+                 costs: Optional[PreemptionCosts] = None, pp_size: int = 1,
+                 record_steps: bool = True, record_itl_times: bool = False,
+                 check: bool = False) -> None:
+        if role not in ROLES:
+            raise ValueError(f"instance role must be one of {ROLES}, got {role!r}")
+        if pp_size < 1:
+            raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+        self.index, self.role, self.pp_size = index, role, pp_size
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 num_host_blocks=num_host_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len, costs=costs)
+        self.targets: dict[str, int] = {}
+        self.runner = SimRunner(latency_model, self.targets, check=check)
+        self.max_model_len = max_model_len
+        self.record_steps, self.check = record_steps, check
+        self.records: dict[str, RequestRecord] = {}
+        self.steps: list[StepRecord] = []
+        self.itl = array("d")
+        self.itl_times: Optional[array] = array("d") if record_itl_times else None  # gap ends
+        self.itl_ids: list[str] = []  # with itl_times: whose gap each one is
+        self._last_token: dict[str, float] = {}
+        self.in_flight: deque[Batch] = deque()
+        self.max_in_flight = 0  # probe: most batches in flight at once
+        self._stage_free = [0.0] * pp_size
+        self.wake_pending = False
+        self.num_routed = 0  # requests the router sent here
+        self.num_incoming = 0  # KV transfers reserved or under way towards this instance
+        self._imports: dict[str, KVImport] = {}
+        self._import_reserve = 0  # blocks promised to imported requests not yet admitted
+        self._num_holds = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    @property
+    def load(self) -> int:
+        """Requests here or on their way: what least-loaded routing compares."""
+        return self.scheduler.num_running + self.scheduler.num_waiting + self.num_incoming
+
+    def add_request(self, request: Request, target_output_len: int,
+                    ttft_slo_ms: Optional[float] = None) -> None:
+        rid = request.request_id
+        self.targets[rid] = target_output_len
+        self.records[rid] = RequestRecord(rid, request.arrival_time, request.num_prompt_tokens,
+                                          target_output_len, request.priority, ttft_slo_ms)
+        self.scheduler.add_request(request)
+
+    # ---- the engine loop -------------------------------------------------------------------
+    def can_start(self, now: float) -> bool:
+        return len(self.in_flight) < self.pp_size and now >= self._stage_free[0]
+
+    @property
+    def stage0_free(self) -> float:
+        return self._stage_free[0]
+
+    def start_batch(self, now: float) -> Optional[float]:
+        """Plan and launch one batch; returns when it completes, or None if nothing runs."""
+        scheduler = self.scheduler
+        if not scheduler.has_unfinished_requests():
+            return None
+        out = self._schedule(now)
+        if out is None:
+            return None
+        self._release_admitted_imports(out)
+        runner_out = self.runner.execute(out)  # finished/preempted ids reach it even if empty
+        if out.is_empty:
+            return None
+        seconds = runner_out.step_seconds
+        end = self._through_pipeline(now, seconds)
+        if self.record_steps:  # seconds: the batch's latency, start to completion
+            if self.pp_size > 1:
+                seconds = end - now
+            counts = out.num_scheduled_tokens
+            decodes = sum(1 for q in counts.values() if q == 1)
+            self.steps.append(StepRecord(now, seconds, len(counts), decodes,
+                                         out.total_num_scheduled_tokens, self.kv.usage(),
+                                         scheduler.num_running, scheduler.num_waiting))
+        self.in_flight.append(Batch(out, runner_out, now))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        return end
+
+    def _schedule(self, now: float) -> Optional[SchedulerOutput]:
+        """The next batch, planned with in-flight requests hidden from the scheduler (and
+        `max_num_seqs` lowered by their number); None when the instance is full of them."""
+        if not self.in_flight:
+            return self.scheduler.schedule(now)
+        busy = {rid for b in self.in_flight for rid in b.out.num_scheduled_tokens}
+        scheduler = self.scheduler
+        before, config = scheduler.running, scheduler.config
+        hidden = [r for r in before if r.request_id in busy]
+        if config.max_num_seqs:
+            room = config.max_num_seqs - len(hidden)
+            if room <= 0:
+                return None
+            scheduler.config = dataclasses.replace(config, max_num_seqs=room)
+        scheduler.running = [r for r in before if r.request_id not in busy]
+        try:
+            return scheduler.schedule(now)
+        finally:
+            scheduler.config = config
+            after = scheduler.running
+            kept = {id(r) for r in after}
+            previous = {id(r) for r in before}
+            scheduler.running = ([r for r in before if r.request_id in busy or id(r) in kept]
+                                 + [r for r in after if id(r) not in previous])
+
+    def _through_pipeline(self, now: float, seconds: float) -> float:
+        """Move a batch of `seconds` total work through the stages; returns its completion."""
+        if self.pp_size == 1:
+            end = now + seconds
+            self._stage_free[0] = end
+            return end
+        stage_seconds = seconds / self.pp_size
+        t = now
+        for s in range(self.pp_size):
+            t = max(t, self._stage_free[s]) + stage_seconds
+            self._stage_free[s] = t
+        return t
+
+    def finish_batch(self, now: float) -> list[EngineCoreOutput]:
+        """Complete the oldest in-flight batch at `now`; returns the scheduler's outputs."""
+        batch = self.in_flight.popleft()
+        outputs = self.scheduler.update_from_output(batch.out, batch.runner_out, now)
+        records, last_token = self.records, self._last_token
+        for eco in outputs:
+            request = eco.request
+            rid = request.request_id
+            record = records[rid]
+            record.num_output += len(eco.new_token_ids)
+            previous = last_token.get(rid)
+            if previous is None:
+                record.first_token = now
+                record.first_scheduled = request.first_scheduled_time
+            else:
+                self.itl.append(now - previous)
+                if self.itl_times is not None:
+                    self.itl_times.append(now)
+                    self.itl_ids.append(rid)
+            last_token[rid] = now
+            if eco.finish_reason is not None:
+                record.finished = now
+                record.finish_reason = eco.finish_reason
+                record.num_finishes += 1
+                record.num_preemptions = request.num_preemptions
+                record.num_cached_tokens = max(0, request.num_cached_tokens)
+                del last_token[rid]
+                del self.targets[rid]
+        if self.check:
+            self.scheduler.check_integrity()
+        return outputs
+
+    # ---- KV hand-over (prefill/decode disaggregation) ---------------------------------------
+    def _holder(self, tokens: list[int]) -> Request:
+        self._num_holds += 1
+        return make_request(f"~kv{self.index}.{self._num_holds}", tokens, 1,
+                            self.max_model_len + 1, 0.0)
+
+    def hold_prefix(self, tokens: list[int]) -> Request:
+        """Pin the cached full blocks of `tokens` (a prefill just finished: its blocks are free
+        but still cached) until `release`; they cannot be evicted while being sent."""
+        holder = self._holder(tokens)
+        hits = self.kv.get_computed_blocks(holder)
+        if hits:
+            assert self.kv.allocate_slots(holder, 0, computed_blocks=hits) is not None
+        return holder
+
+    def release(self, holder: Request) -> None:
+        self.kv.free(holder)
+
+    def reserve_import(self, request_id: str, tokens: list[int],
+                       output_len: int) -> Optional[KVImport]:
+        """Blocks for the full blocks of an incoming prompt, or None (nothing changed) when the
+        pool cannot take them while keeping room for every imported request's admission."""
+        kv = self.kv
+        holder = self._holder(tokens)
+        num_blocks = (len(tokens) - 1) // kv.block_size
+        hits = kv.get_computed_blocks(holder)[:num_blocks]
+        full_len = min(len(tokens) + output_len, self.max_model_len)
+        need_after = kv.blocks_for_tokens(full_len) - num_blocks
+        reserve = self._import_reserve + need_after + self.scheduler.watermark_blocks
+        new_tokens = (num_blocks - len(hits)) * kv.block_size
+        if kv.allocate_slots(holder, new_tokens, computed_blocks=hits,
+                             reserved_blocks=reserve) is None:
+            return None
+        self._import_reserve += need_after
+        self.num_incoming += 1
+        imp = KVImport(holder, num_blocks, num_blocks - len(hits), need_after)
+        self._imports[request_id] = imp
+        return imp
+
+    def complete_import(self, imp: KVImport) -> None:
+        """The bytes have arrived: publish the blocks so the request's admission hits them."""
+        imp.holder.num_computed_tokens = imp.num_blocks * self.kv.block_size
+        self.kv.register_computed_blocks(imp.holder)
+        self.num_incoming -= 1
+
+    def _release_admitted_imports(self, out: SchedulerOutput) -> None:
+        if not self._imports:
+            return
+        for new in out.scheduled_new_reqs:
+            imp = self._imports.pop(new.req_id, None)
+            if imp is not None:
+                self.kv.free(imp.holder)
+                self._import_reserve -= imp.need_after

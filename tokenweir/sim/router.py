@@ -1,0 +1,99 @@
+"""Routers: which instance of a pool serves the next request. Pure and deterministic: a choice
+depends only on the prompt, the instances' loads (requests there or on their way) and what the
+router itself has routed before.
+
+- round-robin: the i-th request routed goes to instance i mod n.
+- least-loaded: the instance with the fewest requests; ties go to the lowest index.
+- prefix-aware: the instance whose recently routed prompts share the longest run of leading
+  full blocks with this prompt (an approximate, router-side view of each prefix cache, as
+  SGLang's cache-aware router keeps); ties go to the less loaded. With no match, the least
+  loaded instance, ties to the one that has seen the fewest blocks (new prefixes spread out
+  instead of piling onto instance 0). Affinity yields to
+  balance when the matched instance holds more than `balance_slack` requests above the least
+  loaded one.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
+
+
+def least_loaded(loads: Sequence[int]) -> int:
+    return min(range(len(loads)), key=lambda i: (loads[i], i))
+
+
+class RoundRobinRouter:
+    def __init__(self, num_instances: int) -> None:
+        self.num_instances = num_instances
+        self._next = 0
+
+    def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
+        chosen = self._next
+        self._next = (self._next + 1) % self.num_instances
+        return chosen
+
+
+class LeastLoadedRouter:
+    def __init__(self, num_instances: int) -> None:
+        self.num_instances = num_instances
+
+    def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
+        return least_loaded(loads)
+
+
+class PrefixAwareRouter:
+    def __init__(self, num_instances: int, block_size: int, max_blocks: int = 32,
+                 capacity: int = 1 << 16, balance_slack: int = 16) -> None:
+        self.num_instances = num_instances
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.capacity, self.balance_slack = capacity, balance_slack
+        # per instance: chained hashes of routed prompts' leading blocks, oldest first (LRU)
+        self._seen: list[dict[int, None]] = [{} for _ in range(num_instances)]
+
+    def block_chain(self, tokens: list[int]) -> list[int]:
+        """Hashes of the leading full blocks, each covering every token before it. Python
+        hashes of int tuples are not salted, so the chain is the same in every run."""
+        bs = self.block_size
+        chain, h = [], 0
+        for k in range(min(len(tokens) // bs, self.max_blocks)):
+            h = hash((h, tuple(tokens[k * bs:(k + 1) * bs])))
+            chain.append(h)
+        return chain
+
+    def match_len(self, instance: int, chain: list[int]) -> int:
+        seen = self._seen[instance]
+        n = 0
+        while n < len(chain) and chain[n] in seen:
+            n += 1
+        return n
+
+    def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
+        chain = self.block_chain(tokens)
+        matches = [self.match_len(i, chain) for i in range(self.num_instances)]
+        best = max(range(self.num_instances), key=lambda i: (matches[i], -loads[i], -i))
+        fallback = min(range(self.num_instances),
+                       key=lambda i: (loads[i], len(self._seen[i]), i))
+        if matches[best] == 0 or loads[best] > loads[fallback] + self.balance_slack:
+            best = fallback
+        self._remember(best, chain)
+        return best
+
+    def _remember(self, instance: int, chain: list[int]) -> None:
+        seen = self._seen[instance]
+        for h in chain:
+            seen.pop(h, None)
+            seen[h] = None
+        while len(seen) > self.capacity:
+            del seen[next(iter(seen))]
+
+
+def make_router(name: str, num_instances: int, block_size: int):
+    if name == "round-robin":
+        return RoundRobinRouter(num_instances)
+    if name == "least-loaded":
+        return LeastLoadedRouter(num_instances)
+    if name == "prefix-aware":
+        return PrefixAwareRouter(num_instances, block_size)
+    raise ValueError(f"unknown router {name!r}; known: {', '.join(ROUTERS)}")

@@ -1,0 +1,219 @@
+"""`tokenweir study frontier | pool | policies`: canned simulator studies. Each writes
+<out-dir>/<study>.csv and <study>.png and prints its table. Defaults: a 7B-class shape
+(llama-7b) on one H100, so each runs in seconds to a minute.
+
+- frontier: a long prompt (30,000 tokens) arrives among steady decodes; one point per chunk
+  size (long_prefill_token_threshold = chunk, budget = chunk + one token per decode). Plots the
+  long prompt's TTFT against the p99 inter-token latency the other requests see while it
+  prefills (gaps ending between its arrival and its first token: the interference the chunk
+  size trades). Larger chunks: lower TTFT, higher ITL.
+- pool: a fixed workload over a range of KV pool sizes (num_gpu_blocks_override), admission
+  without full-sequence reservation: total steps and preemptions against blocks (the hockey
+  stick: below some size, preemption and recompute blow up).
+- policies: victim policy (fcfs / priority / cost) x preemption mode (recompute / swap / auto)
+  on one memory-pressured workload with two priority classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Any, Optional
+
+from tokenweir.sim.hardware import HARDWARE_PROFILES, MODEL_SHAPES
+from tokenweir.sim.metrics import percentile
+from tokenweir.sim.plots import (format_table, parallel_map, plot_grouped_bars, plot_xy,
+                                 write_csv)
+from tokenweir.sim.workload import RequestSpec, synthetic
+
+STUDIES = ("frontier", "pool", "policies")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def add_study_parser(subparsers) -> None:
+    study = subparsers.add_parser("study", help="canned simulator studies: CSV + PNG + table")
+    kinds = study.add_subparsers(dest="study", required=True)
+    for name, help_text in (("frontier", "TTFT of a long prompt vs p99 ITL of steady decodes, "
+                                         "one point per chunk size"),
+                            ("pool", "steps and preemptions vs KV pool size (hockey stick)"),
+                            ("policies", "victim policies x preemption modes under memory "
+                                         "pressure")):
+        p = kinds.add_parser(name, help=help_text)
+        p.add_argument("--out-dir", default="study-out", help="CSV and PNG go here")
+        p.add_argument("--model-shape", default="llama-7b", choices=sorted(MODEL_SHAPES))
+        p.add_argument("--hardware", default="h100", choices=sorted(HARDWARE_PROFILES))
+        p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--jobs", type=int, default=0, help="processes (0: one per CPU)")
+        if name == "frontier":
+            p.add_argument("--long-prompt", type=int, default=30000)
+            p.add_argument("--num-decodes", type=int, default=32)
+            p.add_argument("--decode-prompt", type=int, default=256)
+            p.add_argument("--decode-output", type=int, default=1024)
+            p.add_argument("--long-arrival", type=float, default=0.2, help="seconds")
+            p.add_argument("--chunks", type=_ints,
+                           default=[256, 512, 1024, 2048, 4096, 8192, 16384])
+        else:
+            p.add_argument("--num-requests", type=int, default=200 if name == "pool" else 300)
+            p.add_argument("--prompt-len", default="lognormal:512:0.5")
+            p.add_argument("--output-len", default="lognormal:256:0.5")
+            p.add_argument("--request-rate", type=float,
+                           default=math.inf if name == "pool" else 8.0)
+        if name == "pool":
+            p.add_argument("--blocks", type=_ints, default=None,
+                           help="pool sizes (default: 10 sizes from the smallest that fits one "
+                                "request to room for the whole workload)")
+        if name == "policies":
+            p.add_argument("--blocks", type=int, default=None,
+                           help="pool size (default: 1/16 of what the whole workload needs at once)")
+            p.add_argument("--priority-mix", default="0:0.3,1:0.7")
+
+
+def run_study(args: argparse.Namespace) -> int:
+    os.makedirs(args.out_dir, exist_ok=True)
+    rows, columns, png = {"frontier": frontier, "pool": pool,
+                          "policies": policies}[args.study](args)
+    csv_path = os.path.join(args.out_dir, f"{args.study}.csv")
+    write_csv(rows, csv_path)
+    print(f"--- tokenweir study {args.study}: {args.model_shape} on {args.tp} x {args.hardware} ---")
+    print(format_table(rows, columns))
+    print(f"wrote {csv_path}")
+    print(f"wrote {png}")
+    return 0
+
+
+def _png(args: argparse.Namespace) -> str:
+    return os.path.join(args.out_dir, f"{args.study}.png")
+
+
+# ---- frontier ----------------------------------------------------------------------------
+def frontier_specs(args: argparse.Namespace) -> list[RequestSpec]:
+    specs = [RequestSpec(f"d{i}", 0.0, args.decode_prompt, args.decode_output, index=i)
+             for i in range(args.num_decodes)]
+    specs.append(RequestSpec("long", args.long_arrival, args.long_prompt, 16,
+                             index=args.num_decodes))
+    return specs
+
+
+def frontier_point(job: tuple) -> dict:
+    from tokenweir.sim.cluster import build_cluster
+
+    chunk, args, specs = job
+    kwargs = {"max_num_batched_tokens": chunk + args.num_decodes,
+              "long_prefill_token_threshold": chunk, "enable_prefix_caching": False,
+              "max_model_len": max(args.long_prompt + 16, args.decode_prompt + args.decode_output)}
+    cluster = build_cluster(kwargs, specs, args.model_shape, args.hardware, args.tp,
+                            record_itl_times=True)
+    result = cluster.run()
+    inst = cluster.instances[0]
+    long = inst.records["long"]
+    window = [gap for gap, t, rid in zip(inst.itl, inst.itl_times, inst.itl_ids)
+              if rid != "long" and long.arrival < t <= long.first_token]
+    others = sorted(gap for gap, rid in zip(inst.itl, inst.itl_ids) if rid != "long")
+    if not window or any(r.finished <= long.first_token
+                         for r in result.overall.requests if r.request_id != "long"):
+        raise ValueError(f"chunk {chunk}: the decodes did not outlast the long prompt's "
+                         f"prefill; raise --decode-output")
+    window.sort()
+    return {"chunk": chunk, "long_ttft_ms": (long.first_token - long.arrival) * 1000,
+            "itl_p99_ms": percentile(window, 99) * 1000,
+            "itl_max_ms": window[-1] * 1000,
+            "itl_p50_ms": percentile(window, 50) * 1000,
+            "itl_p99_all_ms": percentile(others, 99) * 1000,
+            "prefill_steps": sum(1 for s in result.overall.steps
+                                 if long.arrival <= s.start < long.first_token)}
+
+
+def frontier(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
+    specs = frontier_specs(args)
+    rows = parallel_map(frontier_point, [(c, args, specs) for c in sorted(args.chunks)],
+                        args.jobs, "frontier")
+    png = plot_xy(rows, "itl_p99_ms", ["long_ttft_ms"], _png(args),
+                  f"{args.long_prompt}-token prompt among {args.num_decodes} decodes "
+                  f"(labels: chunk size)", annotate="chunk")
+    return rows, list(rows[0]), png
+
+
+# ---- pool --------------------------------------------------------------------------------
+def _workload(args: argparse.Namespace, **kw: Any) -> tuple[list[RequestSpec], int]:
+    """The study's seeded workload and a max_model_len that just holds its longest request."""
+    specs = synthetic(args.num_requests, args.request_rate, seed=args.seed,
+                      prompt=args.prompt_len, output=args.output_len, max_model_len=8192, **kw)
+    return specs, max(s.prompt_len + s.output_len for s in specs)
+
+
+def _blocks_needed(specs: list[RequestSpec], block_size: int = 16) -> tuple[int, int]:
+    """(blocks for the longest request, blocks for every request at once), null included."""
+    per = [-(-(s.prompt_len + s.output_len) // block_size) for s in specs]
+    return max(per) + 1, sum(per) + 1
+
+
+def _sim_point(job: tuple) -> dict:
+    from tokenweir.sim.build import build_simulation
+    from tokenweir.sim.metrics import summarize
+
+    label, kwargs, specs, model_shape, hardware, tp = job
+    sim = build_simulation(kwargs, specs, model_shape, hardware, tp)
+    result = sim.run()
+    m = summarize(result)
+    stats = result.stats
+    high = sorted(r.finished - r.arrival for r in result.requests if r.priority == 0)
+    return {**label, "num_steps": m["num_steps"], "preemptions": m["preemptions"],
+            "swapped_out": stats.num_swapped_out, "recompute_tax": m["recompute_tax"],
+            "sim_seconds": m["sim_seconds"], "request_throughput": m["request_throughput"],
+            "ttft_p99_ms": m["ttft_p99_ms"], "e2e_p99_ms": m["e2e_p99_ms"],
+            "e2e_p99_prio0_ms": percentile(high, 99) * 1000 if high else math.nan}
+
+
+def default_pool_grid(smallest: int, roomy: int, points: int = 10) -> list[int]:
+    """`points` sizes spaced geometrically from `smallest` to `roomy`, distinct, ascending."""
+    if roomy <= smallest:
+        return [smallest]
+    ratio = (roomy / smallest) ** (1 / (points - 1))
+    return sorted({int(round(smallest * ratio ** k)) for k in range(points)})
+
+
+def pool(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
+    specs, max_len = _workload(args)
+    smallest, roomy = _blocks_needed(specs)
+    grid = args.blocks or default_pool_grid(smallest, roomy)
+    base = {"max_model_len": max_len, "enable_prefix_caching": False,
+            "scheduler_reserve_full_isl": False}
+    jobs = [({"blocks": b}, {**base, "num_gpu_blocks_override": b}, specs, args.model_shape,
+             args.hardware, args.tp) for b in grid]
+    rows = parallel_map(_sim_point, jobs, args.jobs, "pool")
+    png = plot_xy(rows, "blocks", ["num_steps", "preemptions", "sim_seconds"], _png(args),
+                  f"{args.num_requests} requests, pool size sweep", logx=True)
+    columns = ["blocks", "num_steps", "preemptions", "recompute_tax", "sim_seconds",
+               "request_throughput"]
+    return rows, columns, png
+
+
+# ---- policies ----------------------------------------------------------------------------
+VICTIMS = ("fcfs", "priority", "cost")
+MODES = ("recompute", "swap", "auto")
+
+
+def policies(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
+    specs, max_len = _workload(args, priority_mix=args.priority_mix)
+    smallest, roomy = _blocks_needed(specs)
+    blocks = args.blocks or max(smallest, roomy // 16)
+    base = {"max_model_len": max_len, "enable_prefix_caching": False,
+            "scheduler_reserve_full_isl": False, "num_gpu_blocks_override": blocks}
+    jobs = [({"victim": v, "mode": m},
+             {**base, "preemption_policy": v, "preemption_mode": m}, specs,
+             args.model_shape, args.hardware, args.tp) for v in VICTIMS for m in MODES]
+    rows = parallel_map(_sim_point, jobs, args.jobs, "policies")
+    png = plot_grouped_bars(rows, "victim", "mode",
+                            ["preemptions", "recompute_tax", "e2e_p99_ms", "e2e_p99_prio0_ms"],
+                            _png(args), f"{args.num_requests} requests, {blocks} KV blocks")
+    columns = ["victim", "mode", "preemptions", "swapped_out", "recompute_tax",
+               "request_throughput", "ttft_p99_ms", "e2e_p99_ms", "e2e_p99_prio0_ms"]
+    return rows, columns, png
