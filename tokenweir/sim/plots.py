@@ -92,7 +92,8 @@ def plot_xy(rows: list[dict], x: str, ys: Sequence[str], path: str, title: str,
             logx: bool = False, annotate: Optional[str] = None) -> str:
     """One panel per y column against x (numeric)."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(ys), figsize=(4.5 * len(ys), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(ys), figsize=(max(6.5, 4.5 * len(ys)), 3.8),
+                             squeeze=False)
     for ax, y in zip(axes[0], ys):
         ax.plot([r[x] for r in rows], [r[y] for r in rows], marker="o")
         if logx:
@@ -103,7 +104,7 @@ def plot_xy(rows: list[dict], x: str, ys: Sequence[str], path: str, title: str,
                             textcoords="offset points", xytext=(3, 3))
         ax.set_xlabel(x)
         ax.set_ylabel(y)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -118,7 +119,8 @@ def plot_grouped_bars(rows: list[dict], group: str, series: str, ys: Sequence[st
     kinds = list(dict.fromkeys(r[series] for r in rows))
     by_key = {(r[group], r[series]): r for r in rows}
     width = 0.8 / len(kinds)
-    fig, axes = plt.subplots(1, len(ys), figsize=(4.5 * len(ys), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(ys), figsize=(max(6.5, 4.5 * len(ys)), 3.8),
+                             squeeze=False)
     for ax, y in zip(axes[0], ys):
         for offset, kind in enumerate(kinds):
             xs = [g + offset * width for g in range(len(groups))]
@@ -128,7 +130,7 @@ def plot_grouped_bars(rows: list[dict], group: str, series: str, ys: Sequence[st
         ax.set_xlabel(group)
         ax.set_title(y)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
