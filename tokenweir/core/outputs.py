@@ -69,6 +69,17 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True, slots=True)
+class CutReport:
+    """A step cut short at an attention-layer boundary (runner/interrupt.py): layers
+    0..layer_index-1 ran, none after; nothing was sampled."""
+
+    step_id: int
+    layer_index: int
+    num_layers: int
+    victim_id: str
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     # Request id -> tokens sampled this step (one, or none for a chunk short of the end).
@@ -76,6 +87,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Seconds the step took on the runner's clock (wall clock, or virtual for the simulator).
     step_seconds: Optional[float] = None
+    cut: Optional[CutReport] = None  # set when the step was cut: roll it back, do not update
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

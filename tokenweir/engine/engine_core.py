@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable, Iterable, Protocol
 
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -23,21 +24,39 @@ class EngineCore:
         self.executor = executor
         self.clock = clock
         self.metrics = EngineMetrics()
+        # Requests submitted from other threads; handed to the scheduler at the next step.
+        self.inbox: deque[Request] = deque()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    def submit(self, request: Request) -> None:
+        """Thread-safe add: may be called while step() runs (the SLO monitor sees it at once,
+        the scheduler at the next step)."""
+        self.inbox.append(request)
+
+    def pending_arrivals(self) -> list[Request]:
+        return list(self.inbox)
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.inbox) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        while self.inbox:
+            self.scheduler.add_request(self.inbox.popleft())
         scheduler_output = self.scheduler.schedule(now=self.clock())
         runner_output = self.executor.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
-                                                    now=self.clock())
+        cut = runner_output.cut
+        if cut is not None:  # the step never happened, except for the work it wasted
+            self.scheduler.roll_back_cut_step(scheduler_output, cut.victim_id, cut.layer_index,
+                                              cut.num_layers)
+            outputs = []
+        else:
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                        now=self.clock())
         self.metrics.record_step(scheduler_output, runner_output, self.scheduler)
         return outputs

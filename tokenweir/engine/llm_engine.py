@@ -16,10 +16,12 @@ from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.engine_core import EngineCore
 from tokenweir.engine.output_processor import OutputProcessor
+from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
 from tokenweir.model.attention import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model, preferred_dtype
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import Request, RequestStatus, SamplingParams
+from tokenweir.runner.interrupt import CutSignal
 from tokenweir.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenweir")
@@ -115,11 +117,37 @@ class LLMEngine:
             scheduler.costs = runner.measure_preemption_costs()
             logger.info("measured preemption costs: %s", scheduler.costs)
         self.core = EngineCore(scheduler, runner)
+        self.slo_monitor: Optional[SLOMonitor] = None
+        if scheduler.slo_enabled:
+            self._start_slo(config, scheduler, runner, loaded.arch.num_layers)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info("tokenweir engine: model=%s dtype=%s device=%s max_model_len=%d "
                     "kv blocks=%d x %d tokens", self.model_name, self.dtype, self.device,
                     self.max_model_len, num_blocks, config.cache.block_size)
+
+    def _start_slo(self, config: EngineConfig, scheduler: Scheduler, runner,
+                   num_layers: int) -> None:
+        """slo policy: the TTFT predictor, and (mid-step cuts on) the cut signal the runner
+        obeys plus the monitor thread that writes it."""
+        scheduler.ttft_predictor = resolve_ttft_predictor(config.scheduler,
+                                                          runner.measure_ttft_line)
+        logger.info("slo TTFT predictor: %s", scheduler.ttft_predictor)
+        if config.scheduler.slo_mid_step_cut:
+            signal = CutSignal(num_layers, config.scheduler.slo_cut_layer_fraction)
+            runner.cut_signal = signal
+            self.slo_monitor = SLOMonitor(scheduler, signal, self.core.pending_arrivals,
+                                          self.core.clock).start()
+
+    def submit_request(self, request: Request, prompt: Optional[str]) -> None:
+        """Like add_request, but safe to call from another thread while step() runs."""
+        self.outputs.add_request(request, prompt)
+        self.core.submit(request)
+
+    def shutdown(self) -> None:
+        """Stop the SLO monitor thread (if any); the engine is not usable afterwards."""
+        if self.slo_monitor is not None:
+            self.slo_monitor.stop()
 
     @property
     def scheduler(self) -> Scheduler:

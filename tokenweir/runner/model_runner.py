@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
 from tokenweir.model.sampler import sample
 from tokenweir.request import SamplingParams
+from tokenweir.runner.interrupt import CutSignal, StepCut, make_layer_hook
 
 
 @dataclass(slots=True)
@@ -57,16 +59,27 @@ class ModelRunner:
                                                torch.device("cpu"))
                             if num_host_blocks else [])
         self.requests: dict[str, _RunnerRequest] = {}
+        # Set by the engine under the slo policy: the monitor's orders to cut a step.
+        self.cut_signal: Optional[CutSignal] = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """A cut step (see runner/interrupt.py) returns `cut` set and samples nothing; the
+        per-request copies then stand exactly as before the forward (state updates taken in,
+        nothing advanced), which is what the scheduler's rollback assumes."""
         start = time.perf_counter()
         self._update_states(out)
         self._swap(out)
         if out.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._make_batch(out)
-        hidden = self._forward(batch)
+        hook = make_layer_hook(self.cut_signal, out.step_id) if self.cut_signal else None
+        try:
+            hidden = self._forward(batch, hook)
+        except StepCut as cut:
+            report = CutReport(out.step_id, cut.layer_index, len(self.kv_caches), cut.victim_id)
+            return ModelRunnerOutput(sampled_token_ids={}, cut=report,
+                                     step_seconds=time.perf_counter() - start)
         sampled, logprobs = self._sample(batch, hidden, out.step_id)
         self._advance(batch, out, sampled)
         return ModelRunnerOutput(sampled_token_ids={r: [t] for r, t in sampled.items()},
@@ -100,6 +113,26 @@ class ModelRunner:
         per_block = self._best_time(round_trip, repeats) / (2 * len(pairs))
         return PreemptionCosts(prefill_seconds_per_token=per_token,
                                swap_seconds_per_block=per_block)
+
+    @torch.inference_mode()
+    def measure_ttft_line(self, short: int = 128, long: int = 1024,
+                          repeats: int = 2) -> tuple[float, float]:
+        """Fit ttft = a * tokens + c (seconds) through two timed solo prefills, logits of the
+        last token included. Call before serving: it writes scratch K/V into the pool."""
+        long = min(long, (self.kv_caches[0].shape[1] - 1) * self.block_size)
+        short = min(short, long // 2)
+
+        def prefill(n: int) -> None:
+            block_ids = list(range(1, -(-n // self.block_size) + 1))
+            attn = build_attention_metadata([n], [0], [block_ids], self.block_size, self.device)
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.arange(n, device=self.device), attn, self.kv_caches)
+            self.model.compute_logits(hidden[-1:])
+
+        t_short = self._best_time(lambda: prefill(short), repeats)
+        t_long = self._best_time(lambda: prefill(long), repeats)
+        a = max(0.0, (t_long - t_short) / (long - short))
+        return a, max(0.0, t_short - a * short)
 
     def _best_time(self, fn, repeats: int) -> float:
         fn()  # warm-up
@@ -161,13 +194,13 @@ class ModelRunner:
                 batch.sample_rows.append(len(batch.input_ids) - 1)
         return batch
 
-    def _forward(self, batch: _Batch) -> torch.Tensor:
+    def _forward(self, batch: _Batch, layer_hook=None) -> torch.Tensor:
         block_tables = [self.requests[r].block_ids for r in batch.req_ids]
         attn = build_attention_metadata(batch.query_lens, batch.context_lens, block_tables,
                                         self.block_size, self.device)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        return self.model(input_ids, positions, attn, self.kv_caches)
+        return self.model(input_ids, positions, attn, self.kv_caches, layer_hook=layer_hook)
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor, step_id: int):
         if not batch.sample_req_ids:

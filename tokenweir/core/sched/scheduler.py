@@ -508,12 +508,12 @@ class Scheduler:
                                         request.num_tokens - request.num_computed_tokens))
         return tuple(views)
 
-    def _slo_decide(self, prefills, waiters, now: float, ahead_seconds: float,
-                    backlog_tokens: int) -> tuple[slo.GateDecision, Optional[str]]:
+    def slo_decide(self, prefills, waiters, now: float,
+                   wait_seconds: float) -> tuple[slo.GateDecision, Optional[str]]:
+        """The configured gate (also called by the SLO monitor thread: reads config only)."""
         c = self.config
-        return slo.evaluate(waiters, prefills, now, self.ttft_predictor, ahead_seconds,
-                            backlog_tokens, c.slo_preempt_gate, c.slo_margin_ms / 1000,
-                            c.slo_max_preemptions)
+        return slo.evaluate(waiters, prefills, now, self.ttft_predictor, wait_seconds,
+                            c.slo_preempt_gate, c.slo_margin_ms / 1000, c.slo_max_preemptions)
 
     def _slo_between_steps(self, plan: _StepPlan) -> None:
         """Pause the running prefill the gate names for this step, so the urgent waiter can be
@@ -522,8 +522,8 @@ class Scheduler:
         if not prefills or not self.waiting:
             return
         backlog = sum(p.owed_tokens for p in prefills)
-        decision, waiter_id = self._slo_decide(prefills, self._waiter_views(), plan.now, 0.0,
-                                               backlog)
+        decision, waiter_id = self.slo_decide(prefills, self._waiter_views(), plan.now,
+                                              self.ttft_predictor.a * backlog)
         if not decision.fire:
             return
         victim = self.requests[decision.victim_id]
@@ -550,18 +550,11 @@ class Scheduler:
 
     def _slo_make_snapshot(self, output: SchedulerOutput, now: float) -> slo.StepSnapshot:
         counts = output.num_scheduled_tokens
-        prefills, backlog = [], 0
-        for request in self.running:
-            if not policy.is_prefilling(request):
-                continue
-            scheduled = counts.get(request.request_id, 0)
-            backlog += request.num_tokens - request.num_computed_tokens - scheduled
-            if scheduled > 1:
-                prefills.append(self._prefill_view(request))
+        prefills = tuple(self._prefill_view(r) for r in self.running
+                         if counts.get(r.request_id, 0) > 1)
         predicted = (self.ttft_predictor.predict(output.total_num_scheduled_tokens)
                      if counts else 0.0)
-        return slo.StepSnapshot(output.step_id, now, predicted, tuple(prefills),
-                                self._waiter_views(), backlog)
+        return slo.StepSnapshot(output.step_id, now, predicted, prefills, self._waiter_views())
 
     def roll_back_cut_step(self, scheduler_output: SchedulerOutput, victim_id: Optional[str],
                            layers_run: int, num_layers: int) -> None:

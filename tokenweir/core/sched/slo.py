@@ -181,21 +181,20 @@ class StepSnapshot:
     predicted_seconds: float
     prefills: tuple[PrefillView, ...]
     waiters: tuple[WaiterView, ...]
-    backlog_tokens: int  # prefill tokens owed by running requests after this step
 
 
 def evaluate(waiters: Sequence[WaiterView], prefills: Sequence[PrefillView], now: float,
-             predictor: TTFTPredictor, ahead_seconds: float, backlog_tokens: int, mode: str,
-             margin: float, max_slo_preemptions: int) -> tuple[GateDecision, Optional[str]]:
-    """Run the gate for the most urgent waiter with a deadline. `ahead_seconds` is time that
-    passes whatever the gate decides (the rest of a step in flight; 0 between steps);
-    waiting adds `backlog_tokens` of running prefill work before the waiter's own.
-    Returns the decision and the waiter's id."""
+             predictor: TTFTPredictor, wait_seconds: float, mode: str, margin: float,
+             max_slo_preemptions: int) -> tuple[GateDecision, Optional[str]]:
+    """Run the gate for the most urgent waiter with a deadline. Served now, its TTFT is
+    predict(its own tokens); if the gate holds it first waits `wait_seconds` (between steps:
+    the running prefills' backlog; inside a step: the rest of the step, after which the
+    between-steps pause can still admit it). Returns the decision and the waiter's id."""
     best = most_urgent_waiter(waiters, now, predictor)
     if best is None:
         return gate(None, (), mode, margin, max_slo_preemptions), None
-    served_now = ahead_seconds + predictor.predict(best.owed_tokens)
-    if_waits = ahead_seconds + predictor.predict(best.owed_tokens, backlog_tokens)
+    served_now = predictor.predict(best.owed_tokens)
+    if_waits = wait_seconds + served_now
     waiter = Waiter(best.request_id, slack(best.deadline, now, served_now),
                     slack(best.deadline, now, if_waits))
     candidates = [Candidate(p.request_id,

@@ -1,0 +1,187 @@
+"""Mid-forward cuts through the real runner: a cut step rolls back as if it never ran (every
+output identical to an uncut run), a stale order never cuts a later step, and the monitor
+thread really cuts a real-model prefill for an urgent arrival. Each test probes that the cut
+(or the refusal) really happened."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenweir import LLM, SamplingParams
+from tokenweir.core.sched.scheduler import SLO_MID_STEP
+from tokenweir.engine.slo_monitor import SLOMonitor
+from tokenweir.runner.interrupt import CutOrder, CutSignal
+
+from tests.engine.conftest import needs_smollm2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from tiny_models import make_tiny_model, save_tiny_tokenizer  # noqa: E402
+
+CHATML = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+TINY = dict(dtype="float32", device="cpu", max_model_len=256, block_size=8,
+            max_num_batched_tokens=48, long_prefill_token_threshold=32,
+            num_gpu_blocks_override=200, scheduling_policy="slo", slo_mid_step_cut=False,
+            slo_ttft_a_ms_per_token=1.0, slo_ttft_c_ms=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama-slo")
+    make_tiny_model("llama", str(path), seed=5)
+    save_tiny_tokenizer(str(path), CHATML)
+    return str(path)
+
+
+def _prompts(n: int = 6, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 380) for _ in range(rng.randint(20, 150))]}
+            for _ in range(n)]
+
+
+class LateSignal(CutSignal):
+    """Sees its order only from layer `from_layer` on: the monitor 'wrote it mid-forward',
+    so the layers before really ran and wrote K/V that the rollback must discard."""
+
+    def __init__(self, num_layers: int, from_layer: int) -> None:
+        super().__init__(num_layers, layer_fraction=0.9)
+        self.from_layer = from_layer
+        self.consulted = 0
+
+    def order_for(self, step_id: int, layer_index: int):
+        self.consulted += 1
+        if layer_index < self.from_layer:
+            return None
+        return super().order_for(step_id, layer_index)
+
+
+def _cutting_runner(llm: LLM, signal: CutSignal, cut_steps: set[int], reports: list):
+    """Make the runner obey `signal`, and write an order for every step in `cut_steps` that
+    carries a prefill chunk (the victim); records every CutReport."""
+    runner = llm.llm_engine.core.executor
+    runner.cut_signal = signal
+    execute = runner.execute
+
+    def wrapped(out):
+        prefills = [r for r, n in out.num_scheduled_tokens.items() if n > 1]
+        if out.step_id in cut_steps and prefills:
+            signal.order(CutOrder(out.step_id, prefills[0], "test", 0.0))
+        result = execute(out)
+        if result.cut is not None:
+            reports.append(result.cut)
+        return result
+
+    runner.execute = wrapped
+
+
+def test_cut_tiny_model_outputs_identical_to_uncut(tiny_llama):
+    baseline = LLM(tiny_llama, **TINY).generate(_prompts(), PARAMS, use_tqdm=False)
+    llm = LLM(tiny_llama, **TINY)
+    signal, reports = LateSignal(num_layers=2, from_layer=1), []
+    _cutting_runner(llm, signal, {1, 3, 4, 8}, reports)
+    outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
+    stats = llm.llm_engine.scheduler.stats
+    # probe: cuts really happened, after layer 0 had run
+    assert len(reports) >= 2 and stats.preemptions_by_cause[SLO_MID_STEP] == len(reports)
+    assert all(r.layer_index == 1 and r.num_layers == 2 for r in reports)
+    assert stats.slo_wasted_layer_tokens > 0
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [o.outputs[0].token_ids for o in baseline]
+
+
+def test_layer_fraction_refuses_a_late_cut(tiny_llama):
+    llm = LLM(tiny_llama, **TINY)
+    late = LateSignal(2, from_layer=1)  # the order shows up only before layer 1 of 2 ...
+    late.layer_fraction = 0.4  # ... which is past the fraction: only layer 0 may be cut
+    reports: list = []
+    _cutting_runner(llm, late, {1, 3}, reports)
+    llm.generate(_prompts(3), PARAMS, use_tqdm=False)
+    assert late.consulted > 0  # probe: the hook was asked at every boundary
+    assert reports == [] and llm.llm_engine.scheduler.stats.slo_cut_steps == 0
+
+
+def test_stale_target_step_never_cuts_a_later_step(tiny_llama):
+    """The scripted race: the monitor reads the snapshot of step N after N has finished and
+    orders N cut; step N+1 runs in full. A positive control shows the same monitor's order
+    does cut the step it names."""
+    kwargs = dict(TINY, slo_ttft_a_ms_per_token=1000.0)  # 48-token steps "take" 48 s
+    llm = LLM(tiny_llama, **kwargs)
+    engine = llm.llm_engine
+    runner = engine.core.executor
+    signal = CutSignal(num_layers=2, layer_fraction=0.9)
+    runner.cut_signal = signal
+    monitor = SLOMonitor(engine.scheduler, signal, engine.core.pending_arrivals,
+                         engine.core.clock)
+    long_req, text = engine.make_request({"prompt_token_ids": list(range(3, 203))}, PARAMS)
+    engine.add_request(long_req, text)
+    engine.step()  # step N: a prefill chunk of the long request
+    stale_id = engine.scheduler.slo_snapshot.step_id
+    urgent, text = engine.make_request({"prompt_token_ids": list(range(5, 15))}, PARAMS,
+                                       ttft_slo_ms=20_000.0)  # 10 s of work, 20 s to go
+    engine.submit_request(urgent, text)
+    order = monitor.check_once(engine.core.clock())  # the race: step N is already over
+    assert order is not None and order.step_id == stale_id  # probe: the gate did fire
+    engine.step()  # step N+1
+    assert engine.scheduler.stats.slo_cut_steps == 0
+    assert engine.scheduler.slo_snapshot.step_id == stale_id + 1
+    # positive control: an order naming the step in flight cuts it
+    signal.order(CutOrder(stale_id + 2, long_req.request_id, urgent.request_id, 0.0))
+    engine.step()
+    assert engine.scheduler.stats.slo_cut_steps == 1
+
+
+@needs_smollm2
+def test_monitor_thread_cuts_a_real_model_prefill(make_llm):
+    """The real model (30 layers): an urgent request arrives while an 800-token prefill
+    runs; the monitor thread orders the cut, the runner unwinds at a layer boundary, and every
+    output equals the uncut run's."""
+    common = dict(max_num_batched_tokens=2048, enable_prefix_caching=True,
+                  num_gpu_blocks_override=128, scheduling_policy="slo", slo_ttft_a_ms_per_token=0.5, slo_ttft_c_ms=10.0)
+    rng = random.Random(3)
+    long_prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(800)]}
+    short_prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(40)]}
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    uncut = make_llm(**common, slo_mid_step_cut=False)
+    expected = [o.outputs[0].token_ids
+                for o in uncut.generate([long_prompt, short_prompt], params, use_tqdm=False)]
+
+    llm = make_llm(**common)
+    engine = llm.llm_engine
+    long_req, _ = engine.make_request(long_prompt, params)
+    urgent, _ = engine.make_request(short_prompt, params, ttft_slo_ms=150.0)
+    engine.add_request(long_req, None)
+
+    def submit_when_the_prefill_runs() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            snap = engine.scheduler.slo_snapshot
+            if snap is not None and snap.prefills:
+                break
+            time.sleep(0.001)
+        time.sleep(0.02)
+        urgent.arrival_time = engine.core.clock()
+        engine.submit_request(urgent, None)
+
+    feeder = threading.Thread(target=submit_when_the_prefill_runs)
+    feeder.start()
+    results = {}
+    try:
+        while len(results) < 2:
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out.outputs[0].token_ids
+    finally:
+        feeder.join()
+        engine.shutdown()
+    stats = engine.scheduler.stats
+    assert engine.slo_monitor.num_orders >= 1  # probe: the monitor ordered
+    assert stats.slo_cut_steps >= 1 and stats.preemptions_by_cause[SLO_MID_STEP] >= 1
+    assert 0 <= stats.slo_wasted_layer_tokens < stats.slo_total_layer_tokens  # cut before 0.9
+    assert [results[long_req.request_id], results[urgent.request_id]] == expected

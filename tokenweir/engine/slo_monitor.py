@@ -1,0 +1,100 @@
+"""The SLO monitor: a daemon thread that decides, while a step runs, whether to cut it.
+
+It reads only immutable things: the scheduler's latest `StepSnapshot` (replaced whole after
+each schedule(), an atomic reference read), the requests that arrived since (a copy of the
+engine core's thread-safe inbox), and the scheduler's config and TTFT predictor. When the gate
+fires for the step in flight it writes one `CutOrder` naming that step's id; the runner obeys at
+its next attention-layer boundary (runner/interrupt.py). It never touches scheduler state:
+the rollback happens on the engine thread, after the runner has unwound.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+from tokenweir.core.sched import slo
+from tokenweir.request import Request
+from tokenweir.runner.interrupt import CutOrder, CutSignal
+
+logger = logging.getLogger("tokenweir")
+
+
+class SLOMonitor:
+    def __init__(self, scheduler, signal: CutSignal, arrivals: Callable[[], Sequence[Request]],
+                 clock: Callable[[], float] = time.monotonic, poll_seconds: float = 0.0005) -> None:
+        self.scheduler = scheduler
+        self.signal = signal
+        self.arrivals = arrivals  # requests submitted but not yet handed to the scheduler
+        self.clock = clock
+        self.poll_seconds = poll_seconds
+        self.num_orders = 0
+        self._last_ordered_step = -1
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "SLOMonitor":
+        self._thread = threading.Thread(target=self._run, name="tokenweir-slo-monitor",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.check_once(self.clock())
+            except Exception:  # noqa: BLE001 - a monitor bug must never kill serving
+                logger.exception("SLO monitor check failed")
+
+    def check_once(self, now: float) -> Optional[CutOrder]:
+        """One look at the step in flight; issues (and returns) at most one order per step."""
+        snapshot = self.scheduler.slo_snapshot
+        if snapshot is None or not snapshot.prefills or \
+                snapshot.step_id == self._last_ordered_step:
+            return None
+        waiters = snapshot.waiters + tuple(
+            slo.WaiterView(r.request_id, r.ttft_deadline, r.num_tokens)
+            for r in self.arrivals())
+        rest_of_step = max(0.0, snapshot.predicted_seconds - (now - snapshot.started_at))
+        decision, waiter_id = self.scheduler.slo_decide(snapshot.prefills, waiters, now,
+                                                        rest_of_step)
+        if not decision.fire:
+            return None
+        order = CutOrder(snapshot.step_id, decision.victim_id, waiter_id, now)
+        self.signal.order(order)
+        self._last_ordered_step = snapshot.step_id
+        self.num_orders += 1
+        return order
+
+
+def load_ttft_profile(path: str) -> tuple[float, float]:
+    """(a seconds per token, c seconds) from a JSON profile. Accepted layouts:
+    {"ttft": {"a": ..., "c": ...}} or {"ttft_a_s_per_token": ..., "ttft_c_s": ...}."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data.get("ttft"), dict):
+        return float(data["ttft"]["a"]), float(data["ttft"]["c"])
+    if "ttft_a_s_per_token" in data:
+        return float(data["ttft_a_s_per_token"]), float(data["ttft_c_s"])
+    raise ValueError(f"{path}: no TTFT predictor in the profile (expected a 'ttft' object with "
+                     f"'a' and 'c', or 'ttft_a_s_per_token' and 'ttft_c_s')")
+
+
+def resolve_ttft_predictor(config, measure: Callable[[], tuple[float, float]]
+                           ) -> slo.TTFTPredictor:
+    """Explicit coefficients win, then the profile, then `measure()` (start-up timing)."""
+    a_ms, c_ms = config.slo_ttft_a_ms_per_token, config.slo_ttft_c_ms
+    if a_ms is not None and c_ms is not None:
+        return slo.TTFTPredictor(a_ms / 1000, c_ms / 1000)
+    a, c = load_ttft_profile(config.slo_ttft_profile) if config.slo_ttft_profile else measure()
+    return slo.TTFTPredictor(a if a_ms is None else a_ms / 1000,
+                             c if c_ms is None else c_ms / 1000)
