@@ -20,6 +20,9 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 class Counter:
     name: str
     value: int
+    # Extra Prometheus labels, e.g. (("cause", "memory"),); several Counters may share a name
+    # with different labels (one family).
+    labels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -92,4 +95,21 @@ class EngineMetrics:
             Counter(PREFIX + "num_swapped_out", stats.num_swapped_out),
             Counter(PREFIX + "num_swapped_in", stats.num_swapped_in),
             Histogram(PREFIX + "iteration_tokens_total", it.count, it.sum, it.cumulative()),
+            *slo_metrics(stats),
         ]
+
+
+def slo_metrics(stats) -> list[Metric]:
+    """Preemption events by cause, the work mid-step cuts threw away (tokens x layers run),
+    and TTFT-target attainment per request class (the request's priority)."""
+    metrics: list[Metric] = [
+        Counter(PREFIX + "num_preemptions_by_cause", n, (("cause", cause),))
+        for cause, n in stats.preemptions_by_cause.items()]
+    metrics += [Counter(PREFIX + "slo_cut_steps", stats.slo_cut_steps),
+                Counter(PREFIX + "slo_cut_wasted_layer_tokens", stats.slo_wasted_layer_tokens),
+                Counter(PREFIX + "slo_cut_total_layer_tokens", stats.slo_total_layer_tokens)]
+    for slo_class, (met, missed) in sorted(stats.slo_attainment.items()):
+        labels = (("slo_class", slo_class),)
+        metrics += [Counter(PREFIX + "slo_ttft_met", met, labels),
+                    Counter(PREFIX + "slo_ttft_missed", missed, labels)]
+    return metrics

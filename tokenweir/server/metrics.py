@@ -21,6 +21,22 @@ def _histogram(name: str, doc: str, data: _HistogramData, labels: dict) -> Histo
     return family
 
 
+def _labeled_counters(snapshot, keys: list, values: list) -> list[CounterMetricFamily]:
+    """Counters that carry their own labels (preemptions by cause, SLO attainment by class):
+    one family per name, one sample per label set."""
+    families: dict[str, CounterMetricFamily] = {}
+    for metric in snapshot:
+        if not (isinstance(metric, Counter) and metric.labels):
+            continue
+        names = [k for k, _ in metric.labels]
+        family = families.get(metric.name)
+        if family is None:
+            family = families[metric.name] = CounterMetricFamily(
+                metric.name, metric.name, labels=[*keys, *names])
+        family.add_metric([*values, *(v for _, v in metric.labels)], metric.value)
+    return list(families.values())
+
+
 class EngineCollector:
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
@@ -28,7 +44,10 @@ class EngineCollector:
 
     def collect(self):
         keys, values = list(self.labels), list(self.labels.values())
-        for metric in list(self.engine.metrics_snapshot):
+        snapshot = list(self.engine.metrics_snapshot)
+        for metric in snapshot:
+            if isinstance(metric, Counter) and metric.labels:
+                continue  # grouped below: one family per name
             if isinstance(metric, Gauge):
                 family = GaugeMetricFamily(metric.name, metric.name, labels=keys)
                 family.add_metric(values, metric.value)
@@ -41,6 +60,7 @@ class EngineCollector:
             else:
                 continue
             yield family
+        yield from _labeled_counters(snapshot, keys, values)
         stats = self.engine.stats
         with self.engine.stats_lock:  # build under the lock, yield after
             families = self._request_families(stats, keys, values)
