@@ -154,7 +154,25 @@ class SchedulerConfig:
         return self.preemption_policy or self.scheduling_policy
 
 
-CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig)
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _f(
+        1, "ranks the model is sharded over (heads, KV heads, MLP); > 1 starts worker "
+        "processes (torch.distributed: gloo on CPU, NCCL on CUDA)")
+    distributed_timeout: float = _f(
+        60.0, "seconds a tensor-parallel collective or worker answer may take before the "
+        "group is declared failed")
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(
+                f"distributed_timeout must be positive, got {self.distributed_timeout}")
+
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
 
 
 @dataclass(frozen=True)
@@ -162,6 +180,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -177,7 +196,8 @@ class EngineConfig:
             parts[owner[name]][name] = value
         config = cls(model=ModelConfig(**parts[ModelConfig]),
                      cache=CacheConfig(**parts[CacheConfig]),
-                     scheduler=SchedulerConfig(**parts[SchedulerConfig]))
+                     scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+                     parallel=ParallelConfig(**parts[ParallelConfig]))
         config.validate()
         return config
 
@@ -185,3 +205,4 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.parallel.validate()

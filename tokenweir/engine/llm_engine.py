@@ -110,9 +110,19 @@ class LLMEngine:
                             num_host_blocks=num_host_blocks)
         scheduler = Scheduler(config.scheduler, kv, self.max_model_len)  # refuses a tiny pool
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        runner = ModelRunner(loaded.model, loaded.arch, num_blocks, config.cache.block_size,
-                             self.dtype, self.device, self.eos_token_ids, config.model.seed,
-                             num_host_blocks=num_host_blocks)
+        tp_size = config.parallel.tensor_parallel_size
+        if tp_size > 1:  # this process is rank 0; workers load the model from its path
+            from tokenweir.parallel.executor import TPExecutor
+            runner = TPExecutor(loaded.model, loaded.path, tp_size, num_blocks,
+                                config.cache.block_size, self.dtype, self.device,
+                                self.eos_token_ids, config.model.seed,
+                                num_host_blocks=num_host_blocks,
+                                timeout_s=config.parallel.distributed_timeout)
+        else:
+            runner = ModelRunner(loaded.model, loaded.arch, num_blocks,
+                                 config.cache.block_size, self.dtype, self.device,
+                                 self.eos_token_ids, config.model.seed,
+                                 num_host_blocks=num_host_blocks)
         if needs_measured_costs(config):
             scheduler.costs = runner.measure_preemption_costs()
             logger.info("measured preemption costs: %s", scheduler.costs)
@@ -145,9 +155,11 @@ class LLMEngine:
         self.core.submit(request)
 
     def shutdown(self) -> None:
-        """Stop the SLO monitor thread (if any); the engine is not usable afterwards."""
+        """Stop the SLO monitor thread (if any) and the tensor-parallel workers (if any); the
+        engine is not usable afterwards."""
         if self.slo_monitor is not None:
             self.slo_monitor.stop()
+        self.close()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -230,3 +242,9 @@ class LLMEngine:
 
     def get_metrics(self):
         return self.core.metrics.snapshot(self.scheduler)
+
+    def close(self) -> None:
+        """Release executor resources (tensor-parallel worker processes); idempotent."""
+        close = getattr(self.core.executor, "close", None)
+        if close is not None:
+            close()
