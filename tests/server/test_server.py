@@ -102,6 +102,12 @@ def _assert_error(resp, status, fragment=None):
         assert fragment in err["message"], err["message"]
 
 
+def _error_of_exception(exc: openai.APIStatusError) -> dict:
+    """The OpenAI error object (message, type, param, code) the openai client parsed."""
+    assert set(exc.body) == {"message", "type", "param", "code"}, exc.body
+    return exc.body
+
+
 # ---- happy paths ----------------------------------------------------------------------------
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data][0] == MODEL
@@ -170,25 +176,58 @@ def test_prompt_too_long(server, client):
     assert "1100" in message and "1024" in message
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n=2"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"logprobs": 99}, "logprobs"),
-])
-def test_bad_sampling_values(server, body, fragment):
-    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", **body}),
-                  400, fragment)
-
-
 def test_unknown_model_and_malformed_json(server):
     _assert_error(_post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 400,
                   "gpt-9")
     _assert_error(_post(server, "/v1/chat/completions", None, raw=b"{not json"), 400,
                   "malformed JSON")
     _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400)
+
+
+def _error_of(exc_info) -> dict:
+    """The OpenAI error object the openai client parsed out of the response."""
+    return _error_of_exception(exc_info.value)
+
+
+@pytest.mark.parametrize("kwargs, param, fragment", [
+    ({"n": 2}, "n", "n=2"),
+    ({"temperature": -1}, None, "temperature"),
+    ({"top_p": 0}, None, "top_p"),
+    ({"max_tokens": 0}, None, "max_tokens"),
+    ({"logprobs": 99}, "logprobs", "logprobs"),
+    ({"temperature": "hot"}, "temperature", "temperature"),
+    ({"model": "gpt-9"}, "model", "gpt-9"),
+])
+def test_completion_errors_with_openai_client(client, kwargs, param, fragment):
+    args = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(**args)
+    err = _error_of(exc)
+    assert exc.value.status_code == 400 and err["type"] == "invalid_request_error"
+    assert fragment in err["message"], err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_chat_errors_with_openai_client(server, client):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=messages, n=3)
+    assert _error_of(exc)["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="no-such-model", messages=messages)
+    assert _error_of(exc)["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as exc:  # malformed JSON, sent raw by the client
+        client.post("/chat/completions", cast_to=object, content=b'{"model": "x", ',
+                    options={"headers": {"Content-Type": "application/json"}})
+    assert "malformed JSON" in _error_of(exc)["message"]
+    with pytest.raises(openai.AuthenticationError) as exc:
+        openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0,
+                      http_client=httpx.Client(trust_env=False)).models.list()
+    assert exc.value.status_code == 401 and _error_of(exc)["code"] == "invalid_api_key"
+    # no error takes the engine down: the next request is served
+    ok = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    assert ok.choices[0].finish_reason in ("stop", "length") and ok.usage.completion_tokens > 0
 
 
 def test_auth(server):
@@ -209,7 +248,8 @@ def test_metrics_parse_and_move(server, client):
                  "prefix_cache_hits_total", "iteration_tokens_total_count",
                  "inter_token_latency_seconds_count", "request_queue_time_seconds_count"):
         assert "tokenweir:" + name in after, name
-    assert after["tokenweir:generation_tokens_total"] >= before["tokenweir:generation_tokens_total"] + 5
+    assert after["tokenweir:generation_tokens_total"] >= \
+        before["tokenweir:generation_tokens_total"] + 5
     assert after["tokenweir:prompt_tokens_total"] > before["tokenweir:prompt_tokens_total"]
     assert after["tokenweir:request_success_total[length]"] == \
         before["tokenweir:request_success_total[length]"] + 1
@@ -217,6 +257,34 @@ def test_metrics_parse_and_move(server, client):
         before["tokenweir:time_to_first_token_seconds_count"] + 1
     assert after["tokenweir:e2e_request_latency_seconds_count"] == \
         before["tokenweir:e2e_request_latency_seconds_count"] + 1
+
+
+# vLLM's metric names (vllm/v1/metrics/loggers.py, vllm 0.32) and Prometheus types that
+# tokenweir exports under its own prefix; labels model_name and engine as vLLM's.
+VLLM_METRICS = {
+    "num_requests_running": "gauge", "num_requests_waiting": "gauge",
+    "kv_cache_usage_perc": "gauge", "num_preemptions": "counter", "prompt_tokens": "counter",
+    "generation_tokens": "counter", "request_success": "counter",
+    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
+    "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
+    "iteration_tokens_total": "histogram",
+}
+
+
+def test_metric_names_types_and_labels_match_vllm(server):
+    text = httpx.get(server["base"] + "/metrics", timeout=10, trust_env=False).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, kind in VLLM_METRICS.items():
+        family = families.get("tokenweir:" + name)
+        assert family is not None, name
+        assert family.type == kind, (name, family.type)
+        for sample in family.samples:
+            assert sample.labels["model_name"] == MODEL and sample.labels["engine"] == "0"
+    reasons = {s.labels["finished_reason"] for s in families["tokenweir:request_success"].samples
+               if s.name.endswith("_total")}
+    assert {"stop", "length", "abort", "error"} <= reasons
+    assert not any(n.startswith("vllm:") for n in families)
 
 
 def test_disconnect_mid_stream_frees_kv(server):
@@ -247,34 +315,49 @@ def test_disconnect_mid_stream_frees_kv(server):
         before["tokenweir:generation_tokens_total"] < 900  # it did not run to the end
 
 
-def test_overload_returns_503_with_retry_after(server):
+def test_overload_returns_503_with_retry_after(server, client):
+    async def one(aclient):
+        try:
+            await aclient.completions.create(model=MODEL, prompt=list(range(1000, 1120)),
+                                             max_tokens=1)
+            return 200
+        except openai.APIStatusError as exc:
+            return exc
+
     async def go():
-        async with httpx.AsyncClient(trust_env=False, timeout=120,
-                                     limits=httpx.Limits(max_connections=200)) as http:
-            body = {"model": MODEL, "prompt": list(range(1000, 1120)), "max_tokens": 1}
-            headers = {"Authorization": f"Bearer {API_KEY}"}
-            return await asyncio.gather(*[
-                http.post(server["base"] + "/v1/completions", json=body, headers=headers)
-                for _ in range(2 * MAX_WAITING)])
-    responses = asyncio.run(go())
-    codes = [r.status_code for r in responses]
-    rejected = [r for r in responses if r.status_code == 503]
-    assert set(codes) <= {200, 503} and rejected and 200 in codes, codes
-    assert rejected[0].headers["retry-after"]
-    _assert_error(rejected[0], 503, "waiting")
+        aclient = openai.AsyncOpenAI(
+            base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120,
+            http_client=httpx.AsyncClient(trust_env=False,
+                                          limits=httpx.Limits(max_connections=200)))
+        return await asyncio.gather(*[one(aclient) for _ in range(2 * MAX_WAITING)])
+
+    outcomes = asyncio.run(go())
+    rejected = [o for o in outcomes if o != 200]
+    assert rejected and 200 in outcomes, outcomes  # probe: the queue really overflowed
+    for exc in rejected:
+        assert isinstance(exc, openai.InternalServerError) and exc.status_code == 503, exc
+    assert int(rejected[0].response.headers["retry-after"]) >= 1
+    err = _error_of_exception(rejected[0])
+    assert "waiting" in err["message"] and err["type"] == "service_unavailable"
     _wait_kv_free(server)
+    # the overload took nothing down: the next request is served
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
 
 
 # ---- load -----------------------------------------------------------------------------------
 def test_load_64_concurrent_streams(server):
     total, concurrency = 256, 64
     health_codes: list[int] = []
+    in_flight: list[float] = []  # running + waiting, as /metrics saw it during the load
     stop = threading.Event()
 
     def probe_health():
         with httpx.Client(trust_env=False, timeout=10) as http:
             while not stop.is_set():
                 health_codes.append(http.get(server["base"] + "/health").status_code)
+                m = _metrics(server)
+                in_flight.append(m["tokenweir:num_requests_running"]
+                                 + m["tokenweir:num_requests_waiting"])
                 time.sleep(0.2)
 
     async def one(aclient, sem, i):
@@ -312,6 +395,8 @@ def test_load_64_concurrent_streams(server):
     assert all(r == 8 for r in results)
     assert health_codes and all(c == 200 for c in health_codes)
     assert len(health_codes) >= 2 or elapsed < 1
+    # probe: the server really held a crowd at once (64 when measured)
+    assert max(in_flight) >= 32, (max(in_flight), in_flight)
     _wait_kv_free(server)
 
 

@@ -21,6 +21,27 @@ def _histogram(name: str, doc: str, data: _HistogramData, labels: dict) -> Histo
     return family
 
 
+# vLLM's help texts for the names it shares with us; the others are described by their name.
+_DOCS = {
+    "num_requests_running": "Number of requests in model execution batches.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "num_preemptions": "Cumulative number of preemption from the engine.",
+    "prompt_tokens": "Number of prefill tokens processed.",
+    "generation_tokens": "Number of generation tokens processed.",
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+}
+# Finish reasons exported (at 0) before any request ends with them, as vLLM does.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def _doc(name: str) -> str:
+    short = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    return _DOCS.get(short, short.replace("_", " ") + ".")
+
+
 def _labeled_counters(snapshot, keys: list, values: list) -> list[CounterMetricFamily]:
     """Counters that carry their own labels (preemptions by cause, SLO attainment by class):
     one family per name, one sample per label set."""
@@ -38,9 +59,12 @@ def _labeled_counters(snapshot, keys: list, values: list) -> list[CounterMetricF
 
 
 class EngineCollector:
+    """Labels as vLLM's: `model_name` (the first served name) and `engine` (always "0": one
+    engine per server), so a vLLM dashboard needs only the `vllm:` -> `tokenweir:` change."""
+
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
-        self.labels = {"model_name": model_name}
+        self.labels = {"model_name": model_name, "engine": "0"}
 
     def collect(self):
         keys, values = list(self.labels), list(self.labels.values())
@@ -49,13 +73,13 @@ class EngineCollector:
             if isinstance(metric, Counter) and metric.labels:
                 continue  # grouped below: one family per name
             if isinstance(metric, Gauge):
-                family = GaugeMetricFamily(metric.name, metric.name, labels=keys)
+                family = GaugeMetricFamily(metric.name, _doc(metric.name), labels=keys)
                 family.add_metric(values, metric.value)
             elif isinstance(metric, Counter):
-                family = CounterMetricFamily(metric.name, metric.name, labels=keys)
+                family = CounterMetricFamily(metric.name, _doc(metric.name), labels=keys)
                 family.add_metric(values, metric.value)
             elif isinstance(metric, Histogram):
-                family = HistogramMetricFamily(metric.name, metric.name, labels=keys)
+                family = HistogramMetricFamily(metric.name, _doc(metric.name), labels=keys)
                 family.add_metric(values, _buckets(metric.buckets), metric.sum)
             else:
                 continue
@@ -67,27 +91,24 @@ class EngineCollector:
         yield from families
 
     def _request_families(self, stats, keys, values) -> list:
-        return [
-            _histogram(PREFIX + "time_to_first_token_seconds",
-                             "Histogram of time to first token in seconds.", stats.ttft,
-                             self.labels),
-            _histogram(PREFIX + "inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", stats.itl,
-                             self.labels),
-            _histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Histogram of end-to-end request latency in seconds.", stats.e2e,
-                             self.labels),
-            _histogram(PREFIX + "request_queue_time_seconds",
-                             "Histogram of time spent waiting in the queue in seconds.",
-                       stats.queue, self.labels),
-            self._success(stats, keys, values)]
+        seconds = (("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                    stats.ttft),
+                   ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                    stats.itl),
+                   ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                    stats.e2e),
+                   ("request_queue_time_seconds",
+                    "Histogram of time spent in WAITING phase for request.", stats.queue))
+        return [*(_histogram(PREFIX + name, doc, data, self.labels)
+                  for name, doc, data in seconds),
+                self._success(stats, keys, values)]
 
     @staticmethod
     def _success(stats, keys, values) -> CounterMetricFamily:
         success = CounterMetricFamily(PREFIX + "request_success",
                                       "Count of finished requests by finish reason.",
                                       labels=[*keys, "finished_reason"])
-        for reason in sorted({"stop", "length", "abort", *stats.finished}):
+        for reason in sorted({*FINISH_REASONS, *stats.finished}):
             success.add_metric([*values, reason], stats.finished.get(reason, 0))
         return success
 
