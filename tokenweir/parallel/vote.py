@@ -6,7 +6,7 @@ Contract, on every rank, before decoder layer `i` of step `s`:
    SLO monitor's target_step_id equal s"), else 0;
 2. ALL ranks all-reduce the votes with MAX. The collective is entered unconditionally, so no
    rank can leave the forward pass before every rank has voted at this layer;
-3. if the reduced vote is 1, every rank raises `StepCut(s, i, victim)` (runner/interrupt.py):
+3. if the reduced vote is 1, every rank raises `StepCut(s, i, order)` (runner/interrupt.py):
    all ranks unwind at the SAME layer, because they all see the same reduced value. One rank
    voting 1 is enough. Each rank's `ModelRunner.execute` turns the StepCut into a `CutReport`;
    the driver's report (which names the victim) is the one the engine rolls back with.
@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tokenweir.runner.interrupt import CutSignal, StepCut
+from tokenweir.runner.interrupt import CutOrder, CutSignal, StepCut
 
 # (step_id, layer_index) -> True when this rank wants the step cut before that layer.
 ShouldCut = Callable[[int, int], bool]
@@ -50,18 +50,23 @@ class VoteOnce:
 
 class SignalVote:
     """The driver's local vote from the SLO monitor's `CutSignal` (runner/interrupt.py): the
-    order is read ONCE per layer; the victim it names is kept for the StepCut. A stale order
+    order is read ONCE per layer and kept for the StepCut (it names the victim). A stale order
     (for another step id) never votes, and the signal's stubbornness rule (no cut past its
     layer fraction) applies."""
 
     def __init__(self, signal: CutSignal) -> None:
         self.signal = signal
-        self.victim_id: Optional[str] = None
+        self.order: Optional[CutOrder] = None
 
     def __call__(self, step_id: int, layer: int) -> bool:
-        order = self.signal.order_for(step_id, layer)
-        self.victim_id = None if order is None else order.victim_id
-        return order is not None
+        self.order = self.signal.order_for(step_id, layer)
+        return self.order is not None
+
+
+def _unnamed_order(step_id: int) -> CutOrder:
+    """What a rank that did not see the order itself (another rank voted) cuts under: no
+    victim named; the driver's own order, when it had one, is what the engine rolls back with."""
+    return CutOrder(step_id=step_id, victim_id="", waiter_id="", issued_at=0.0)
 
 
 def make_vote_hook(should_cut: ShouldCut, step_id: int, device: torch.device,
@@ -73,7 +78,7 @@ def make_vote_hook(should_cut: ShouldCut, step_id: int, device: torch.device,
         vote.fill_(1 if should_cut(step_id, layer) else 0)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
         if int(vote.item()):  # every rank raises here, at this same layer
-            victim = getattr(should_cut, "victim_id", None)  # only the rank that saw the order
-            raise StepCut(step_id, layer, victim or "")
+            raise StepCut(step_id, layer, getattr(should_cut, "order", None)
+                          or _unnamed_order(step_id))
 
     return hook
