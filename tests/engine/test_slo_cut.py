@@ -142,7 +142,7 @@ def test_monitor_thread_cuts_a_real_model_prefill(make_llm):
     runs; the monitor thread orders the cut, the runner unwinds at a layer boundary, and every
     output equals the uncut run's."""
     common = dict(max_num_batched_tokens=2048, enable_prefix_caching=True,
-                  num_gpu_blocks_override=128, scheduling_policy="slo", slo_ttft_a_ms_per_token=0.5, slo_ttft_c_ms=10.0)
+                  num_gpu_blocks_override=160, scheduling_policy="slo", slo_ttft_a_ms_per_token=0.5, slo_ttft_c_ms=10.0)
     rng = random.Random(3)
     long_prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(800)]}
     short_prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(40)]}

@@ -78,6 +78,7 @@ class CutReport:
     layer_index: int
     num_layers: int
     victim_id: str
+    waiter_id: Optional[str] = None  # the urgent request the victim gives way to
 
 
 @dataclass(slots=True)

@@ -53,7 +53,7 @@ class EngineCore:
         cut = runner_output.cut
         if cut is not None:  # the step never happened, except for the work it wasted
             self.scheduler.roll_back_cut_step(scheduler_output, cut.victim_id, cut.layer_index,
-                                              cut.num_layers)
+                                              cut.num_layers, cut.waiter_id)
             outputs = []
         else:
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output,

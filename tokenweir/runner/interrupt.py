@@ -35,9 +35,10 @@ class StepCut(Exception):
     """Raised by the layer hook to unwind a forward pass; caught by the runner, never by
     callers of the runner."""
 
-    def __init__(self, step_id: int, layer_index: int, victim_id: str) -> None:
-        super().__init__(f"step {step_id} cut before layer {layer_index} (victim {victim_id})")
-        self.step_id, self.layer_index, self.victim_id = step_id, layer_index, victim_id
+    def __init__(self, step_id: int, layer_index: int, order: CutOrder) -> None:
+        super().__init__(f"step {step_id} cut before layer {layer_index} "
+                         f"(victim {order.victim_id})")
+        self.step_id, self.layer_index, self.order = step_id, layer_index, order
 
 
 class CutSignal:
@@ -75,6 +76,6 @@ def make_layer_hook(signal: CutSignal, step_id: int) -> Callable[[int], None]:
     def hook(layer_index: int) -> None:
         order = signal.order_for(step_id, layer_index)
         if order is not None:
-            raise StepCut(step_id, layer_index, order.victim_id)
+            raise StepCut(step_id, layer_index, order)
 
     return hook

@@ -77,7 +77,8 @@ class ModelRunner:
         try:
             hidden = self._forward(batch, hook)
         except StepCut as cut:
-            report = CutReport(out.step_id, cut.layer_index, len(self.kv_caches), cut.victim_id)
+            report = CutReport(out.step_id, cut.layer_index, len(self.kv_caches),
+                               cut.order.victim_id, cut.order.waiter_id)
             return ModelRunnerOutput(sampled_token_ids={}, cut=report,
                                      step_seconds=time.perf_counter() - start)
         sampled, logprobs = self._sample(batch, hidden, out.step_id)

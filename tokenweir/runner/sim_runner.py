@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 
 DEFAULT_EOS = 2
 _FIRST_REGULAR_TOKEN = 3
@@ -33,6 +33,9 @@ class SimRunner:
         self.computed: dict[str, int] = {}  # tokens whose KV the runner has written
         self.num_prompt: dict[str, int] = {}
         self.num_blocks: dict[str, int] = {}
+        # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
+        self.keep_undo = False
+        self._undo: dict[str, tuple[int, int]] = {}
 
     @property
     def num_tracked(self) -> int:
@@ -56,7 +59,22 @@ class SimRunner:
             self.num_blocks[rid] += len(cached.new_block_ids)
         seconds = self.latency_model.predict(out, self.computed) if out.num_scheduled_tokens \
             else 0.0
+        if self.keep_undo:
+            self._undo = {rid: (self.computed[rid], self.known[rid])
+                          for rid in out.num_scheduled_tokens}
         return ModelRunnerOutput(sampled_token_ids=self._advance(out), step_seconds=seconds)
+
+    def cut(self, out: SchedulerOutput, step_seconds: float, layer_index: int, num_layers: int,
+            victim_id: str, waiter_id: Optional[str] = None) -> ModelRunnerOutput:
+        """The last executed step (`out`, predicted to take `step_seconds`) is cut before layer
+        `layer_index`: undo its advance and samples, as the real runner never makes them, and
+        report the cut. The step lasted layer_index / num_layers of its time."""
+        for rid, (computed, known) in self._undo.items():
+            self.computed[rid], self.known[rid] = computed, known
+        self._undo = {}
+        return ModelRunnerOutput(
+            sampled_token_ids={}, step_seconds=step_seconds * layer_index / num_layers,
+            cut=CutReport(out.step_id, layer_index, num_layers, victim_id, waiter_id))
 
     def _forget(self, request_ids) -> None:
         for rid in request_ids:

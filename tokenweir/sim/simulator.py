@@ -22,6 +22,7 @@ from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.sched.scheduler import Scheduler, SchedulerStats
 from tokenweir.request import Request, SamplingParams
 from tokenweir.runner.sim_runner import DEFAULT_EOS, SimRunner
+from tokenweir.sim.slo_cuts import setup_slo
 from tokenweir.sim.workload import RequestSpec
 
 ARRIVAL, STEP_END, WAKE = 0, 1, 2
@@ -83,6 +84,9 @@ class Simulation:
         self.scheduler = Scheduler(config.scheduler, kv, max_model_len, costs=costs)
         self.targets: dict[str, int] = {}
         self.runner = SimRunner(latency_model, self.targets, check=check)
+        self.cutter = setup_slo(config, self.scheduler, self.runner, latency_model)
+        self._inflight = None  # the runner output the next valid STEP_END carries
+        self._inflight_out = None  # and the step it belongs to
         self.specs = sorted(specs, key=lambda s: (s.arrival, s.index))
         self.max_model_len = max_model_len
         self.record_steps, self.record_itl, self.check = record_steps, record_itl, check
@@ -117,6 +121,8 @@ class Simulation:
                     self._wake_pending = True
                     self._push(now, WAKE)
             elif kind == STEP_END:
+                if payload[1] is not self._inflight:
+                    continue  # superseded by a mid-step cut
                 self._finish_step(payload, now)
                 self._start_step(now)
             else:
@@ -143,6 +149,19 @@ class Simulation:
             spec.request_id, now, spec.prompt_len, spec.output_len, spec.priority,
             spec.ttft_slo_ms)
         self.scheduler.add_request(request)
+        if self.cutter is not None and self._busy:
+            self._cut_if_ordered(request, now)
+
+    def _cut_if_ordered(self, request: Request, now: float) -> None:
+        cut = self.cutter.on_arrival(request, now)
+        if cut is None:
+            return
+        end, runner_out = cut
+        out = self._inflight_out
+        self._inflight = runner_out
+        if self.record_steps:
+            self.steps[-1].seconds = runner_out.step_seconds
+        self._push(end, STEP_END, (out, runner_out))
 
     # ---- the engine loop ---------------------------------------------------------------
     def _start_step(self, now: float) -> None:
@@ -165,10 +184,20 @@ class Simulation:
                                          out.total_num_scheduled_tokens, scheduler.kv.usage(),
                                          scheduler.num_running, scheduler.num_waiting))
         self._busy = True
+        self._inflight, self._inflight_out = runner_out, out
+        if self.cutter is not None:
+            self.cutter.step_started(now, seconds, out)
         self._push(now + seconds, STEP_END, (out, runner_out))
 
     def _finish_step(self, payload, now: float) -> None:
         out, runner_out = payload
+        if runner_out.cut is not None:
+            cut = runner_out.cut
+            self.scheduler.roll_back_cut_step(out, cut.victim_id, cut.layer_index, cut.num_layers,
+                                              cut.waiter_id)
+            if self.check:
+                self.scheduler.check_integrity()
+            return
         records, last_token = self.records, self._last_token
         for eco in self.scheduler.update_from_output(out, runner_out, now):
             request = eco.request

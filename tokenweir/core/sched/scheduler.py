@@ -19,6 +19,7 @@ No torch, no clocks: `now` is passed in by whoever drives the scheduler.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -85,7 +86,8 @@ class _StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     paused: set[str] = field(default_factory=set)  # running prefills skipped for an urgent waiter
-    slo_waiter: Optional[str] = None  # the urgent waiter they were paused for
+    slo_waiter: Optional[str] = None  # the urgent waiter a victim was paused for this step
+    slo_victim: Optional[str] = None
 
     def add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -130,6 +132,10 @@ class Scheduler:
         # The latest StepSnapshot (slo policy): replaced whole after each schedule(), never
         # mutated, so a monitor thread may read it without a lock.
         self.slo_snapshot: Optional[slo.StepSnapshot] = None
+        # victim id -> the urgent request it gave way to: the victim gets no tokens (running)
+        # and is not admitted (waiting) until that request has its first token, so that its
+        # re-prefill never shares (and lengthens) the urgent request's prefill steps.
+        self._slo_holds: dict[str, str] = {}
 
     def _check_pool_fits_one_sequence(self) -> None:
         needed = self.kv.blocks_for_tokens(self.max_model_len)
@@ -196,7 +202,8 @@ class Scheduler:
         """Plan one step. `now` (the caller's clock) only stamps first_scheduled_time."""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, now=now)
         if self.slo_enabled:
-            self._slo_order(now)
+            plan.paused |= self._slo_active_holds()
+            self._slo_order(now, plan.paused)
             self._slo_between_steps(plan)
         if self.config.prioritize_prefill:
             self._schedule_running(plan, prefills=True, decodes=False)
@@ -205,7 +212,7 @@ class Scheduler:
         else:
             self._schedule_running(plan, prefills=True, decodes=True)
             self._schedule_waiting(plan)
-        if plan.paused:
+        if plan.slo_victim:
             self._slo_free_paused_if_memory_blocked(plan)
         output = self._make_output(plan)
         if self.slo_enabled:
@@ -293,6 +300,8 @@ class Scheduler:
             if 0 < self.config.max_num_seqs <= len(self.running):
                 break
             request = self.waiting.peek()
+            if request.request_id in plan.paused:
+                break  # an SLO victim held back: it and what sorts after it wait (slo only)
             admitted = self._try_admit(request, plan, num_partial)
             if admitted is None:
                 break
@@ -487,10 +496,22 @@ class Scheduler:
         return slo.edf_key(slo.slack(deadline, now, self.ttft_predictor.predict(owed)),
                            deadline, now)
 
-    def _slo_order(self, now: float) -> None:
-        """Waiting queue in EDF order; running decodes first (admission order), then running
-        prefills most urgent first, so an admitted urgent request gets its chunks first."""
-        self.waiting.reorder(lambda r: self._edf_key(r, now))
+    def _slo_active_holds(self) -> set[str]:
+        """Victims still held back; a hold ends when its urgent request has its first token
+        (or is gone)."""
+        for victim_id, waiter_id in list(self._slo_holds.items()):
+            waiter = self.requests.get(waiter_id)
+            if waiter is None or waiter.first_token_time is not None or \
+                    victim_id not in self.requests:
+                del self._slo_holds[victim_id]
+        return set(self._slo_holds)
+
+    def _slo_order(self, now: float, held: set[str]) -> None:
+        """Waiting queue in EDF order, held victims last; running decodes first (admission
+        order), then running prefills most urgent first, so an admitted urgent request gets
+        its chunks first."""
+        self.waiting.reorder(lambda r: -math.inf if r.request_id in held
+                             else self._edf_key(r, now))
         self.running.sort(key=lambda r: (1, -self._edf_key(r, now))
                           if policy.is_prefilling(r) else (0, 0.0))
 
@@ -518,7 +539,8 @@ class Scheduler:
     def _slo_between_steps(self, plan: _StepPlan) -> None:
         """Pause the running prefill the gate names for this step, so the urgent waiter can be
         admitted in its place; the victim keeps its blocks and computed tokens."""
-        prefills = [self._prefill_view(r) for r in self.running if policy.is_prefilling(r)]
+        prefills = [self._prefill_view(r) for r in self.running
+                    if policy.is_prefilling(r) and r.request_id not in plan.paused]
         if not prefills or not self.waiting:
             return
         backlog = sum(p.owed_tokens for p in prefills)
@@ -530,22 +552,22 @@ class Scheduler:
         victim.num_slo_preemptions += 1
         self.stats.preemptions_by_cause[SLO_BETWEEN_STEPS] += 1
         plan.paused.add(victim.request_id)
-        plan.slo_waiter = waiter_id
+        self._slo_holds[victim.request_id] = waiter_id
+        plan.slo_waiter, plan.slo_victim = waiter_id, victim.request_id
 
     def _slo_free_paused_if_memory_blocked(self, plan: _StepPlan) -> None:
         """The pause was not enough when the waiter still waits with budget and seats left:
-        its blocks are the problem, so the paused victims are preempted (their blocks freed,
-        re-queued) and admission is tried again."""
+        blocks are the problem, so this step's victim is preempted (its blocks freed,
+        re-queued, still held back) and admission is tried again."""
         waiter = self.requests.get(plan.slo_waiter) if plan.slo_waiter else None
         if waiter is None or waiter.status == RequestStatus.RUNNING or plan.token_budget <= 0:
             return
         if 0 < self.config.max_num_seqs <= len(self.running):
             return
-        for request_id in sorted(plan.paused):
-            victim = self.requests.get(request_id)
-            if victim is not None and victim.status == RequestStatus.RUNNING:
-                self._preempt(victim, plan, SLO_BETWEEN_STEPS, count_cause=False)
-        plan.paused.clear()
+        victim = self.requests.get(plan.slo_victim) if plan.slo_victim else None
+        if victim is None or victim.status != RequestStatus.RUNNING:
+            return
+        self._preempt(victim, plan, SLO_BETWEEN_STEPS, count_cause=False)
         self._schedule_waiting(plan)
 
     def _slo_make_snapshot(self, output: SchedulerOutput, now: float) -> slo.StepSnapshot:
@@ -557,7 +579,8 @@ class Scheduler:
         return slo.StepSnapshot(output.step_id, now, predicted, prefills, self._waiter_views())
 
     def roll_back_cut_step(self, scheduler_output: SchedulerOutput, victim_id: Optional[str],
-                           layers_run: int, num_layers: int) -> None:
+                           layers_run: int, num_layers: int,
+                           waiter_id: Optional[str] = None) -> None:
         """The step was cut at a layer boundary: call this INSTEAD of update_from_output.
 
         As if the step never ran: no request's num_computed_tokens advances, nothing is
@@ -572,6 +595,8 @@ class Scheduler:
         if victim is not None and victim.status == RequestStatus.RUNNING:
             victim.num_slo_preemptions += 1
             self._preempt(victim, _StepPlan(token_budget=0), SLO_MID_STEP)
+            if waiter_id is not None:
+                self._slo_holds[victim.request_id] = waiter_id
         tokens = scheduler_output.total_num_scheduled_tokens
         self.stats.slo_cut_steps += 1
         self.stats.slo_wasted_layer_tokens += tokens * layers_run

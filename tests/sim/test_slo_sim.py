@@ -1,0 +1,48 @@
+"""The slo policy in the simulator: an urgent arrival during a long prefill step cuts it (the
+step's time is truncated at the layer boundary), every request still finishes exactly once
+with its full output, and without cuts the same request waits."""
+
+from __future__ import annotations
+
+from tokenweir.sim.build import build_simulation
+from tokenweir.sim.workload import RequestSpec
+
+KW = dict(max_num_batched_tokens=4096, num_gpu_blocks_override=2000, max_model_len=8192,
+          scheduling_policy="slo")
+
+
+def _specs():
+    # a 4,000-token prompt (a ~14 s step on the CPU roofline profile), then an urgent
+    # 200-token one (~0.44 s alone) with a 1 s target
+    return [RequestSpec("long", 0.0, 4000, 8, index=0),
+            RequestSpec("urgent", 0.3, 200, 8, ttft_slo_ms=1000.0, index=1),
+            RequestSpec("later", 0.5, 300, 8, ttft_slo_ms=20_000.0, index=2)]
+
+
+def _run(**kw):
+    sim = build_simulation(dict(KW, **kw), _specs(), model_shape="smollm2-135m",
+                           hardware="cpu-epyc-2c", check=True)
+    result = sim.run()
+    return sim, {r.request_id: r for r in result.requests}
+
+
+def test_urgent_arrival_cuts_the_long_step():
+    sim, records = _run()
+    stats = sim.scheduler.stats
+    assert stats.slo_cut_steps == 1 and stats.preemptions_by_cause["slo-mid-step"] == 1
+    # truncated at the first layer boundary after the arrival (30 layers)
+    full = sim.runner.latency_model.step_time([(4000, 0)])
+    assert 0.3 <= sim.steps[0].seconds <= 0.3 + full / 30
+    assert 0 < stats.slo_wasted_layer_tokens < stats.slo_total_layer_tokens
+    urgent = records["urgent"]
+    assert urgent.first_token <= urgent.arrival + 1.0
+    for r in records.values():
+        assert r.num_finishes == 1 and r.num_output == r.target_output_len
+
+
+def test_without_cuts_the_urgent_request_waits_for_the_step():
+    sim, records = _run(slo_mid_step_cut=False)
+    assert sim.scheduler.stats.slo_cut_steps == 0
+    assert records["urgent"].first_token > records["urgent"].arrival + 1.0
+    cut_sim, _ = _run()
+    assert cut_sim.steps[0].seconds < sim.steps[0].seconds  # the cut truncated the step

@@ -1,0 +1,92 @@
+"""The SLO monitor and the layer-boundary cut, modelled on the simulator's virtual clock.
+
+The real engine's monitor thread polls; here it is consulted at each arrival during a step
+(the moment a new urgent request can change the gate's answer). It is the same SLOMonitor,
+reading the same scheduler snapshot, writing the same CutOrder into the same CutSignal; the
+runner's layer boundaries are evenly spaced in the step's predicted time, so an order issued at
+time t is obeyed at the next boundary, i = ceil((t - start) / seconds * num_layers), unless i
+is past the layer fraction. The cut step then lasts i / num_layers of its time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
+from tokenweir.request import Request
+from tokenweir.runner.interrupt import CutSignal
+from tokenweir.runner.sim_runner import SimRunner
+
+DEFAULT_NUM_LAYERS = 32
+
+
+class SimStepCutter:
+    def __init__(self, scheduler, runner: SimRunner, num_layers: int,
+                 layer_fraction: float) -> None:
+        self.runner = runner
+        self.num_layers = num_layers
+        self.signal = CutSignal(num_layers, layer_fraction)
+        self.arrived: list[Request] = []  # arrivals since the step in flight was scheduled
+        self.monitor = SLOMonitor(scheduler, self.signal, lambda: self.arrived)
+        self._step: Optional[tuple[float, float, SchedulerOutput]] = None
+        runner.keep_undo = True
+
+    def step_started(self, start: float, seconds: float, out: SchedulerOutput) -> None:
+        self._step = (start, seconds, out)
+        self.arrived = []
+
+    def on_arrival(self, request: Request, now: float
+                   ) -> Optional[tuple[float, ModelRunnerOutput]]:
+        """Called for each arrival while a step runs. Returns (the time the step ends, cut,
+        and the cut runner output) when the monitor orders the step in flight cut."""
+        self.arrived.append(request)
+        if self._step is None:
+            return None
+        start, seconds, out = self._step
+        order = self.monitor.check_once(now)
+        if order is None or order.step_id != out.step_id or seconds <= 0:
+            return None
+        layer = min(self.num_layers, math.ceil((now - start) / seconds * self.num_layers))
+        if self.signal.order_for(out.step_id, layer) is None:
+            return None  # past the layer fraction: the step refuses the cut
+        self._step = None
+        cut = self.runner.cut(out, seconds, layer, self.num_layers, order.victim_id,
+                              order.waiter_id)
+        return start + cut.step_seconds, cut
+
+
+def solo_ttft(latency_model, prompt_len: int, budget: int) -> float:
+    """Seconds from admission to first token of a request alone on the instance: its prompt
+    in budget-sized chunks, each chunk one step on the latency model."""
+    seconds, done = 0.0, 0
+    while done < prompt_len:
+        n = min(budget, prompt_len - done)
+        seconds += latency_model.step_time([(n, done)])
+        done += n
+    return seconds
+
+
+def fit_ttft_line(latency_model, budget: int, short: int = 256,
+                  long: int = 2048) -> tuple[float, float]:
+    """(a, c) of the line through the solo TTFTs of a short and a long prompt."""
+    t_short, t_long = (solo_ttft(latency_model, n, budget) for n in (short, long))
+    a = (t_long - t_short) / (long - short)
+    return a, max(0.0, t_short - a * short)
+
+
+def setup_slo(config, scheduler, runner: SimRunner, latency_model) -> Optional[SimStepCutter]:
+    """slo policy: the TTFT predictor (explicit, profile, else fitted to the latency model)
+    and, with mid-step cuts on, the cutter; None otherwise."""
+    sched = config.scheduler
+    if sched.scheduling_policy != "slo":
+        return None
+    if hasattr(latency_model, "step_time"):
+        scheduler.ttft_predictor = resolve_ttft_predictor(
+            sched, lambda: fit_ttft_line(latency_model, sched.max_num_batched_tokens))
+    if not sched.slo_mid_step_cut:
+        return None
+    shape = getattr(latency_model, "shape", None)
+    num_layers = shape.num_layers if shape is not None else DEFAULT_NUM_LAYERS
+    return SimStepCutter(scheduler, runner, num_layers, sched.slo_cut_layer_fraction)
