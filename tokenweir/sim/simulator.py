@@ -84,7 +84,8 @@ class Simulation:
         self.scheduler = Scheduler(config.scheduler, kv, max_model_len, costs=costs)
         self.targets: dict[str, int] = {}
         self.runner = SimRunner(latency_model, self.targets, check=check)
-        self.cutter = setup_slo(config, self.scheduler, self.runner, latency_model)
+        self.cutter = setup_slo(config, self.scheduler, self.runner, latency_model,
+                                max_model_len)
         self._inflight = None  # the runner output the next valid STEP_END carries
         self._inflight_out = None  # and the step it belongs to
         self.specs = sorted(specs, key=lambda s: (s.arrival, s.index))

@@ -68,15 +68,28 @@ def solo_ttft(latency_model, prompt_len: int, budget: int) -> float:
     return seconds
 
 
-def fit_ttft_line(latency_model, budget: int, short: int = 256,
-                  long: int = 2048) -> tuple[float, float]:
-    """(a, c) of the line through the solo TTFTs of a short and a long prompt."""
-    t_short, t_long = (solo_ttft(latency_model, n, budget) for n in (short, long))
-    a = (t_long - t_short) / (long - short)
-    return a, max(0.0, t_short - a * short)
+def fit_ttft_line(latency_model, budget: int, longest: int,
+                  num_points: int = 16) -> tuple[float, float, float]:
+    """(a, c, R^2): the line through the solo TTFTs of prompts evenly spread over
+    [longest / num_points, longest], least squares on RELATIVE error (weights 1/ttft^2), so
+    short prompts are predicted as well as long ones. Attention makes the true curve convex
+    on long contexts: R^2 says how well a line can do."""
+    xs = [longest * (i + 1) // num_points for i in range(num_points)]
+    ys = [solo_ttft(latency_model, x, budget) for x in xs]
+    ws = [1.0 / (y * y) for y in ys]
+    total = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / total
+    my = sum(w * y for w, y in zip(ws, ys)) / total
+    a = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / \
+        sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    c = my - a * mx
+    mean = sum(ys) / len(ys)
+    residual = sum((y - (a * x + c)) ** 2 for x, y in zip(xs, ys))
+    return a, c, 1.0 - residual / sum((y - mean) ** 2 for y in ys)
 
 
-def setup_slo(config, scheduler, runner: SimRunner, latency_model) -> Optional[SimStepCutter]:
+def setup_slo(config, scheduler, runner: SimRunner, latency_model,
+              max_model_len: int) -> Optional[SimStepCutter]:
     """slo policy: the TTFT predictor (explicit, profile, else fitted to the latency model)
     and, with mid-step cuts on, the cutter; None otherwise."""
     sched = config.scheduler
@@ -84,7 +97,8 @@ def setup_slo(config, scheduler, runner: SimRunner, latency_model) -> Optional[S
         return None
     if hasattr(latency_model, "step_time"):
         scheduler.ttft_predictor = resolve_ttft_predictor(
-            sched, lambda: fit_ttft_line(latency_model, sched.max_num_batched_tokens))
+            sched, lambda: fit_ttft_line(latency_model, sched.max_num_batched_tokens,
+                                         max_model_len)[:2])
     if not sched.slo_mid_step_cut:
         return None
     shape = getattr(latency_model, "shape", None)

@@ -497,12 +497,12 @@ class Scheduler:
                            deadline, now)
 
     def _slo_active_holds(self) -> set[str]:
-        """Victims still held back; a hold ends when its urgent request has its first token
-        (or is gone)."""
+        """Victims still held back; a hold ends when its urgent request has its first token,
+        is gone, or is itself held (so holds never form a cycle that nothing can break)."""
         for victim_id, waiter_id in list(self._slo_holds.items()):
             waiter = self.requests.get(waiter_id)
             if waiter is None or waiter.first_token_time is not None or \
-                    victim_id not in self.requests:
+                    victim_id not in self.requests or waiter_id in self._slo_holds:
                 del self._slo_holds[victim_id]
         return set(self._slo_holds)
 
@@ -525,6 +525,8 @@ class Scheduler:
         for request in self.waiting:
             if len(views) == self._SNAPSHOT_WAITERS:
                 break
+            if request.request_id in self._slo_holds:
+                continue  # held back: it cannot be admitted, so it cannot be the urgent one
             views.append(slo.WaiterView(request.request_id, self._ttft_deadline(request),
                                         request.num_tokens - request.num_computed_tokens))
         return tuple(views)
