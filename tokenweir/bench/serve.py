@@ -102,6 +102,7 @@ async def send_one(client, url: str, model: str, item: WorkItem, headers: dict,
         body["prompt"] = item.prompt
     start = time.perf_counter()
     last = start
+    pieces = 0  # text chunks: the output length when the server reports no usage
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -127,6 +128,7 @@ async def send_one(client, url: str, model: str, item: WorkItem, headers: dict,
                 piece = c.get("text") if not chat else (c.get("delta") or {}).get("content")
                 if not piece:
                     continue
+                pieces += 1
                 now = time.perf_counter()
                 if result.ttft == 0.0:
                     result.ttft = now - start
@@ -134,6 +136,7 @@ async def send_one(client, url: str, model: str, item: WorkItem, headers: dict,
                     result.itl.append(now - last)
                 last = now
         result.latency = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or pieces
         result.success = True
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
         result.error = f"{type(exc).__name__}: {exc}"
