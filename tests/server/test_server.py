@@ -400,6 +400,37 @@ def test_load_64_concurrent_streams(server):
     _wait_kv_free(server)
 
 
+# ---- bench serve -----------------------------------------------------------------------------
+def _bench_serve(server, tmp_path, key, name):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "tokenweir.server.cli", "bench", "serve", "--base-url",
+           server["base"], "--model", MODEL, "--api-key", key, "--num-prompts", "6",
+           "--input-len", "16", "--output-len", "4", "--length-dist", "uniform",
+           "--request-rate", "20", "--goodput", "ttft:600000", "--save-result", str(out),
+           "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "NO_PROXY": "127.0.0.1"})
+    return proc, json.loads(out.read_text())
+
+
+def test_bench_serve_cli_against_live_server(server, tmp_path):
+    before = _metrics(server)
+    proc, result = _bench_serve(server, tmp_path, API_KEY, "ok")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Serving Benchmark Result" in proc.stdout and "P99 TTFT (ms):" in proc.stdout
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"] and result["mean_tpot_ms"] > 0
+    # the client's token counts are the server's: it generated exactly what the client counted
+    after = _metrics(server)
+    assert result["total_output_tokens"] == \
+        after["tokenweir:generation_tokens_total"] - before["tokenweir:generation_tokens_total"]
+    # probe: a failing endpoint is reported as failures, not as a fast benchmark
+    proc, bad = _bench_serve(server, tmp_path, "wrong-key", "bad")
+    assert proc.returncode == 1 and bad["completed"] == 0 and bad["failed"] == 6
+    assert "401" in bad["errors"][0]
+
+
 # ---- shutdown (last: it stops the module's server) ------------------------------------------
 def test_sigterm_graceful(server):
     proc = server["proc"]
