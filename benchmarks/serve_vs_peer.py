@@ -46,6 +46,7 @@ from tokenweir.bench import serve as bench_serve  # noqa: E402
 
 THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput")
 LATENCY_NAMES = ("ttft", "tpot", "itl", "e2el")
+QUICK = {"num_prompts": 20, "input_len": 64, "output_len": 16, "probe_prompts": 12}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -106,8 +107,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="server logs")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.quick:
-        args.num_prompts, args.input_len, args.output_len, args.probe_prompts = 20, 64, 16, 12
+    if args.quick:  # smoke sizes, except where a flag set a value itself
+        for name, value in QUICK.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     return args
 
 
