@@ -61,6 +61,12 @@ class KVCacheManager:
         self.host_pool = HostBlockPool(num_host_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_registered: dict[str, int] = {}  # leading blocks already published
+        # Requests whose published blocks may lag their computed full blocks although no step
+        # filled a block (a swap-out unpublished some). For every other request,
+        # num_registered == num_computed_tokens // block_size between steps, so
+        # `register_computed_blocks` has work only after a step that fills a block
+        # (`needs_registration`; the scheduler inlines that test).
+        self.registration_behind: set[str] = set()
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -133,6 +139,14 @@ class KVCacheManager:
             parent = ROOT_PARENT if k == 0 else (blocks[k - 1].block_id, blocks[k - 1].generation)
             self.pool.register(blocks[k], self._key(parent, request.all_token_ids, k))
         self.num_registered[rid] = full
+        self.registration_behind.discard(rid)
+
+    def needs_registration(self, request: Request, num_new_tokens: int) -> bool:
+        """False only when `register_computed_blocks` would do nothing after a step that added
+        `num_new_tokens` to the request's computed tokens: no block filled, none lagging."""
+        return self.enable_prefix_caching and (
+            request.num_computed_tokens % self.block_size < num_new_tokens
+            or request.request_id in self.registration_behind)
 
     # ---- allocation --------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -146,13 +160,16 @@ class KVCacheManager:
         blocks added (cache hits included).
         """
         rid = request.request_id
+        held = self.req_to_blocks.get(rid)
+        if not computed_blocks and held is not None and \
+                request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
+            return []  # the hot path: a decode inside its last block
         hits = computed_blocks or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
-        held = self.req_to_blocks.get(rid)
         needed = cdiv(total, self.block_size) - (len(held) if held else 0) - len(hits)
         if needed <= 0 and not hits:
-            return []  # the hot path: a decode inside its last block
+            return []
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)  # touching takes them off the free list
         if needed + free_hits > self.pool.num_free_blocks - reserved_blocks:
             return None
@@ -175,6 +192,7 @@ class KVCacheManager:
         first, so a request's later blocks are reused before its earlier ones."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_registered.pop(request.request_id, None)
+        self.registration_behind.discard(request.request_id)
         self.pool.free_blocks(reversed(blocks))
         self.host_pool.free(self.req_to_host_blocks.pop(request.request_id, []))
 
@@ -206,6 +224,7 @@ class KVCacheManager:
         if not blocks:
             del self.req_to_blocks[rid]
         self.num_registered[rid] = min(self.num_registered.get(rid, 0), keep)
+        self.registration_behind.add(rid)
         host_ids = self.host_pool.allocate(len(moved))
         self.req_to_host_blocks[rid] = host_ids
         self.pool.free_blocks(reversed(moved))  # content stays cached for prefix hits

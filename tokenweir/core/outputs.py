@@ -5,7 +5,9 @@ one or the simulator's) keeps its own per-request state keyed by request id:
 
 - `scheduled_new_reqs` carry a request in full. A request re-admitted after preemption comes back
   here too (its runner state was dropped when it was preempted).
-- `scheduled_cached_reqs` carry only what changed: blocks appended this step.
+- `scheduled_cached_reqs` carry only what changed: blocks appended this step. (Stored as
+  parallel lists and built on first read: a runner that never reads them, the simulator's,
+  costs the scheduler nothing per running request.)
 - `preempted_req_ids` and `finished_req_ids` (since the previous step) tell the runner what to
   forget. A request never appears both as scheduled and as finished in one output.
 
@@ -42,9 +44,14 @@ class CachedRequestData:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # every scheduled request -> tokens this step (>= 1)
     total_num_scheduled_tokens: int
+    # The running (not new) requests scheduled this step, in order, with their computed tokens
+    # before it; `new_block_ids` holds the blocks each scheduled request got this step.
+    # Together they are `scheduled_cached_reqs`.
+    cached_req_ids: list[str] = field(default_factory=list)
+    cached_num_computed_tokens: list[int] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
     step_id: int = 0
@@ -52,6 +59,18 @@ class SchedulerOutput:
     # (host block, device block) and (device block, host block) pairs.
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    _cached_reqs: Optional[list[CachedRequestData]] = None
+
+    @property
+    def scheduled_cached_reqs(self) -> list[CachedRequestData]:
+        """One CachedRequestData per running request scheduled this step (built once)."""
+        if self._cached_reqs is None:
+            new_block_ids = self.new_block_ids
+            self._cached_reqs = [
+                CachedRequestData(req_id, new_block_ids[req_id], num_computed)
+                for req_id, num_computed in zip(self.cached_req_ids,
+                                                self.cached_num_computed_tokens)]
+        return self._cached_reqs
 
     @property
     def is_empty(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
+from tokenweir.sim.latency import StepTotals
 
 DEFAULT_EOS = 2
 _FIRST_REGULAR_TOKEN = 3
@@ -32,7 +33,7 @@ class SimRunner:
         self.known: dict[str, int] = {}  # tokens the runner knows (prompt + outputs so far)
         self.computed: dict[str, int] = {}  # tokens whose KV the runner has written
         self.num_prompt: dict[str, int] = {}
-        self.num_blocks: dict[str, int] = {}
+        self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
         self._undo: dict[str, tuple[int, int]] = {}
@@ -49,20 +50,32 @@ class SimRunner:
             self.known[rid] = len(new.token_ids)
             self.computed[rid] = new.num_computed_tokens
             self.num_prompt[rid] = new.num_prompt_tokens
-            self.num_blocks[rid] = len(new.block_ids)
-        for cached in out.scheduled_cached_reqs:
-            rid = cached.req_id
             if self.check:
-                assert self.computed[rid] == cached.num_computed_tokens, (
-                    f"{rid}: runner has {self.computed[rid]} computed, scheduler says "
-                    f"{cached.num_computed_tokens}")
-            self.num_blocks[rid] += len(cached.new_block_ids)
-        seconds = self.latency_model.predict(out, self.computed) if out.num_scheduled_tokens \
-            else 0.0
+                self.num_blocks[rid] = len(new.block_ids)
+        if self.check:
+            self._check_cached(out)
+        if not out.num_scheduled_tokens:
+            return ModelRunnerOutput(sampled_token_ids={}, step_seconds=0.0)
         if self.keep_undo:
             self._undo = {rid: (self.computed[rid], self.known[rid])
                           for rid in out.num_scheduled_tokens}
-        return ModelRunnerOutput(sampled_token_ids=self._advance(out), step_seconds=seconds)
+        predict_totals = getattr(self.latency_model, "predict_totals", None)
+        if predict_totals is None:  # a model that needs the whole step
+            seconds = self.latency_model.predict(out, self.computed)
+            sampled, _ = self._advance(out)
+        else:  # the step's sums are gathered while advancing: one pass over the batch
+            sampled, totals = self._advance(out)
+            seconds = predict_totals(totals)
+        return ModelRunnerOutput(sampled_token_ids=sampled, step_seconds=seconds)
+
+    def _check_cached(self, out: SchedulerOutput) -> None:
+        """The scheduler's view of each running request matches the runner's."""
+        for cached in out.scheduled_cached_reqs:
+            rid = cached.req_id
+            assert self.computed[rid] == cached.num_computed_tokens, (
+                f"{rid}: runner has {self.computed[rid]} computed, scheduler says "
+                f"{cached.num_computed_tokens}")
+            self.num_blocks[rid] += len(cached.new_block_ids)
 
     def cut(self, out: SchedulerOutput, step_seconds: float, layer_index: int, num_layers: int,
             victim_id: str, waiter_id: Optional[str] = None) -> ModelRunnerOutput:
@@ -79,27 +92,45 @@ class SimRunner:
     def _forget(self, request_ids) -> None:
         for rid in request_ids:
             if self.known.pop(rid, None) is not None:
-                del self.computed[rid], self.num_prompt[rid], self.num_blocks[rid]
+                del self.computed[rid], self.num_prompt[rid]
+                self.num_blocks.pop(rid, None)
 
-    def _advance(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        known, computed = self.known, self.computed
+    def _advance(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], StepTotals]:
+        """Advance computed counts, sample where a step reaches the known tokens, and sum the
+        step's shape for the latency model (context = computed before the step).
+
+        The token at position k (0-based over prompt + output) is EOS when it is the
+        target-th output token or later, else a deterministic regular id."""
+        known, computed, num_prompt = self.known, self.computed, self.num_prompt
+        targets, eos = self.target_output_len, self.eos_token_id
+        span = self.vocab_size - _FIRST_REGULAR_TOKEN
         sampled: dict[str, list[int]] = {}
+        num_decodes = decode_context = 0  # q == 1 rows, summed apart: the common, cheap case
+        tokens = rows = context = q_context = q_squared = 0
         for rid, n in out.num_scheduled_tokens.items():
-            done = computed[rid] + n
+            c = computed[rid]
+            done = c + n
             computed[rid] = done
+            if n == 1:
+                num_decodes += 1
+                decode_context += c
+            else:
+                tokens += n
+                rows += 1
+                context += c
+                q_context += n * c
+                q_squared += n * n
             k = known[rid]
             if done == k:
-                sampled[rid] = [self._token(rid, k)]
+                target = targets.get(rid)
+                if target is not None and k - num_prompt[rid] + 1 >= target:
+                    sampled[rid] = [eos]
+                else:
+                    sampled[rid] = [_FIRST_REGULAR_TOKEN + (k * 7919 + len(rid)) % span]
                 known[rid] = k + 1
             elif self.check:
                 assert done < k, f"{rid}: computed {done} past the {k} known tokens"
-        return sampled
-
-    def _token(self, rid: str, position: int) -> int:
-        """The token at `position` (0-based over prompt + output)."""
-        output_index = position - self.num_prompt[rid]
-        target = self.target_output_len.get(rid)
-        if target is not None and output_index + 1 >= target:
-            return self.eos_token_id
-        span = self.vocab_size - _FIRST_REGULAR_TOKEN
-        return _FIRST_REGULAR_TOKEN + (position * 7919 + len(rid)) % span
+        totals = StepTotals(tokens + num_decodes, rows + num_decodes, num_decodes,
+                            context + decode_context, q_context + decode_context,
+                            q_squared + num_decodes)
+        return sampled, totals

@@ -5,10 +5,16 @@ Interface (`LatencyModel`): `predict(scheduler_output, context_lens) -> seconds`
 before this step (its `num_computed_tokens` as the runner tracks it). Every request in
 `scheduler_output.num_scheduled_tokens` must have an entry. Models are pure functions of their
 arguments: the simulator's determinism rests on it.
+
+Every model here depends on a step only through a few sums over its requests (`StepTotals`),
+so each also offers `predict_totals(totals)`; the SimRunner accumulates the sums while it
+advances the requests and calls that instead (one pass over the batch, not two). Both give
+the same float for the same step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol
 
 from tokenweir.core.outputs import SchedulerOutput
@@ -18,6 +24,42 @@ from tokenweir.sim.hardware import HardwareProfile, ModelShape
 class LatencyModel(Protocol):
     def predict(self, scheduler_output: SchedulerOutput,
                 context_lens: Mapping[str, int]) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepTotals:
+    """Sums over one step's requests, each computing q new tokens on c cached ones."""
+
+    num_tokens: int = 0  # sum q
+    num_reqs: int = 0
+    num_decode_reqs: int = 0  # requests with q == 1
+    sum_context: int = 0  # sum c
+    sum_q_context: int = 0  # sum q * c
+    sum_q_squared: int = 0  # sum q * q
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of the requests computing more than one token this step."""
+        return self.num_tokens - self.num_decode_reqs
+
+    @classmethod
+    def of_chunks(cls, chunks: Iterable[tuple[int, int]]) -> "StepTotals":
+        """From `(num_new_tokens, num_cached_tokens)` per request."""
+        t = r = d = sc = sqc = sqq = 0
+        for q, c in chunks:
+            t += q
+            r += 1
+            d += q == 1
+            sc += c
+            sqc += q * c
+            sqq += q * q
+        return cls(t, r, d, sc, sqc, sqq)
+
+    @classmethod
+    def of_step(cls, scheduler_output: SchedulerOutput,
+                context_lens: Mapping[str, int]) -> "StepTotals":
+        return cls.of_chunks((q, context_lens[rid]) for rid, q in
+                             scheduler_output.num_scheduled_tokens.items())
 
 
 class RooflineLatencyModel:
@@ -58,24 +100,18 @@ class RooflineLatencyModel:
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         """Seconds for one step computing `(num_new_tokens, num_cached_tokens)` per request."""
-        tokens = rows = attn_units = kv_tokens = 0
-        for q, c in chunks:
-            tokens += q
-            rows += 1
-            attn_units += q * (2 * c + q + 1)
-            kv_tokens += c + 2 * q  # read the context and the new tokens, write the new ones
-        return self._combine(tokens, rows, attn_units, kv_tokens)
+        return self.predict_totals(StepTotals.of_chunks(chunks))
 
     def predict(self, scheduler_output: SchedulerOutput,
                 context_lens: Mapping[str, int]) -> float:
-        tokens = rows = attn_units = kv_tokens = 0
-        for rid, q in scheduler_output.num_scheduled_tokens.items():
-            c = context_lens[rid]
-            tokens += q
-            rows += 1
-            attn_units += q * (2 * c + q + 1)
-            kv_tokens += c + 2 * q
-        return self._combine(tokens, rows, attn_units, kv_tokens)
+        return self.predict_totals(StepTotals.of_step(scheduler_output, context_lens))
+
+    def predict_totals(self, t: StepTotals) -> float:
+        # sum q*(2c + q + 1) attention units; read the context and the new tokens, write the
+        # new ones: sum (c + 2q) KV tokens. Integer sums: exact whatever the order.
+        attn_units = 2 * t.sum_q_context + t.sum_q_squared + t.num_tokens
+        kv_tokens = t.sum_context + 2 * t.num_tokens
+        return self._combine(t.num_tokens, t.num_reqs, attn_units, kv_tokens)
 
     def _combine(self, tokens: int, rows: int, attn_units: int, kv_tokens: int) -> float:
         if tokens == 0:
@@ -96,3 +132,6 @@ class ConstantLatencyModel:
     def predict(self, scheduler_output: SchedulerOutput,
                 context_lens: Mapping[str, int]) -> float:
         return self.seconds if scheduler_output.total_num_scheduled_tokens else 0.0
+
+    def predict_totals(self, totals: StepTotals) -> float:
+        return self.seconds if totals.num_tokens else 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.simulator import SimResult
 
 PERCENTILES = (50, 90, 99)
@@ -22,6 +23,9 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
 
 
 def describe(values) -> dict[str, float]:
+    if isinstance(values, ValueCounts):
+        by_p = values.percentiles(PERCENTILES)
+        return {"mean": values.mean(), **{f"p{p}": by_p[p] for p in PERCENTILES}}
     ordered = sorted(values)
     n = len(ordered)
     out = {"mean": math.fsum(ordered) / n if n else math.nan}

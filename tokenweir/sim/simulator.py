@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
+from typing import Union
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,6 +23,7 @@ from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.sched.scheduler import Scheduler, SchedulerStats
 from tokenweir.request import Request, SamplingParams
 from tokenweir.runner.sim_runner import DEFAULT_EOS, SimRunner
+from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.slo_cuts import setup_slo
 from tokenweir.sim.workload import RequestSpec
 
@@ -63,7 +65,9 @@ class StepRecord:
 class SimResult:
     requests: list[RequestRecord]
     steps: list[StepRecord]
-    itl: array  # every inter-token gap (seconds), over all requests
+    # Every inter-token gap (seconds), over all requests: in order (array), or as exact
+    # value -> count (ValueCounts, Simulation(itl_counts=True); memory grows with steps only).
+    itl: Union[array, ValueCounts]
     stats: SchedulerStats
     end_time: float
     wall_seconds: float
@@ -76,7 +80,8 @@ class Simulation:
     def __init__(self, config: EngineConfig, latency_model, specs: list[RequestSpec],
                  num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
                  costs: Optional[PreemptionCosts] = None, record_steps: bool = True,
-                 record_itl: bool = True, check: bool = False) -> None:
+                 record_itl: bool = True, check: bool = False,
+                 itl_counts: bool = False) -> None:
         self.config = config
         kv = KVCacheManager(num_blocks, config.cache.block_size,
                             enable_prefix_caching=config.cache.enable_prefix_caching,
@@ -93,7 +98,7 @@ class Simulation:
         self.record_steps, self.record_itl, self.check = record_steps, record_itl, check
         self.records: dict[str, RequestRecord] = {}
         self.steps: list[StepRecord] = []
-        self.itl = array("d")
+        self.itl: Union[array, ValueCounts] = ValueCounts() if itl_counts else array("d")
         self._last_token: dict[str, float] = {}
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -200,19 +205,25 @@ class Simulation:
                 self.scheduler.check_integrity()
             return
         records, last_token = self.records, self._last_token
+        # Gaps end now. In order: appended one by one. As counts: count each gap's start, then
+        # add one value per distinct start (most requests share the previous step's end).
+        in_order = self.record_itl and isinstance(self.itl, array)
+        gap_starts: dict[float, int] = {}
         for eco in self.scheduler.update_from_output(out, runner_out, now):
-            request = eco.request
-            rid = request.request_id
+            rid = eco.request.request_id
             record = records[rid]
             record.num_output += len(eco.new_token_ids)
             previous = last_token.get(rid)
             if previous is None:
                 record.first_token = now
-                record.first_scheduled = request.first_scheduled_time
-            elif self.record_itl:
+                record.first_scheduled = eco.request.first_scheduled_time
+            elif in_order:
                 self.itl.append(now - previous)
+            else:
+                gap_starts[previous] = gap_starts.get(previous, 0) + 1
             last_token[rid] = now
             if eco.finish_reason is not None:
+                request = eco.request
                 record.finished = now
                 record.finish_reason = eco.finish_reason
                 record.num_finishes += 1
@@ -220,5 +231,8 @@ class Simulation:
                 record.num_cached_tokens = max(0, request.num_cached_tokens)
                 del last_token[rid]
                 del self.targets[rid]
+        if gap_starts and self.record_itl:
+            for previous, count in gap_starts.items():
+                self.itl.add(now - previous, count)
         if self.check:
             self.scheduler.check_integrity()

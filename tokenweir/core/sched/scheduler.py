@@ -25,8 +25,8 @@ from typing import Iterable, Optional
 
 from tokenweir.config import SchedulerConfig
 from tokenweir.core.kv_cache_manager import KVCacheManager
-from tokenweir.core.outputs import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                    SchedulerOutput, TokenLogprobs)
+from tokenweir.core.outputs import (ModelRunnerOutput, NewRequestData, SchedulerOutput,
+                                    TokenLogprobs)
 from tokenweir.core.sched import policy, slo
 from tokenweir.core.sched.policy import SWAP, PreemptionCosts, PreemptionPlan
 from tokenweir.core.sched.queues import make_queue
@@ -93,6 +93,14 @@ class _StepPlan:
         self.num_scheduled[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = block_ids
         (self.new_reqs if is_new else self.running_reqs).append(request)
+        self.token_budget -= num_tokens
+
+    def add_running(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        """`add(..., is_new=False)`: once per running request per step, so kept lean."""
+        rid = request.request_id
+        self.num_scheduled[rid] = num_tokens
+        self.new_block_ids[rid] = block_ids
+        self.running_reqs.append(request)
         self.token_budget -= num_tokens
 
     def drop(self, request: Request) -> None:
@@ -222,25 +230,29 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan, prefills: bool, decodes: bool) -> None:
         """Give running requests their next tokens; preempt victims when the pool is full."""
         i = 0
-        while i < len(self.running) and plan.token_budget > 0:
-            request = self.running[i]
-            wanted = prefills if policy.is_prefilling(request) else decodes
+        running = self.running  # mutated in place only (remove, sort)
+        while i < len(running) and plan.token_budget > 0:
+            request = running[i]
+            owed = len(request.all_token_ids) - request.num_computed_tokens
+            wanted = prefills if owed > 1 else decodes  # owed > 1: policy.is_prefilling
             if not wanted or request.request_id in plan.num_scheduled or \
                     request.request_id in plan.paused:
                 i += 1
                 continue
-            num_tokens = policy.num_tokens_to_schedule(
-                request.num_tokens - request.num_computed_tokens, plan.token_budget,
-                self.config.long_prefill_token_threshold)
+            # A decode owes 1 and the budget is > 0: policy.num_tokens_to_schedule gives 1.
+            num_tokens = 1 if owed == 1 else policy.num_tokens_to_schedule(
+                owed, plan.token_budget, self.config.long_prefill_token_threshold)
             assert num_tokens > 0, f"running request {request.request_id} owes no tokens"
-            block_ids = self._allocate_or_preempt(request, num_tokens, plan)
+            block_ids = self.kv.allocate_slots(request, num_tokens)
             if block_ids is None:
-                break  # the request itself was preempted: nothing later can be cheaper
+                block_ids = self._allocate_or_preempt(request, num_tokens, plan)
+                if block_ids is None:
+                    break  # the request itself was preempted: nothing later can be cheaper
             if plan.preempted:
                 # A victim ahead of `request` in `running` (priority policy) shifted it left.
-                while i >= len(self.running) or self.running[i] is not request:
+                while i >= len(running) or running[i] is not request:
                     i -= 1
-            plan.add(request, num_tokens, block_ids, is_new=False)
+            plan.add_running(request, num_tokens, block_ids)
             i += 1
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int,
@@ -385,15 +397,16 @@ class Scheduler:
             num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
             block_ids=self.kv.block_ids(r.request_id), num_computed_tokens=r.num_computed_tokens,
         ) for r in plan.new_reqs]
-        cached_reqs = [CachedRequestData(
-            req_id=r.request_id, new_block_ids=plan.new_block_ids[r.request_id],
-            num_computed_tokens=r.num_computed_tokens) for r in plan.running_reqs]
+        running_reqs = plan.running_reqs  # their CachedRequestData is built only when read
         total = sum(plan.num_scheduled.values())
         assert total <= self.config.max_num_batched_tokens
         self._count_step(plan, total)
         output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=plan.num_scheduled, total_num_scheduled_tokens=total,
+            scheduled_new_reqs=new_reqs, num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=total,
+            cached_req_ids=[r.request_id for r in running_reqs],
+            cached_num_computed_tokens=[r.num_computed_tokens for r in running_reqs],
+            new_block_ids=plan.new_block_ids,
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step, step_id=self.stats.num_steps,
             blocks_to_swap_in=plan.swap_in, blocks_to_swap_out=plan.swap_out)
@@ -402,12 +415,15 @@ class Scheduler:
         return output
 
     def _count_step(self, plan: _StepPlan, total: int) -> None:
-        self.stats.num_steps += 1
-        self.stats.last_iteration_tokens = total
-        for request in (*plan.new_reqs, *plan.running_reqs):
-            if request.num_computed_tokens + plan.num_scheduled[request.request_id] < \
-                    request.num_prompt_tokens:
-                self.stats.num_chunked_prefill_steps += 1
+        stats = self.stats
+        stats.num_steps += 1
+        stats.last_iteration_tokens = total
+        num_scheduled = plan.num_scheduled
+        for reqs in (plan.new_reqs, plan.running_reqs):
+            for request in reqs:
+                if request.num_computed_tokens + num_scheduled[request.request_id] < \
+                        len(request.prompt_token_ids):
+                    stats.num_chunked_prefill_steps += 1
 
     # ---- update ------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -417,22 +433,53 @@ class Scheduler:
 
         Requests aborted or preempted since `scheduler_output` was made are skipped.
         """
+        # The per-token path of the whole engine (and of the simulator): locals, not
+        # attribute chains; calls only where something may happen.
         outputs: list[EngineCoreOutput] = []
+        requests, running = self.requests, RequestStatus.RUNNING
+        sampled, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
+        kv = self.kv
+        register = kv.register_computed_blocks if kv.enable_prefix_caching else None
+        block_size, behind = kv.block_size, kv.registration_behind
+        max_model_len = self.max_model_len
+        num_fast = 0
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(request_id)
+            if request is None or request.status != running:
                 continue
             if request.num_preemptions:
                 self._count_recomputed_tokens(request, num_tokens)
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens > request.max_computed_tokens:
-                request.max_computed_tokens = request.num_computed_tokens
-            self.kv.register_computed_blocks(request)
-            new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
+            computed = request.num_computed_tokens + num_tokens
+            request.num_computed_tokens = computed
+            if computed > request.max_computed_tokens:
+                request.max_computed_tokens = computed
+            if register is not None and (computed % block_size < num_tokens
+                                         or request_id in behind):  # kv.needs_registration
+                register(request)
+            new_token_ids = sampled.get(request_id)
             if not new_token_ids:
                 continue
-            outputs.append(self._append_tokens(request, new_token_ids, now))
-            outputs[-1].logprobs = runner_output.logprobs.get(request_id)
+            # Decode fast path: one token, not the first, that no stop rule can end (not an
+            # EOS or stop token id, below the length cap): append it and move on. Everything
+            # else takes _append_tokens and the full rule (_stop_status).
+            token_id = new_token_ids[0]
+            all_token_ids = request.all_token_ids
+            length_cap = len(request.prompt_token_ids) + request.max_tokens
+            if length_cap > max_model_len:
+                length_cap = max_model_len
+            if (len(new_token_ids) == 1 and request.first_token_time is not None
+                    and len(all_token_ids) + 1 < length_cap
+                    and token_id not in request.eos_token_ids
+                    and token_id not in request.sampling_params.stop_token_ids):
+                all_token_ids.append(token_id)
+                num_fast += 1
+                output = EngineCoreOutput(request, [token_id])
+            else:
+                output = self._append_tokens(request, new_token_ids, now)
+            if logprobs:
+                output.logprobs = logprobs.get(request_id)
+            outputs.append(output)
+        self.stats.generation_tokens += num_fast
         return outputs
 
     def _count_recomputed_tokens(self, request: Request, num_tokens: int) -> None:

@@ -1,0 +1,134 @@
+"""The simulator's speed paths give exactly what the plain paths give: exact ITL counts, the
+latency models' one-pass totals, and the KV manager's "nothing to register" shortcut."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.sim.build import build_simulation
+from tokenweir.sim.counts import ValueCounts
+from tokenweir.sim.hardware import get_hardware, get_shape
+from tokenweir.sim.latency import RooflineLatencyModel, StepTotals
+from tokenweir.sim.metrics import describe, percentile, summarize
+from tokenweir.sim.workload import synthetic
+
+SMALL = "smollm2-135m"
+
+
+def test_value_counts_percentiles_and_mean_match_the_full_sorted_sample():
+    rng = random.Random(5)
+    sample = [rng.choice([0.001, 0.0025, 0.003, 0.0125, 0.2]) for _ in range(997)]
+    counts = ValueCounts(sample)
+    ordered = sorted(sample)
+    assert len(counts) == len(sample)
+    assert list(counts) == ordered
+    for p in (0, 1, 50, 90, 99, 99.9, 100):
+        assert counts.percentile(p) == percentile(ordered, p)
+    assert counts.mean() == pytest.approx(sum(sample) / len(sample), rel=1e-12)
+    assert describe(counts) == pytest.approx(describe(sample), rel=1e-12)
+    assert describe(ValueCounts())["p50"] != describe(ValueCounts())["p50"]  # nan when empty
+
+
+def _specs():
+    return synthetic(120, 400.0, seed=7, prompt="lognormal:100:0.7", output="uniform:2:40",
+                     num_prefix_groups=2, prefix_len=48, max_model_len=1024)
+
+
+def test_itl_as_counts_summarizes_exactly_like_itl_in_order():
+    engine = {"max_model_len": 1024, "num_gpu_blocks_override": 120,
+              "max_num_batched_tokens": 256, "scheduler_reserve_full_isl": False}
+    in_order = build_simulation(engine, _specs(), SMALL, "h100", check=True).run()
+    as_counts = build_simulation(engine, _specs(), SMALL, "h100", itl_counts=True).run()
+    assert isinstance(as_counts.itl, ValueCounts)
+    assert in_order.stats.num_preemptions > 0  # gaps that span a preemption are covered
+    assert len(as_counts.itl) == len(in_order.itl) > 1000
+    assert list(as_counts.itl) == sorted(in_order.itl)
+    assert len(as_counts.itl.counts) < len(in_order.itl) / 5  # the point: few distinct values
+    a, b = summarize(in_order), summarize(as_counts)
+    for key in ("itl_p50_ms", "itl_p90_ms", "itl_p99_ms"):
+        assert a[key] == b[key]
+    assert a["itl_mean_ms"] == pytest.approx(b["itl_mean_ms"], rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_roofline_totals_equal_the_per_request_prediction(tp):
+    model = RooflineLatencyModel(get_shape("llama-7b"), get_hardware("h100"), tp)
+    rng = random.Random(tp)
+    for _ in range(200):
+        chunks = [(rng.choice([1, 1, 1, rng.randint(2, 700)]), rng.randint(0, 3000))
+                  for _ in range(rng.randint(1, 40))]
+        reference = _roofline_by_hand(model, chunks)
+        assert model.step_time(chunks) == reference
+        assert model.predict_totals(StepTotals.of_chunks(chunks)) == reference
+
+
+def _roofline_by_hand(model: RooflineLatencyModel, chunks) -> float:
+    """The per-request sums of the roofline's docstring, written out."""
+    tokens = rows = attn_units = kv_tokens = 0
+    for q, c in chunks:
+        tokens += q
+        rows += 1
+        attn_units += q * (2 * c + q + 1)
+        kv_tokens += c + 2 * q
+    return model._combine(tokens, rows, attn_units, kv_tokens)
+
+
+def test_sim_runner_totals_match_the_step_it_ran():
+    """The sums the SimRunner gathers while advancing equal those of the step's chunks."""
+    engine = {"max_model_len": 1024, "num_gpu_blocks_override": 400,
+              "max_num_batched_tokens": 256, "long_prefill_token_threshold": 64}
+    sim = build_simulation(engine, _specs(), SMALL, "h100")
+    seen = []
+    runner = sim.runner
+    original = runner._advance
+
+    def spy(out):
+        before = {rid: runner.computed[rid] for rid in out.num_scheduled_tokens}
+        sampled, totals = original(out)
+        chunks = [(q, before[rid]) for rid, q in out.num_scheduled_tokens.items()]
+        seen.append((totals, StepTotals.of_chunks(chunks)))
+        return sampled, totals
+
+    runner._advance = spy
+    sim.run()
+    assert len(seen) > 50
+    assert any(t.num_decode_reqs and t.num_prefill_tokens for t, _ in seen)  # mixed steps ran
+    assert all(got == want for got, want in seen)
+
+
+def test_registration_shortcut_leaves_nothing_unpublished():
+    """After every update, the full registration rule finds nothing left to publish, though
+    the update skipped it for most requests; swap-outs (which unpublish blocks, the case the
+    shortcut must not miss) really happen in this run."""
+    engine = {"max_model_len": 1024, "num_gpu_blocks_override": 110,
+              "max_num_batched_tokens": 256, "scheduler_reserve_full_isl": False,
+              "preemption_mode": "swap", "swap_space": 0.01}
+    sim = build_simulation(engine, _specs(), SMALL, "h100", check=True)
+    kv: KVCacheManager = sim.scheduler.kv
+    counted = {"skipped": 0, "registered": 0}
+    update = sim.scheduler.update_from_output
+
+    def checking_update(out, runner_out, now=0.0):
+        behind = set(kv.registration_behind)
+        for rid, n in out.num_scheduled_tokens.items():
+            request = sim.scheduler.requests.get(rid)
+            if request is not None:  # the shortcut's test, as update will see it
+                filled = (request.num_computed_tokens + n) % kv.block_size < n
+                counted["registered" if filled or rid in behind else "skipped"] += 1
+        result = update(out, runner_out, now)
+        for rid in out.num_scheduled_tokens:
+            request = sim.scheduler.requests.get(rid)
+            if request is None or rid not in kv.num_registered:
+                continue
+            before = kv.num_registered[rid]
+            kv.register_computed_blocks(request)
+            assert kv.num_registered[rid] == before, f"{rid}: a full block was left unpublished"
+        return result
+
+    sim.scheduler.update_from_output = checking_update
+    result = sim.run()
+    assert result.stats.num_swapped_out > 0
+    assert counted["skipped"] > 1000 and counted["registered"] > 50
