@@ -286,7 +286,9 @@ def target_check(rows: list[Row], label: str) -> str:
     if not pool:
         return f"[{label}] no rows"
     ref = min(pool, key=lambda r: abs(r.urgent_pct - 50))
-    slo = next(r for r in rows if r.policy == "slo-conservative" and r.load == ref.load)
+    slo = next((r for r in rows if r.policy == "slo-conservative" and r.load == ref.load), None)
+    if slo is None:
+        return f"[{label}] no slo-conservative run at load {ref.load:.2f}"
     gain = slo.urgent_pct - ref.urgent_pct
     loss = ref.generous_pct - slo.generous_pct
     met = bool(in_band) and gain >= 20 and loss <= 5
@@ -334,12 +336,13 @@ def main() -> None:
     p.add_argument("--sim-prompt-range", type=int, nargs=2, default=(256, 8000))
     p.add_argument("--sim-budget", type=int, default=2048)
     p.add_argument("--sim-blocks", type=int, default=20000)
-    p.add_argument("--real-requests", type=int, default=40)
+    p.add_argument("--real-requests", type=int, default=24)
     p.add_argument("--real-loads", type=float, nargs="+", default=(0.8,))
     p.add_argument("--real-prompt-range", type=int, nargs=2, default=(256, 2048))
     p.add_argument("--real-budget", type=int, default=512)
     p.add_argument("--real-blocks", type=int, default=2048)
-    p.add_argument("--real-seconds-per-run", type=float, default=70.0)
+    p.add_argument("--real-seconds-per-run", type=float, default=75.0,
+                   help="wall-clock bound per policy; unfinished requests count as misses")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     args.sim_max_prompt = args.sim_prompt_range[1]
