@@ -43,11 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenweir.sim.build import build_simulation  # noqa: E402
 from tokenweir.sim.hardware import get_hardware, get_shape  # noqa: E402
 from tokenweir.sim.latency import RooflineLatencyModel  # noqa: E402
-from tokenweir.sim.slo_cuts import solo_ttft  # noqa: E402
+from tokenweir.sim.slo_cuts import fit_ttft, solo_ttft  # noqa: E402
 from tokenweir.sim.workload import RequestSpec  # noqa: E402
 
 URGENT, GENEROUS = 0, 1  # the request class rides in `priority` (no policy here reads it)
 POLICY_NAMES = ("fcfs", "fcfs-chunked", "slo-conservative", "slo-aggressive")
+# Simulator only: slo-conservative with the plain TTFT line a * n + c instead of the quadratic
+# fit, to show what the predictor's shape is worth.
+LINEAR_VARIANT = "slo-cons-linear"
 
 
 def policy_kwargs(name: str, budget: int, max_model_len: int) -> dict:
@@ -56,7 +59,7 @@ def policy_kwargs(name: str, budget: int, max_model_len: int) -> dict:
                     max_num_batched_tokens=max(budget, max_model_len))
     if name == "fcfs-chunked":
         return dict(scheduling_policy="fcfs", max_num_batched_tokens=budget)
-    gate = name.split("-", 1)[1]
+    gate = "conservative" if name == LINEAR_VARIANT else name.split("-", 1)[1]
     return dict(scheduling_policy="slo", slo_preempt_gate=gate, max_num_batched_tokens=budget)
 
 
@@ -135,6 +138,16 @@ def run_sim(args) -> list[Row]:
     def solo(n: int) -> float:  # chunked solo TTFT (what fcfs-chunked achieves alone)
         return solo_ttft(model, n, budget)
 
+    lo, hi = args.sim_prompt_range
+    for quadratic in (True, False):
+        predictor, r2 = fit_ttft(model, budget, max_len, quadratic)
+        errors = [predictor.predict(n) / solo(n) - 1
+                  for n in range(lo, hi + 1, max(1, (hi - lo) // 32))]
+        print(f"simulator TTFT predictor, {'quadratic' if quadratic else 'linear'} fit to the "
+              f"latency model: a={predictor.a * 1e3:.3f} ms/token b={predictor.b * 1e6:.4f} "
+              f"us/token^2 c={predictor.c * 1e3:.0f} ms R^2={r2:.4f}; relative error over "
+              f"prompts {lo}-{hi}: {min(errors):+.0%} .. {max(errors):+.0%} "
+              f"(urgent targets are 1.0-1.3x)")
     mean_prompt = sum(args.sim_prompt_range) / 2
     decode = model.step_time([(1, int(mean_prompt))])
     service = solo(int(mean_prompt)) + decode * sum(args.output_range) / 2
@@ -142,7 +155,7 @@ def run_sim(args) -> list[Row]:
     for load in args.loads:
         items = make_workload(args.requests, load / service, args.sim_prompt_range,
                               args.output_range, solo, args.seed)
-        for name in POLICY_NAMES:
+        for name in (*POLICY_NAMES, LINEAR_VARIANT):
             rows.append(sim_one(name, load, items, model, shape, hardware, budget, max_len,
                                 args))
     return rows
@@ -156,6 +169,8 @@ def sim_one(name, load, items, model, shape, hardware, budget, max_len, args) ->
                   num_gpu_blocks_override=args.sim_blocks)
     sim = build_simulation(kwargs, specs, model_shape=shape.name, hardware=hardware.name,
                            latency_model=model, record_itl=False)
+    if name == LINEAR_VARIANT:
+        sim.scheduler.ttft_predictor = fit_ttft(model, budget, max_len, quadratic=False)[0]
     result = sim.run()
     by_id = {f"r{it.index}": it for it in items}
     ttfts = [(by_id[r.request_id],

@@ -152,3 +152,9 @@ def test_met_deadline():
     assert slo.met_deadline(1.1, 1.0) is False
     assert slo.met_deadline(None, 1.0) is False
     assert slo.met_deadline(1.0, None) is None
+
+
+def test_predictor_quadratic_term_applies_to_the_requests_own_tokens():
+    p = slo.TTFTPredictor(a=0.001, c=0.02, b=1e-7)
+    assert p.predict(1000) == pytest.approx(0.001 * 1000 + 1e-7 * 1000 ** 2 + 0.02)
+    assert p.predict(1000, tokens_ahead=500) == pytest.approx(1.5 + 0.1 + 0.02)

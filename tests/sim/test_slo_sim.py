@@ -4,6 +4,8 @@ with its full output, and without cuts the same request waits."""
 
 from __future__ import annotations
 
+import pytest
+
 from tokenweir.sim.build import build_simulation
 from tokenweir.sim.workload import RequestSpec
 
@@ -46,3 +48,16 @@ def test_without_cuts_the_urgent_request_waits_for_the_step():
     assert records["urgent"].first_token > records["urgent"].arrival + 1.0
     cut_sim, _ = _run()
     assert cut_sim.steps[0].seconds < sim.steps[0].seconds  # the cut truncated the step
+
+
+def test_ttft_fit_follows_the_latency_model():
+    from tokenweir.sim.hardware import get_hardware, get_shape
+    from tokenweir.sim.latency import RooflineLatencyModel
+    from tokenweir.sim.slo_cuts import fit_ttft, solo_ttft
+
+    model = RooflineLatencyModel(get_shape("smollm2-135m"), get_hardware("cpu-epyc-2c"))
+    quadratic, r2_q = fit_ttft(model, 2048, 8192)
+    linear, r2_l = fit_ttft(model, 2048, 8192, quadratic=False)
+    assert quadratic.b > 0 and linear.b == 0 and r2_q > r2_l
+    for n in (300, 2000, 7000):
+        assert quadratic.predict(n) == pytest.approx(solo_ttft(model, n, 2048), rel=0.05)

@@ -14,6 +14,7 @@ import math
 from typing import Optional
 
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenweir.core.sched.slo import TTFTPredictor
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
 from tokenweir.request import Request
 from tokenweir.runner.interrupt import CutSignal
@@ -68,37 +69,55 @@ def solo_ttft(latency_model, prompt_len: int, budget: int) -> float:
     return seconds
 
 
-def fit_ttft_line(latency_model, budget: int, longest: int,
-                  num_points: int = 16) -> tuple[float, float, float]:
-    """(a, c, R^2): the line through the solo TTFTs of prompts evenly spread over
-    [longest / num_points, longest], least squares on RELATIVE error (weights 1/ttft^2), so
-    short prompts are predicted as well as long ones. Attention makes the true curve convex
-    on long contexts: R^2 says how well a line can do."""
+def fit_ttft(latency_model, budget: int, longest: int, quadratic: bool = True,
+             num_points: int = 16) -> tuple[TTFTPredictor, float]:
+    """The TTFT predictor fitted to the solo TTFTs of prompts evenly spread over
+    [longest / num_points, longest] by least squares on RELATIVE error (weights 1/ttft^2, so
+    short prompts count as much as long ones), and its R^2. quadratic: a * n + b * n^2 + c
+    (attention makes the true curve convex); else the plain line a * n + c."""
     xs = [longest * (i + 1) // num_points for i in range(num_points)]
     ys = [solo_ttft(latency_model, x, budget) for x in xs]
-    ws = [1.0 / (y * y) for y in ys]
-    total = sum(ws)
-    mx = sum(w * x for w, x in zip(ws, xs)) / total
-    my = sum(w * y for w, y in zip(ws, ys)) / total
-    a = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / \
-        sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
-    c = my - a * mx
+    rows = [[float(x), float(x * x), 1.0] if quadratic else [float(x), 1.0] for x in xs]
+    coef = _weighted_least_squares(rows, ys, [1.0 / (y * y) for y in ys])
+    predictor = (TTFTPredictor(a=coef[0], b=coef[1], c=coef[2]) if quadratic
+                 else TTFTPredictor(a=coef[0], c=coef[1]))
     mean = sum(ys) / len(ys)
-    residual = sum((y - (a * x + c)) ** 2 for x, y in zip(xs, ys))
-    return a, c, 1.0 - residual / sum((y - mean) ** 2 for y in ys)
+    residual = sum((y - predictor.predict(x)) ** 2 for x, y in zip(xs, ys))
+    return predictor, 1.0 - residual / sum((y - mean) ** 2 for y in ys)
 
 
-def setup_slo(config, scheduler, runner: SimRunner, latency_model,
-              max_model_len: int) -> Optional[SimStepCutter]:
-    """slo policy: the TTFT predictor (explicit, profile, else fitted to the latency model)
-    and, with mid-step cuts on, the cutter; None otherwise."""
+def _weighted_least_squares(rows: list[list[float]], ys: list[float],
+                            ws: list[float]) -> list[float]:
+    """Solve the normal equations (X^T W X) beta = X^T W y by Gaussian elimination."""
+    k = len(rows[0])
+    m = [[sum(w * r[i] * r[j] for r, w in zip(rows, ws)) for j in range(k)]
+         + [sum(w * r[i] * y for r, w, y in zip(rows, ws, ys))] for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+    return [m[i][k] / m[i][i] for i in range(k)]
+
+
+def setup_slo(config, scheduler, runner: SimRunner, latency_model, max_model_len: int,
+              quadratic: bool = True) -> Optional[SimStepCutter]:
+    """slo policy: the TTFT predictor (explicit coefficients or profile, else fitted to the
+    latency model: quadratic unless told otherwise), the step-time model, and, with mid-step
+    cuts on, the cutter; None otherwise."""
     sched = config.scheduler
     if sched.scheduling_policy != "slo":
         return None
-    if hasattr(latency_model, "step_time"):
-        scheduler.ttft_predictor = resolve_ttft_predictor(
-            sched, lambda: fit_ttft_line(latency_model, sched.max_num_batched_tokens,
-                                         max_model_len)[:2])
+    scheduler.step_latency_model = latency_model  # the step in flight: as long as it will be
+    explicit = sched.slo_ttft_profile or (sched.slo_ttft_a_ms_per_token is not None
+                                          and sched.slo_ttft_c_ms is not None)
+    if hasattr(latency_model, "step_time") and not explicit:
+        scheduler.ttft_predictor = fit_ttft(latency_model, sched.max_num_batched_tokens,
+                                            max_model_len, quadratic)[0]
+    elif explicit:
+        scheduler.ttft_predictor = resolve_ttft_predictor(sched, lambda: (0.0, 0.0))
     if not sched.slo_mid_step_cut:
         return None
     shape = getattr(latency_model, "shape", None)

@@ -140,6 +140,10 @@ class Scheduler:
         # The latest StepSnapshot (slo policy): replaced whole after each schedule(), never
         # mutated, so a monitor thread may read it without a lock.
         self.slo_snapshot: Optional[slo.StepSnapshot] = None
+        # Optional latency model (`predict(SchedulerOutput, context_lens) -> seconds`, e.g. the
+        # simulator's or a calibrated one): how long the step in flight will take. Without it
+        # the TTFT line is used, which ignores the context a chunk attends to.
+        self.step_latency_model = None
         # victim id -> the urgent request it gave way to: the victim gets no tokens (running)
         # and is not admitted (waiting) until that request has its first token, so that its
         # re-prefill never shares (and lengthens) the urgent request's prefill steps.
@@ -623,9 +627,17 @@ class Scheduler:
         counts = output.num_scheduled_tokens
         prefills = tuple(self._prefill_view(r) for r in self.running
                          if counts.get(r.request_id, 0) > 1)
-        predicted = (self.ttft_predictor.predict(output.total_num_scheduled_tokens)
-                     if counts else 0.0)
-        return slo.StepSnapshot(output.step_id, now, predicted, prefills, self._waiter_views())
+        return slo.StepSnapshot(output.step_id, now, self._predict_step_seconds(output), prefills,
+                                self._waiter_views())
+
+    def _predict_step_seconds(self, output: SchedulerOutput) -> float:
+        counts = output.num_scheduled_tokens
+        if not counts:
+            return 0.0
+        if self.step_latency_model is None:
+            return self.ttft_predictor.predict(output.total_num_scheduled_tokens)
+        context = {rid: self.requests[rid].num_computed_tokens for rid in counts}
+        return self.step_latency_model.predict(output, context)
 
     def roll_back_cut_step(self, scheduler_output: SchedulerOutput, victim_id: Optional[str],
                            layers_run: int, num_layers: int,

@@ -40,15 +40,21 @@ _EPSILON = 1e-9  # seconds: keeps sign(slack) / |deadline - now| finite at the d
 @dataclass(frozen=True, slots=True)
 class TTFTPredictor:
     """predicted_ttft = a * tokens + c, with `a` seconds per uncached prompt token and `c`
-    seconds of fixed cost (fitted by `tokenweir calibrate`, measured at start-up, or given)."""
+    seconds of fixed cost (fitted by `tokenweir calibrate`, measured at start-up, or given).
+
+    Optional `b` adds b * uncached_tokens^2: attention makes a long prompt's TTFT convex in
+    its length (each chunk attends to everything before it), which a line cannot follow over
+    a wide range of lengths (the simulator fits b; 0 keeps the plain line)."""
 
     a: float
     c: float
+    b: float = 0.0
 
     def predict(self, uncached_tokens: int, tokens_ahead: int = 0) -> float:
         """TTFT of a request that still has `uncached_tokens` to prefill, behind
         `tokens_ahead` tokens of work that will run before it."""
-        return self.a * (uncached_tokens + tokens_ahead) + self.c
+        return (self.a * (uncached_tokens + tokens_ahead) + self.b * uncached_tokens ** 2
+                + self.c)
 
 
 def slack(deadline: Optional[float], now: float, predicted_ttft: float) -> float:
