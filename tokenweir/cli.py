@@ -1,4 +1,4 @@
-"""Command line: `tokenweir generate | serve | bench serve | simulate | sweep [flags]`.
+"""Command line: `tokenweir generate | serve | bench serve | simulate | sweep | calibrate [flags]`.
 
 Engine flags are generated from the config dataclasses (tokenweir/config.py): every field
 becomes `--field-name`, with its help text, type and choices. Nothing is mirrored by hand.
@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenweir.sim import cli as sim_cli
     server_cli.add_subcommands(sub)
     sim_cli.add_subcommands(sub)
+    from tokenweir.sim import calibrate
+    calibrate.add_subcommand(sub)
     return parser
 
 
@@ -134,6 +136,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tokenweir.sim import cli as sim_cli
     if args.command in sim_cli.SIM_COMMANDS:
         return sim_cli.run(args)
+    if args.command == "calibrate":
+        from tokenweir.sim import calibrate
+        return calibrate.run(args)
     return 2
 
 

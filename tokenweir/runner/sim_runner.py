@@ -132,5 +132,5 @@ class SimRunner:
                 assert done < k, f"{rid}: computed {done} past the {k} known tokens"
         totals = StepTotals(tokens + num_decodes, rows + num_decodes, num_decodes,
                             context + decode_context, q_context + decode_context,
-                            q_squared + num_decodes)
+                            q_squared + num_decodes, decode_context)
         return sampled, totals

@@ -7,7 +7,7 @@ from typing import Any, Optional
 from tokenweir.config import EngineConfig
 from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.sim.hardware import GiB, get_hardware, get_shape
-from tokenweir.sim.latency import RooflineLatencyModel
+from tokenweir.sim.latency import FittedLatencyModel, RooflineLatencyModel
 from tokenweir.sim.simulator import Simulation
 from tokenweir.sim.workload import RequestSpec
 
@@ -17,11 +17,13 @@ GPU_MEMORY_UTILIZATION = 0.9
 
 def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLatencyModel) -> int:
     """KV pool size, null block included: the explicit override, else an explicit
-    kv_cache_space, else what the devices hold after the weights (90% utilisation)."""
+    kv_cache_space, else what the devices hold after the weights (90% utilisation). A fitted
+    profile sizes the pool as the real engine does: override, else kv_cache_space (default
+    included)."""
     if config.cache.num_gpu_blocks_override is not None:
         return config.cache.num_gpu_blocks_override
     block_bytes = block_size_bytes(config, model)
-    if "kv_cache_space" in kwargs:
+    if "kv_cache_space" in kwargs or isinstance(model, FittedLatencyModel):
         return int(config.cache.kv_cache_space * GiB // block_bytes) + 1
     hw, shape = model.hardware, model.shape
     free = (hw.memory_bytes * model.tp * GPU_MEMORY_UTILIZATION
@@ -32,6 +34,11 @@ def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLat
 
 
 def block_size_bytes(config: EngineConfig, model: RooflineLatencyModel) -> int:
+    if isinstance(model, FittedLatencyModel):
+        if not model.kv_bytes_per_token:
+            raise ValueError("the fitted profile has no kv_bytes_per_token: give "
+                             "num_gpu_blocks_override")
+        return config.cache.block_size * model.kv_bytes_per_token
     return config.cache.block_size * model.shape.kv_bytes_per_token(model.hardware.dtype_bytes)
 
 
@@ -43,7 +50,9 @@ def build_simulation(kwargs: dict[str, Any], specs: list[RequestSpec],
     config = EngineConfig.from_kwargs(**kwargs)
     shape = get_shape(model_shape)
     model = latency_model or RooflineLatencyModel(shape, get_hardware(hardware), tp)
-    max_model_len = config.model.max_model_len or shape.max_position_embeddings
+    max_model_len = (config.model.max_model_len
+                     or (isinstance(model, FittedLatencyModel) and model.max_model_len)
+                     or shape.max_position_embeddings)
     block_bytes = block_size_bytes(config, model)
     num_host_blocks = (int(config.cache.swap_space * GiB // block_bytes)
                        if config.scheduler.preemption_mode != "recompute" else 0)

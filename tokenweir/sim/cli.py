@@ -70,6 +70,9 @@ def _add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-shape", default="llama-7b", choices=sorted(MODEL_SHAPES))
     g.add_argument("--hardware", default="h100", choices=sorted(HARDWARE_PROFILES))
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    g.add_argument("--profile", default=None, metavar="PATH",
+                   help="step times from a fitted profile (tokenweir calibrate) instead of "
+                   "the roofline of --model-shape/--hardware; single instance only")
     g.add_argument("--num-requests", type=int, default=1000)
     g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at 0)")
     g.add_argument("--arrival", default="poisson", choices=("poisson", "gamma"))
@@ -91,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "simulate":
             if _wants_cluster(args):
+                if args.profile:
+                    raise ValueError("--profile works for single-instance simulation only")
                 return _simulate_cluster(args)
             return _simulate(args)
         if args.command == "study":
@@ -127,12 +132,18 @@ def _workload(args: argparse.Namespace, kwargs: dict[str, Any]):
 
 def simulate_once(kwargs: dict[str, Any], specs, model_shape: str, hardware: str, tp: int,
                   ttft_slo_ms: Optional[float], tpot_slo_ms: Optional[float],
-                  chrome_trace: Optional[str] = None) -> dict:
+                  chrome_trace: Optional[str] = None, profile: Optional[str] = None) -> dict:
     from tokenweir.sim.build import build_simulation
     from tokenweir.sim.metrics import summarize
     from tokenweir.sim.trace import write_chrome_trace
 
-    sim = build_simulation(kwargs, specs, model_shape, hardware, tp)
+    latency_model = None
+    if profile:
+        from tokenweir.sim.calibrate import load_profile
+        from tokenweir.sim.latency import FittedLatencyModel
+        latency_model = FittedLatencyModel.from_profile(load_profile(profile))
+    sim = build_simulation(kwargs, specs, model_shape, hardware, tp,
+                           latency_model=latency_model)
     result = sim.run()
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)
@@ -145,8 +156,11 @@ def _simulate(args: argparse.Namespace) -> int:
     kwargs = _engine_kwargs(args)
     specs = _workload(args, kwargs)
     metrics = simulate_once(kwargs, specs, args.model_shape, args.hardware, args.tp,
-                            args.ttft_slo_ms, args.tpot_slo_ms, args.chrome_trace)
-    print(f"--- tokenweir simulate: {args.model_shape} on {args.tp} x {args.hardware} ---")
+                            args.ttft_slo_ms, args.tpot_slo_ms, args.chrome_trace,
+                            args.profile)
+    where = (f"fitted profile {args.profile}" if args.profile
+             else f"{args.model_shape} on {args.tp} x {args.hardware}")
+    print(f"--- tokenweir simulate: {where} ---")
     print(format_report(metrics))
     if args.json_out:
         with open(args.json_out, "w") as f:

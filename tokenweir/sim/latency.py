@@ -36,6 +36,7 @@ class StepTotals:
     sum_context: int = 0  # sum c
     sum_q_context: int = 0  # sum q * c
     sum_q_squared: int = 0  # sum q * q
+    decode_context: int = 0  # sum c over the requests with q == 1
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -45,15 +46,17 @@ class StepTotals:
     @classmethod
     def of_chunks(cls, chunks: Iterable[tuple[int, int]]) -> "StepTotals":
         """From `(num_new_tokens, num_cached_tokens)` per request."""
-        t = r = d = sc = sqc = sqq = 0
+        t = r = d = sc = sqc = sqq = dc = 0
         for q, c in chunks:
             t += q
             r += 1
-            d += q == 1
             sc += c
             sqc += q * c
             sqq += q * q
-        return cls(t, r, d, sc, sqc, sqq)
+            if q == 1:
+                d += 1
+                dc += c
+        return cls(t, r, d, sc, sqc, sqq, dc)
 
     @classmethod
     def of_step(cls, scheduler_output: SchedulerOutput,
@@ -135,3 +138,79 @@ class ConstantLatencyModel:
 
     def predict_totals(self, totals: StepTotals) -> float:
         return self.seconds if totals.num_tokens else 0.0
+
+
+# ---- fitted (tokenweir calibrate) -----------------------------------------------------------
+FITTED_FEATURES = ("const", "prefill_tokens", "decode_rows", "prefill_attention",
+                   "decode_context", "prefill_rows", "multi_decode")
+
+
+def fitted_features(t: StepTotals) -> tuple[float, ...]:
+    """The regressors of the fitted step-time model, in FITTED_FEATURES order:
+    1; tokens of the requests computing more than one token ("prefills"); requests computing
+    exactly one ("decodes": one token, one LM-head row, one sample each); the prefills' causal
+    attention pairs sum q * (c + (q + 1) / 2); the decodes' context tokens read (sum c);
+    prefill rows (one LM-head row each); 1 when two or more decodes share the step (batched
+    decode attention has a fixed cost a lone decode does not pay). Prefill and decode
+    attention are apart because their kernels differ by an order of magnitude per pair."""
+    num_prefill_rows = t.num_reqs - t.num_decode_reqs
+    prefill_attention = ((t.sum_q_context - t.decode_context)
+                         + (t.sum_q_squared - t.num_decode_reqs + t.num_prefill_tokens) / 2)
+    return (1.0, float(t.num_prefill_tokens), float(t.num_decode_reqs), prefill_attention,
+            float(t.decode_context), float(num_prefill_rows),
+            1.0 if t.num_decode_reqs >= 2 else 0.0)
+
+
+class FittedLatencyModel:
+    """Step time = sum of coefficient x feature (see `fitted_features`), the coefficients
+    fitted by least squares to a real runner's timings (`tokenweir calibrate`, which writes
+    the profile JSON that `from_profile` reads; its format is documented in sim/calibrate.py).
+
+    Also carries what the simulator needs to size the KV pool as the real engine would:
+    `kv_bytes_per_token`, `block_size` and `max_model_len` of the calibrated model.
+    """
+
+    def __init__(self, coefficients: Mapping[str, float], kv_bytes_per_token: int = 0,
+                 max_model_len: int = 0, block_size: int = 16, name: str = "fitted") -> None:
+        unknown = set(coefficients) - set(FITTED_FEATURES)
+        if unknown:
+            raise ValueError(f"unknown fitted-model coefficients {sorted(unknown)}; "
+                             f"known: {list(FITTED_FEATURES)}")
+        self.coefficients = {f: float(coefficients.get(f, 0.0)) for f in FITTED_FEATURES}
+        self._weights = tuple(self.coefficients[f] for f in FITTED_FEATURES)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.name = name
+
+    @classmethod
+    def from_profile(cls, profile: "str | Mapping") -> "FittedLatencyModel":
+        """From a profile JSON path, or the already-loaded dict."""
+        if isinstance(profile, str):
+            import json
+            with open(profile) as f:
+                data = json.load(f)
+            where = profile
+        else:
+            data, where = profile, "profile"
+        try:
+            coefficients = data["coefficients"]
+        except (KeyError, TypeError):
+            raise ValueError(f"{where}: not a tokenweir calibrate profile (no 'coefficients'; "
+                             f"run `tokenweir calibrate MODEL --out PATH`)") from None
+        return cls(coefficients, int(data.get("kv_bytes_per_token", 0)),
+                   int(data.get("max_model_len", 0)), int(data.get("block_size", 16)),
+                   str(data.get("model", "fitted")))
+
+    def predict_totals(self, totals: StepTotals) -> float:
+        if not totals.num_tokens:
+            return 0.0
+        return sum(w * x for w, x in zip(self._weights, fitted_features(totals)))
+
+    def predict(self, scheduler_output: SchedulerOutput,
+                context_lens: Mapping[str, int]) -> float:
+        return self.predict_totals(StepTotals.of_step(scheduler_output, context_lens))
+
+    def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """Seconds for one step computing `(num_new_tokens, num_cached_tokens)` per request."""
+        return self.predict_totals(StepTotals.of_chunks(chunks))

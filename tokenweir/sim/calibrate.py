@@ -1,0 +1,339 @@
+"""`tokenweir calibrate MODEL`: time the real model runner over a grid of step shapes, fit a
+step-time model by least squares, and write it as a profile JSON for the simulator
+(`tokenweir simulate --profile PATH`, `FittedLatencyModel`) and the slo policy's TTFT
+predictor (`--slo-ttft-profile PATH`).
+
+Each grid point is one engine step, built by hand and run through `ModelRunner.execute`
+exactly as the engine runs it (one flattened forward, sampling included): optionally one
+request computing `prefill_tokens` new tokens on `prefill_context` cached ones, plus
+`decode_requests` requests computing one token each on `decode_context` cached ones. A point's
+time is the median of `repeats` runs (fresh request ids each run; the KV content is scratch).
+
+The fit: step seconds = sum of coefficient x feature over the features of
+`tokenweir.sim.latency.fitted_features` (a constant, prefill tokens, decode rows, causal
+attention pairs sum q * (c + (q + 1) / 2), prefill rows). Least squares on relative error
+(each row weighted by 1 / its time, so a 50 ms step counts as much as a 2 s one), with every
+coefficient kept >= 0 (a feature whose coefficient comes out negative is dropped and the rest
+refitted). The TTFT line `predicted_ttft = a * uncached_prompt_tokens + c` is an ordinary
+least-squares line through the prefill-only points with no cached context.
+
+Profile JSON (format "tokenweir-step-profile/1"); times in seconds:
+
+    {
+      "format": "tokenweir-step-profile/1",
+      "model": "smollm2-135m", "path": "...", "dtype": "float32", "device": "cpu",
+      "threads": 1,                      # torch intra-op threads during the timing
+      "block_size": 16, "kv_bytes_per_token": 46080, "max_model_len": 8192,
+      "features": ["const", "prefill_tokens", "decode_rows", "attention", "prefill_rows"],
+      "coefficients": {"const": s, "prefill_tokens": s/token, "decode_rows": s/row,
+                       "attention": s/pair, "prefill_rows": s/row},
+      "fit": {"r2": ..., "mean_rel_error": ..., "max_rel_error": ..., "num_points": N},
+      "ttft": {"a": s/token, "c": s, "r2": ...},
+      "points": [{"prefill_tokens": P, "prefill_context": Cp, "decode_requests": D,
+                  "decode_context": Cd, "seconds": measured, "predicted": fitted}, ...],
+      "grid": "default" | "quick", "repeats": R, "calibration_seconds": wall time
+    }
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+from tokenweir.sim.latency import (FITTED_FEATURES, FittedLatencyModel, StepTotals,
+                                  fitted_features)
+
+PROFILE_FORMAT = "tokenweir-step-profile/1"
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    prefill_tokens: int = 0  # one request computing this many new tokens (0: none)
+    prefill_context: int = 0  # ... on this many cached tokens
+    decode_requests: int = 0  # requests computing one token each
+    decode_context: int = 0  # ... on this many cached tokens each
+
+    def totals(self) -> StepTotals:
+        chunks = [(1, self.decode_context)] * self.decode_requests
+        if self.prefill_tokens:
+            chunks.append((self.prefill_tokens, self.prefill_context))
+        return StepTotals.of_chunks(chunks)
+
+    @property
+    def max_len(self) -> int:
+        return max(self.prefill_context + self.prefill_tokens, self.decode_context + 1)
+
+
+def default_grid() -> list[GridPoint]:
+    """~40 points: prefill-only (with and without cached context), decode-only over batch
+    sizes and contexts, and mixed steps. Under ~3 minutes for SmolLM2-135M, float32, on
+    two AVX2 cores."""
+    prefill = [GridPoint(p, c) for p in (8, 32, 64, 128, 256) for c in (0, 256)]
+    decode = [GridPoint(0, 0, d, c) for d in (1, 2, 4, 8, 16, 32) for c in (32, 256, 768)]
+    mixed = [GridPoint(p, 0, d, c) for p in (32, 128) for d in (4, 16) for c in (128, 512)]
+    return prefill + decode + mixed
+
+
+def quick_grid() -> list[GridPoint]:
+    """9 points: enough for the 5 coefficients and the TTFT line (tests, smoke runs)."""
+    return [GridPoint(16), GridPoint(48), GridPoint(96), GridPoint(32, 64),
+            GridPoint(0, 0, 1, 32), GridPoint(0, 0, 4, 128), GridPoint(0, 0, 8, 32),
+            GridPoint(48, 0, 4, 64), GridPoint(16, 0, 8, 128)]
+
+
+GRIDS: dict[str, Callable[[], list[GridPoint]]] = {"default": default_grid, "quick": quick_grid}
+
+
+# ---- fitting (pure) ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fit:
+    coefficients: dict[str, float]
+    r2: float
+    mean_rel_error: float
+    max_rel_error: float
+    predicted: list[float]
+
+
+def fit_step_model(totals: Sequence[StepTotals], seconds: Sequence[float]) -> Fit:
+    """Non-negative least squares on relative error over `fitted_features`."""
+    import numpy as np
+
+    if len(totals) != len(seconds) or not totals:
+        raise ValueError("need one time per step shape, and at least one")
+    if any(s <= 0 for s in seconds):
+        raise ValueError("step times must be positive")
+    x = np.array([fitted_features(t) for t in totals], dtype=float)
+    y = np.array(seconds, dtype=float)
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]  # unused features stay 0
+    coef = np.zeros(x.shape[1])
+    while active:
+        sub = x[:, active] / y[:, None]
+        solution, *_ = np.linalg.lstsq(sub, np.ones_like(y), rcond=None)
+        if (solution >= 0).all():
+            coef[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))  # the most negative one leaves, the rest refit
+    predicted = x @ coef
+    return Fit({f: float(c) for f, c in zip(FITTED_FEATURES, coef)}, _r2(y, predicted),
+               *_relative_errors(y, predicted), [float(p) for p in predicted])
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Ordinary least squares y = a x + c; returns (a, c, r2)."""
+    import numpy as np
+
+    if len(set(xs)) < 2:
+        raise ValueError("a line needs at least two distinct x values")
+    a, c = np.polyfit(np.asarray(xs, dtype=float), np.asarray(ys, dtype=float), 1)
+    predicted = [a * x + c for x in xs]
+    return float(a), float(c), _r2(np.asarray(ys, dtype=float), np.asarray(predicted))
+
+
+def _r2(y, predicted) -> float:
+    import numpy as np
+
+    total = float(np.sum((y - np.mean(y)) ** 2))
+    residual = float(np.sum((y - predicted) ** 2))
+    return 1.0 - residual / total if total > 0 else (1.0 if residual == 0 else -math.inf)
+
+
+def _relative_errors(y, predicted) -> tuple[float, float]:
+    rel = [abs(p - t) / t for p, t in zip(predicted, y)]
+    return float(sum(rel) / len(rel)), float(max(rel))
+
+
+# ---- timing (torch) ------------------------------------------------------------------------
+class StepTimer:
+    """Runs hand-built steps through a real ModelRunner and times `execute`."""
+
+    def __init__(self, loaded, block_size: int, max_len: int, max_rows: int, dtype,
+                 device) -> None:
+        from tokenweir.runner.model_runner import ModelRunner
+
+        self.block_size = block_size
+        blocks_per_row = -(-(max_len + 1) // block_size)
+        self.runner = ModelRunner(loaded.model, loaded.arch, 1 + max_rows * blocks_per_row,
+                                  block_size, dtype, device, frozenset())
+        self.vocab_size = loaded.arch.vocab_size
+        self._step = 0
+        self._previous: set[str] = set()
+
+    def time(self, point: GridPoint) -> float:
+        out = self._make_output(point)
+        started = time.perf_counter()
+        self.runner.execute(out)
+        return time.perf_counter() - started
+
+    def _make_output(self, point: GridPoint):
+        from tokenweir.core.outputs import NewRequestData, SchedulerOutput
+        from tokenweir.request import SamplingParams
+
+        self._step += 1
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        reqs, counts, next_block = [], {}, 1
+
+        def add(rid: str, context: int, new: int) -> None:
+            nonlocal next_block
+            n = context + new
+            num_blocks = -(-n // self.block_size)
+            tokens = [(7 + 31 * i + self._step) % self.vocab_size for i in range(n)]
+            reqs.append(NewRequestData(rid, tokens, n, params,
+                                       list(range(next_block, next_block + num_blocks)),
+                                       context))
+            counts[rid] = new
+            next_block += num_blocks
+
+        for j in range(point.decode_requests):
+            add(f"d{self._step}-{j}", point.decode_context, 1)
+        if point.prefill_tokens:
+            add(f"p{self._step}", point.prefill_context, point.prefill_tokens)
+        out = SchedulerOutput(reqs, counts, sum(counts.values()),
+                              finished_req_ids=self._previous, step_id=self._step)
+        self._previous = set(counts)  # the runner forgets them before the next step
+        return out
+
+
+def measure(timer: StepTimer, grid: Sequence[GridPoint], repeats: int,
+            progress: Optional[Callable[[int, int, GridPoint, float], None]] = None
+            ) -> list[float]:
+    """Median seconds per point. First, unrecorded, one step of each kind (prefill only,
+    decode only, mixed): a kind's first step pays one-off set-up (seconds, not milliseconds)."""
+    kinds: dict[tuple[bool, bool], GridPoint] = {}
+    for point in grid:
+        kinds.setdefault((point.prefill_tokens > 0, point.decode_requests > 0), point)
+    for point in kinds.values():
+        timer.time(point)
+    medians = []
+    for i, point in enumerate(grid):
+        seconds = statistics.median(timer.time(point) for _ in range(repeats))
+        medians.append(seconds)
+        if progress:
+            progress(i + 1, len(grid), point, seconds)
+    return medians
+
+
+def calibrate(model: str, grid: str = "default", repeats: int = 3, threads: int = 1,
+              dtype: str = "float32", device: str = "cpu", block_size: int = 16,
+              loaded=None, progress=None) -> dict:
+    """Time `model` over the named grid and return the profile dict (see the module doc)."""
+    import torch
+
+    from tokenweir.engine.llm_engine import resolve_dtype
+    from tokenweir.model.attention import kv_cache_bytes_per_block
+    from tokenweir.model.loader import load_model
+
+    if grid not in GRIDS:
+        raise ValueError(f"unknown grid {grid!r}; known: {sorted(GRIDS)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    started = time.perf_counter()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    torch_device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    loaded = loaded or load_model(model, torch_dtype, torch_device)
+    points = GRIDS[grid]()
+    too_long = [p for p in points if p.max_len > loaded.max_model_len]
+    if too_long:
+        raise ValueError(f"grid point {too_long[0]} exceeds the model's context length "
+                         f"{loaded.max_model_len}")
+    timer = StepTimer(loaded, block_size, max(p.max_len for p in points),
+                      max(p.decode_requests + 1 for p in points), torch_dtype, torch_device)
+    seconds = measure(timer, points, repeats, progress)
+    return build_profile(points, seconds, {
+        "model": model, "path": loaded.path, "dtype": str(torch_dtype).replace("torch.", ""),
+        "device": str(torch_device), "threads": torch.get_num_threads(),
+        "block_size": block_size,
+        "kv_bytes_per_token": kv_cache_bytes_per_block(loaded.arch, block_size, torch_dtype)
+        // block_size,
+        "max_model_len": loaded.max_model_len, "grid": grid, "repeats": repeats,
+        "calibration_seconds": round(time.perf_counter() - started, 2)})
+
+
+def build_profile(points: Sequence[GridPoint], seconds: Sequence[float], meta: dict) -> dict:
+    """Fit the step model and the TTFT line to measured points; the profile dict."""
+    fit = fit_step_model([p.totals() for p in points], seconds)
+    solo = [(p.prefill_tokens, s) for p, s in zip(points, seconds)
+            if p.prefill_tokens and not p.prefill_context and not p.decode_requests]
+    a, c, r2 = fit_line([x for x, _ in solo], [y for _, y in solo])
+    return {
+        "format": PROFILE_FORMAT, **meta,
+        "features": list(FITTED_FEATURES),
+        "coefficients": fit.coefficients,
+        "fit": {"r2": fit.r2, "mean_rel_error": fit.mean_rel_error,
+                "max_rel_error": fit.max_rel_error, "num_points": len(points)},
+        "ttft": {"a": a, "c": c, "r2": r2},
+        "points": [{**asdict(p), "seconds": s, "predicted": f}
+                   for p, s, f in zip(points, seconds, fit.predicted)],
+    }
+
+
+def load_profile(path: str) -> dict:
+    """Read and check a profile JSON; ValueError naming the problem."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{path}: not a {PROFILE_FORMAT} profile (write one with "
+                         f"`tokenweir calibrate MODEL --out {path}`)")
+    FittedLatencyModel.from_profile(data)  # validates the coefficients
+    return data
+
+
+def format_report(profile: dict) -> str:
+    fit, ttft, coef = profile["fit"], profile["ttft"], profile["coefficients"]
+    lines = [f"--- tokenweir calibrate: {profile['model']} ({profile['dtype']}, "
+             f"{profile['device']}, {profile['threads']} thread(s)), {fit['num_points']} "
+             f"points x {profile['repeats']} ---",
+             "step seconds = " + " + ".join(f"{coef[f]:.4g}*{f}" for f in FITTED_FEATURES),
+             f"fit: R^2 {fit['r2']:.4f}, relative error mean {100 * fit['mean_rel_error']:.1f}% "
+             f"max {100 * fit['max_rel_error']:.1f}%",
+             f"TTFT line: {1000 * ttft['a']:.3f} ms/token * uncached prompt tokens + "
+             f"{1000 * ttft['c']:.1f} ms (R^2 {ttft['r2']:.4f})"]
+    return "\n".join(lines)
+
+
+# ---- command line --------------------------------------------------------------------------
+def add_subcommand(subparsers) -> None:
+    p = subparsers.add_parser("calibrate", help="time the real runner over a grid of steps and "
+                              "fit a step-time profile for the simulator")
+    p.add_argument("model", nargs="?", default="smollm2-135m",
+                   help="alias, HF directory or .gguf file (default: smollm2-135m)")
+    p.add_argument("--out", default="step_profile.json", help="profile JSON path")
+    p.add_argument("--quick", action="store_true", help="the 9-point grid (smoke tests)")
+    p.add_argument("--repeats", type=int, default=3, help="timings per point (median)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads while timing (0: torch's default); the engine being "
+                   "modelled must run with the same number")
+    p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16",
+                                                           "float16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+
+
+def run(args: argparse.Namespace) -> int:
+    def progress(i: int, n: int, point: GridPoint, seconds: float) -> None:
+        print(f"  [{i:2d}/{n}] prefill {point.prefill_tokens:4d} on {point.prefill_context:4d}"
+              f"  decodes {point.decode_requests:3d} on {point.decode_context:4d}"
+              f"  {1000 * seconds:9.1f} ms", file=sys.stderr, flush=True)
+
+    try:
+        profile = calibrate(args.model, "quick" if args.quick else "default", args.repeats,
+                            args.threads, args.dtype, args.device, args.block_size,
+                            progress=progress)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with open(args.out, "w") as f:
+        json.dump(profile, f, indent=1)
+    print(format_report(profile))
+    print(f"wrote {args.out}")
+    return 0
