@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenweir.model import attention as A
+from tokenweir.model import kernels
 from tokenweir.model.arch import ArchConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,9 +41,11 @@ def _reference(q, k_all, v_all, query_lens, seq_lens, scale):
     return torch.cat(outs)
 
 
-def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5):
+def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5, head_dim=64,
+              expect_kernel=None):
+    """expect_kernel: None = don't care, True/False = the decodes must (not) take the C++ path."""
     gen = torch.Generator().manual_seed(seed)
-    arch = _arch(heads, kv_heads)
+    arch = _arch(heads, kv_heads, head_dim)
     d = arch.head_dim
     seq_lens = [c + q for c, q in zip(ctx_before, query_lens)]
     blocks_needed = [(s + BS - 1) // BS for s in seq_lens]
@@ -70,6 +73,8 @@ def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5)
         out = A.paged_attention(q, k_new, v_new, cache, meta, scale)
         out2 = A.paged_attention(q, k_new, v_new, cache, meta, scale)  # plan reused (layer 2)
     ref = _reference(q, k_all, v_all, query_lens, seq_lens, scale)
+    if expect_kernel is not None:
+        assert (meta.plan(cache).decode_kernel is not None) == expect_kernel
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - ref).abs().max().item() < atol
     assert torch.equal(out, out2)
@@ -86,13 +91,47 @@ CASES = {
 }
 
 
+@pytest.fixture
+def cpu_kernel():
+    """The C++ decode kernel is built (it needs a C++ compiler; this machine kind has g++)."""
+    if kernels.decode_kernel() is None:
+        pytest.skip("C++ decode kernel could not be built here (no compiler?)")
+
+
 @pytest.mark.parametrize("group_bytes", [A.DECODE_GROUP_BYTES, 1], ids=["one_group", "groups"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3), (6, 1)], ids=["gqa", "mha", "mqa"])
 def test_paged_attention_matches_reference(case, heads, kv_heads, group_bytes, monkeypatch):
-    """group_bytes=1 puts every decode in its own group (sorted by length, scattered back)."""
+    """The torch path. group_bytes=1 puts every decode in its own group (sorted by length,
+    scattered back)."""
+    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "0")
     monkeypatch.setattr(A, "DECODE_GROUP_BYTES", group_bytes)
-    _run_case(*CASES[case], heads, kv_heads, torch.float32)
+    _run_case(*CASES[case], heads, kv_heads, torch.float32, expect_kernel=False)
+
+
+# (heads, kv_heads, head_dim): the templated path (group <= 8, head_dim % 32 == 0) and the
+# generic one (group 10; head_dim 40)
+KERNEL_SHAPES = [(4, 2, 64), (3, 3, 64), (6, 1, 64), (9, 3, 64), (8, 1, 128), (10, 1, 64),
+                 (4, 2, 40)]
+
+
+@pytest.mark.usefixtures("cpu_kernel")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", KERNEL_SHAPES,
+                         ids=[f"h{h}kv{k}d{d}" for h, k, d in KERNEL_SHAPES])
+def test_cpu_decode_kernel_matches_reference(case, heads, kv_heads, head_dim, monkeypatch):
+    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
+    has_decodes = CASES[case][0][0] == 1
+    _run_case(*CASES[case], heads, kv_heads, torch.float32, head_dim=head_dim,
+              expect_kernel=has_decodes)
+
+
+@pytest.mark.usefixtures("cpu_kernel")
+def test_cpu_decode_kernel_long_contexts_and_odd_blocks(monkeypatch):
+    """Contexts of hundreds of tokens, ending mid-block, through the kernel."""
+    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
+    _run_case([1] * 6, [300, 1, 257, 63, 64, 511], 9, 3, torch.float32, atol=2e-5,
+              expect_kernel=True)
 
 
 def test_paged_attention_bfloat16():

@@ -13,7 +13,10 @@ Cache contract (shared with the runner):
 Per layer `paged_attention` writes this step's K/V into the cache (`index_copy_` on the flat
 slot view), then
 
-* decodes: batched. They are sorted by context length and cut into groups whose gathered K/V
+* decodes on CPU in float32: the C++ kernel in `tokenweir/model/kernels` attends each request's
+  blocks in place (no gather), all decodes in one call per layer. Elsewhere, or when the kernel
+  cannot be built (no compiler, `TOKENWEIR_CPU_KERNELS=0`), the torch path below;
+* decodes, torch path: batched. They are sorted by context length and cut into groups whose gathered K/V
   fit a few MiB; each group is gathered (`index_select` of whole blocks into a reused
   workspace, which stays cache-resident) and runs ONE SDPA call, padded to the group's longest
   context with a boolean key mask, the GQA group folded into the query axis (no KV repeat).
@@ -35,6 +38,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from tokenweir.model import kernels
 from tokenweir.model.arch import ArchConfig
 
 # Gathered K+V bytes per decode SDPA call: small enough to stay in the last-level cache between
@@ -84,6 +88,10 @@ class _StepPlan:
 
     block_size: int
     num_decodes: int = 0
+    # C++ kernel path (CPU, float32): the decodes' block tables and context lengths, read in place
+    decode_kernel: Optional[object] = None
+    decode_tables: Optional[torch.Tensor] = None
+    decode_seq_lens: Optional[torch.Tensor] = None
     decode_order: Optional[torch.Tensor] = None  # decodes sorted by length (None: already are)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     prefills: list[_PrefillPlan] = field(default_factory=list)
@@ -172,7 +180,12 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     device = meta.slot_mapping.device
     tables = meta.block_tables.to(torch.long)
     nd = meta.num_decodes
-    if nd:
+    kernel = _decode_kernel_for(kv_cache) if nd else None
+    if kernel is not None:
+        plan.decode_kernel = kernel
+        plan.decode_tables = tables[:nd].contiguous()
+        plan.decode_seq_lens = meta.seq_lens[:nd].to(torch.long).contiguous()
+    elif nd:
         _plan_decodes(plan, meta.seq_lens_cpu[:nd], tables[:nd], bytes_per_token, dtype)
     start = nd
     for i in range(nd, len(meta.query_lens_cpu)):
@@ -187,6 +200,15 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
         plan.prefills.append(p)
         start += q_len
     return plan
+
+
+def _decode_kernel_for(kv_cache: torch.Tensor):
+    """The C++ paged decode kernel when it applies to this cache (CPU, float32, contiguous,
+    head_dim a multiple of 8), else None."""
+    if (kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32
+            or not kv_cache.is_contiguous() or kv_cache.shape[-1] % 8):
+        return None
+    return kernels.decode_kernel()
 
 
 def _plan_decodes(plan: _StepPlan, seq_lens: list[int], tables: torch.Tensor,
@@ -248,6 +270,10 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
     into out [T, H, D]."""
     nd = plan.num_decodes
     if not nd:
+        return
+    if plan.decode_kernel is not None:  # reads K/V in place: out rows [0, nd) are contiguous
+        plan.decode_kernel(q[:nd].contiguous(), kv_cache, plan.decode_tables,
+                           plan.decode_seq_lens, scale, out[:nd])
         return
     _, num_heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]

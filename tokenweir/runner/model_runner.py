@@ -15,6 +15,7 @@ import torch
 
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
+from tokenweir.model import kernels
 from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
 from tokenweir.model.sampler import sample
 from tokenweir.request import SamplingParams
@@ -54,6 +55,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.seed = seed
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+        if device.type == "cpu" and dtype == torch.float32:
+            kernels.decode_kernel()  # build (or load) the C++ decode kernel now, not mid-step
         # The swap pool lives in host memory; on a CPU-only machine it is a second CPU pool.
         self.host_caches = (allocate_kv_caches(arch, num_host_blocks, block_size, dtype,
                                                torch.device("cpu"))
