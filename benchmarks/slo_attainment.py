@@ -21,7 +21,10 @@ Part 1, the simulator: the real scheduler on a virtual clock (SimRunner + a late
 the CPU roofline profile for smollm2-135m unless --hardware / --model-shape say otherwise;
 prompts 256-8,000, budget 2,048). Part 2, the real engine on this CPU (smollm2-135m, float32,
 prompts 256-2,048 scaled from 8,000 to the model's speed here, budget 512; requests arrive
-from a feeder thread so the SLO monitor sees them mid-step; time-bounded).
+from a feeder thread so the SLO monitor sees them mid-step; the load is set from the TTFT line
+and decode step measured at start-up; each run stops --real-drain-seconds after its last
+arrival, so 4 runs of 20 requests take ~5 minutes on a quiet 2-core machine). The real run is
+small: ~4 urgent requests per policy, so its attainment moves in steps of ~25 points.
 
     .venv/bin/python benchmarks/slo_attainment.py            # both parts, quick sizes
     .venv/bin/python benchmarks/slo_attainment.py --sim-only --requests 2000
@@ -133,6 +136,9 @@ def attainment(ttfts: list[tuple[Item, Optional[float]]]) -> tuple[float, float,
 def run_sim(args) -> list[Row]:
     shape, hardware = get_shape(args.model_shape), get_hardware(args.hardware)
     model = RooflineLatencyModel(shape, hardware)
+    if args.profile:  # a `tokenweir calibrate` profile: the step-time model fitted on this CPU
+        from tokenweir.sim.latency import FittedLatencyModel
+        model = FittedLatencyModel.from_profile(args.profile)
     budget, max_len = args.sim_budget, args.sim_max_prompt + 256
 
     def solo(n: int) -> float:  # chunked solo TTFT (what fcfs-chunked achieves alone)
@@ -211,14 +217,16 @@ def run_real(args) -> list[Row]:
         slo_mid_step_cut=False), loaded=loaded)
     a, c = probe.core.executor.measure_ttft_line(short=256, long=args.real_budget)
     per_chunk = a * args.real_budget + c
+    decode = measure_decode_seconds(probe, SamplingParams)
 
     def solo(n: int) -> float:  # chunked: one intercept per budget-sized chunk
         return a * n + c * math.ceil(n / args.real_budget)
 
     print(f"real engine: TTFT line a={a * 1e3:.3f} ms/token c={c * 1e3:.1f} ms "
-          f"(a {args.real_budget}-token chunk ~{per_chunk * 1e3:.0f} ms)")
+          f"(a {args.real_budget}-token chunk ~{per_chunk * 1e3:.0f} ms), decode step "
+          f"~{decode * 1e3:.0f} ms")
     mean_prompt = sum(args.real_prompt_range) / 2
-    service = solo(int(mean_prompt)) + 0.03 * sum(args.output_range) / 2
+    service = solo(int(mean_prompt)) + decode * sum(args.output_range) / 2
     rows = []
     for load in args.real_loads:
         items = make_workload(args.real_requests, load / service, args.real_prompt_range,
@@ -235,6 +243,20 @@ def run_real(args) -> list[Row]:
                 engine.shutdown()
             print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
     return rows
+
+
+def measure_decode_seconds(engine, SamplingParams, num_tokens: int = 8) -> float:
+    """Median seconds of a one-request decode step (a 64-token prompt, then decodes)."""
+    params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
+    request, _ = engine.make_request({"prompt_token_ids": list(range(300, 364))}, params)
+    engine.add_request(request, None)
+    engine.step()  # the prefill
+    times = []
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
 
 
 def real_one(engine, name, load, items, SamplingParams, args, num_layers: int) -> Row:
@@ -261,7 +283,7 @@ def real_one(engine, name, load, items, SamplingParams, args, num_layers: int) -
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     done: dict[str, float] = {}
-    deadline = start + args.real_seconds_per_run
+    deadline = start + items[-1].arrival + args.real_drain_seconds
     while len(done) < len(requests) and engine.core.clock() < deadline:
         if not engine.has_unfinished_requests():
             time.sleep(0.001)
@@ -276,7 +298,7 @@ def real_one(engine, name, load, items, SamplingParams, args, num_layers: int) -
     tokens = engine.core.metrics.iteration_tokens.sum
     if len(done) < len(requests):
         print(f"  ({name}: {len(requests) - len(done)} requests unfinished after "
-              f"{args.real_seconds_per_run:.0f} s; counted as misses)")
+              f"{elapsed:.0f} s; counted as misses)")
     return make_row(name, load, urgent, generous, met / elapsed, engine.scheduler.stats,
                     tokens, num_layers, ttfts)
 
@@ -348,16 +370,19 @@ def main() -> None:
                    help="offered load as a multiple of the solo service rate")
     p.add_argument("--model-shape", default="smollm2-135m")
     p.add_argument("--hardware", default="cpu-epyc-2c")
+    p.add_argument("--profile", help="simulate with this `tokenweir calibrate` profile (fitted "
+                   "step-time model) instead of the roofline model")
     p.add_argument("--sim-prompt-range", type=int, nargs=2, default=(256, 8000))
     p.add_argument("--sim-budget", type=int, default=2048)
     p.add_argument("--sim-blocks", type=int, default=20000)
-    p.add_argument("--real-requests", type=int, default=24)
+    p.add_argument("--real-requests", type=int, default=20)
     p.add_argument("--real-loads", type=float, nargs="+", default=(0.8,))
     p.add_argument("--real-prompt-range", type=int, nargs=2, default=(256, 2048))
     p.add_argument("--real-budget", type=int, default=512)
     p.add_argument("--real-blocks", type=int, default=2048)
-    p.add_argument("--real-seconds-per-run", type=float, default=75.0,
-                   help="wall-clock bound per policy; unfinished requests count as misses")
+    p.add_argument("--real-drain-seconds", type=float, default=20.0,
+                   help="a run stops this long after its last arrival; unfinished requests "
+                        "count as misses")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     args.sim_max_prompt = args.sim_prompt_range[1]
@@ -365,12 +390,19 @@ def main() -> None:
     if not args.real_only:
         started = time.perf_counter()
         rows = run_sim(args)
-        print(f"\n== simulator: {args.model_shape} on {args.hardware} (roofline latency model; "
-              f"no calibrated profile used), {args.requests} requests per load, prompts "
+        source = (f"calibrated profile {args.profile}" if args.profile else
+                  f"{args.hardware} roofline latency model, not calibrated")
+        print(f"\n== simulator: {args.model_shape} ({source}), {args.requests} requests per "
+              f"load, prompts "
               f"{args.sim_prompt_range[0]}-{args.sim_prompt_range[1]}, budget "
               f"{args.sim_budget} ({time.perf_counter() - started:.1f} s) ==")
         print(format_rows(rows))
         print(target_check(rows, "simulator"))
+        print("notes: the simulator's predictor is fitted to the very latency model that times "
+              "the steps, so its prediction error is the fit's alone (printed above); with "
+              "max_num_partial_prefills=1 at most one prefill runs, so the conservative and "
+              "aggressive gates usually see one candidate and coincide; wasted% counts cut "
+              "steps' layer-work and tokens recomputed after preemptions")
     if not args.sim_only:
         print(f"\n== real engine on CPU: smollm2-135m float32, {args.real_requests} requests "
               f"per run, prompts {args.real_prompt_range[0]}-{args.real_prompt_range[1]}, "
