@@ -7,7 +7,8 @@ Each grid point is one engine step, built by hand and run through `ModelRunner.e
 exactly as the engine runs it (one flattened forward, sampling included): optionally one
 request computing `prefill_tokens` new tokens on `prefill_context` cached ones, plus
 `decode_requests` requests computing one token each on `decode_context` cached ones. A point's
-time is the median of `repeats` runs (fresh request ids each run; the KV content is scratch).
+time is the median of `repeats` runs, taken in rounds over the whole grid (fresh request ids
+each run; the KV content is scratch).
 
 The fit: step seconds = sum of coefficient x feature over the features of
 `tokenweir.sim.latency.fitted_features` (a constant, prefill tokens, decode rows, causal
@@ -202,23 +203,25 @@ class StepTimer:
 def measure(timer: StepTimer, grid: Sequence[GridPoint], repeats: int,
             progress: Optional[Callable[[int, int, GridPoint, float], None]] = None
             ) -> list[float]:
-    """Median seconds per point. First, unrecorded, one step of each kind (prefill only,
-    decode only, mixed): a kind's first step pays one-off set-up (seconds, not milliseconds)."""
+    """Median seconds per point, over `repeats` rounds that each visit every point once (so a
+    burst of load from other processes spreads over many points instead of skewing one).
+    First, unrecorded, one step of each kind (prefill only, decode only, mixed): a kind's
+    first step pays one-off set-up (seconds, not milliseconds)."""
     kinds: dict[tuple[bool, bool], GridPoint] = {}
     for point in grid:
         kinds.setdefault((point.prefill_tokens > 0, point.decode_requests > 0), point)
     for point in kinds.values():
         timer.time(point)
-    medians = []
-    for i, point in enumerate(grid):
-        seconds = statistics.median(timer.time(point) for _ in range(repeats))
-        medians.append(seconds)
-        if progress:
-            progress(i + 1, len(grid), point, seconds)
-    return medians
+    samples: list[list[float]] = [[] for _ in grid]
+    for round_index in range(repeats):
+        for i, point in enumerate(grid):
+            samples[i].append(timer.time(point))
+            if progress and round_index == repeats - 1:
+                progress(i + 1, len(grid), point, statistics.median(samples[i]))
+    return [statistics.median(s) for s in samples]
 
 
-def calibrate(model: str, grid: str = "default", repeats: int = 3, threads: int = 1,
+def calibrate(model: str, grid: str = "default", repeats: int = 5, threads: int = 1,
               dtype: str = "float32", device: str = "cpu", block_size: int = 16,
               loaded=None, progress=None) -> dict:
     """Time `model` over the named grid and return the profile dict (see the module doc)."""
@@ -309,7 +312,7 @@ def add_subcommand(subparsers) -> None:
                    help="alias, HF directory or .gguf file (default: smollm2-135m)")
     p.add_argument("--out", default="step_profile.json", help="profile JSON path")
     p.add_argument("--quick", action="store_true", help="the 9-point grid (smoke tests)")
-    p.add_argument("--repeats", type=int, default=3, help="timings per point (median)")
+    p.add_argument("--repeats", type=int, default=5, help="timings per point (median)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads while timing (0: torch's default); the engine being "
                    "modelled must run with the same number")
