@@ -141,8 +141,11 @@ def test_monitor_thread_cuts_a_real_model_prefill(make_llm):
     """The real model (30 layers): an urgent request arrives while an 800-token prefill
     runs; the monitor thread orders the cut, the runner unwinds at a layer boundary, and every
     output equals the uncut run's."""
+    # A pessimistic predictor (5 ms/token): the step in flight "lasts" ~4 s, so the gate fires
+    # even when a busy machine delays the monitor's look by a second or more.
     common = dict(max_num_batched_tokens=2048, enable_prefix_caching=True,
-                  num_gpu_blocks_override=160, scheduling_policy="slo", slo_ttft_a_ms_per_token=0.5, slo_ttft_c_ms=10.0)
+                  num_gpu_blocks_override=160, scheduling_policy="slo",
+                  slo_ttft_a_ms_per_token=5.0, slo_ttft_c_ms=10.0)
     rng = random.Random(3)
     long_prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(800)]}
     short_prompt = {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(40)]}
@@ -155,7 +158,7 @@ def test_monitor_thread_cuts_a_real_model_prefill(make_llm):
     llm = make_llm(**common)
     engine = llm.llm_engine
     long_req, _ = engine.make_request(long_prompt, params)
-    urgent, _ = engine.make_request(short_prompt, params, ttft_slo_ms=150.0)
+    urgent, _ = engine.make_request(short_prompt, params, ttft_slo_ms=1000.0)
     engine.add_request(long_req, None)
 
     def submit_when_the_prefill_runs() -> None:
