@@ -211,10 +211,9 @@ class Simulation:
         gap_starts: dict[float, int] = {}
         for eco in self.scheduler.update_from_output(out, runner_out, now):
             rid = eco.request.request_id
-            record = records[rid]
-            record.num_output += len(eco.new_token_ids)
             previous = last_token.get(rid)
             if previous is None:
+                record = records[rid]
                 record.first_token = now
                 record.first_scheduled = eco.request.first_scheduled_time
             elif in_order:
@@ -224,6 +223,8 @@ class Simulation:
             last_token[rid] = now
             if eco.finish_reason is not None:
                 request = eco.request
+                record = records[rid]
+                record.num_output = request.num_output_tokens  # every output token came here
                 record.finished = now
                 record.finish_reason = eco.finish_reason
                 record.num_finishes += 1

@@ -235,12 +235,12 @@ class Scheduler:
         """Give running requests their next tokens; preempt victims when the pool is full."""
         i = 0
         running = self.running  # mutated in place only (remove, sort)
+        scheduled, paused = plan.num_scheduled, plan.paused
         while i < len(running) and plan.token_budget > 0:
             request = running[i]
             owed = len(request.all_token_ids) - request.num_computed_tokens
             wanted = prefills if owed > 1 else decodes  # owed > 1: policy.is_prefilling
-            if not wanted or request.request_id in plan.num_scheduled or \
-                    request.request_id in plan.paused:
+            if not wanted or request.request_id in scheduled or request.request_id in paused:
                 i += 1
                 continue
             # A decode owes 1 and the budget is > 0: policy.num_tokens_to_schedule gives 1.
