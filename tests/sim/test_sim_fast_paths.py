@@ -3,6 +3,7 @@ latency models' one-pass totals, and the KV manager's "nothing to register" shor
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -43,6 +44,11 @@ def test_itl_as_counts_summarizes_exactly_like_itl_in_order():
     in_order = build_simulation(engine, _specs(), SMALL, "h100", check=True).run()
     as_counts = build_simulation(engine, _specs(), SMALL, "h100", itl_counts=True).run()
     assert isinstance(as_counts.itl, ValueCounts)
+    # Counts mode also takes the scheduler's bulk path for plain decodes (ids, no output
+    # objects): every record, step and counter must come out the same.
+    assert [dataclasses.asdict(r) for r in as_counts.requests] == \
+        [dataclasses.asdict(r) for r in in_order.requests]
+    assert as_counts.steps == in_order.steps and as_counts.stats == in_order.stats
     assert in_order.stats.num_preemptions > 0  # gaps that span a preemption are covered
     assert len(as_counts.itl) == len(in_order.itl) > 1000
     assert list(as_counts.itl) == sorted(in_order.itl)
@@ -111,14 +117,14 @@ def test_registration_shortcut_leaves_nothing_unpublished():
     counted = {"skipped": 0, "registered": 0}
     update = sim.scheduler.update_from_output
 
-    def checking_update(out, runner_out, now=0.0):
+    def checking_update(out, runner_out, now=0.0, decoded=None):
         behind = set(kv.registration_behind)
         for rid, n in out.num_scheduled_tokens.items():
             request = sim.scheduler.requests.get(rid)
             if request is not None:  # the shortcut's test, as update will see it
                 filled = (request.num_computed_tokens + n) % kv.block_size < n
                 counted["registered" if filled or rid in behind else "skipped"] += 1
-        result = update(out, runner_out, now)
+        result = update(out, runner_out, now, decoded)
         for rid in out.num_scheduled_tokens:
             request = sim.scheduler.requests.get(rid)
             if request is None or rid not in kv.num_registered:

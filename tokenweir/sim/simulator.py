@@ -209,7 +209,16 @@ class Simulation:
         # add one value per distinct start (most requests share the previous step's end).
         in_order = self.record_itl and isinstance(self.itl, array)
         gap_starts: dict[float, int] = {}
-        for eco in self.scheduler.update_from_output(out, runner_out, now):
+        # As counts, plain decodes come back as ids only (no per-token output objects).
+        decoded: Optional[list[str]] = None if in_order else []
+        update = self.scheduler.update_from_output
+        outputs = update(out, runner_out, now) if decoded is None else \
+            update(out, runner_out, now, decoded)
+        for rid in decoded or ():  # one more token, neither the request's first nor its last
+            previous = last_token[rid]
+            gap_starts[previous] = gap_starts.get(previous, 0) + 1
+            last_token[rid] = now
+        for eco in outputs:
             rid = eco.request.request_id
             previous = last_token.get(rid)
             if previous is None:

@@ -95,14 +95,6 @@ class _StepPlan:
         (self.new_reqs if is_new else self.running_reqs).append(request)
         self.token_budget -= num_tokens
 
-    def add_running(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
-        """`add(..., is_new=False)`: once per running request per step, so kept lean."""
-        rid = request.request_id
-        self.num_scheduled[rid] = num_tokens
-        self.new_block_ids[rid] = block_ids
-        self.running_reqs.append(request)
-        self.token_budget -= num_tokens
-
     def drop(self, request: Request) -> None:
         """Undo `add` for a request preempted later in the same step."""
         num_tokens = self.num_scheduled.pop(request.request_id, None)
@@ -236,18 +228,26 @@ class Scheduler:
         i = 0
         running = self.running  # mutated in place only (remove, sort)
         scheduled, paused = plan.num_scheduled, plan.paused
+        allocate, block_size = self.kv.allocate_slots, self.kv.block_size
+        new_block_ids, running_reqs = plan.new_block_ids, plan.running_reqs
         while i < len(running) and plan.token_budget > 0:
             request = running[i]
             owed = len(request.all_token_ids) - request.num_computed_tokens
             wanted = prefills if owed > 1 else decodes  # owed > 1: policy.is_prefilling
-            if not wanted or request.request_id in scheduled or request.request_id in paused:
+            rid = request.request_id
+            if not wanted or rid in scheduled or rid in paused:
                 i += 1
                 continue
             # A decode owes 1 and the budget is > 0: policy.num_tokens_to_schedule gives 1.
             num_tokens = 1 if owed == 1 else policy.num_tokens_to_schedule(
                 owed, plan.token_budget, self.config.long_prefill_token_threshold)
-            assert num_tokens > 0, f"running request {request.request_id} owes no tokens"
-            block_ids = self.kv.allocate_slots(request, num_tokens)
+            assert num_tokens > 0, f"running request {rid} owes no tokens"
+            # A running request's blocks cover its computed tokens, so a decode whose computed
+            # tokens end inside a block has room for its next one (allocate_slots would give []).
+            if owed == 1 and request.num_computed_tokens % block_size:
+                block_ids = []
+            else:
+                block_ids = allocate(request, num_tokens)
             if block_ids is None:
                 block_ids = self._allocate_or_preempt(request, num_tokens, plan)
                 if block_ids is None:
@@ -256,7 +256,10 @@ class Scheduler:
                 # A victim ahead of `request` in `running` (priority policy) shifted it left.
                 while i >= len(running) or running[i] is not request:
                     i -= 1
-            plan.add_running(request, num_tokens, block_ids)
+            scheduled[rid] = num_tokens  # plan.add(..., is_new=False), inlined: hot
+            new_block_ids[rid] = block_ids
+            running_reqs.append(request)
+            plan.token_budget -= num_tokens
             i += 1
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int,
@@ -310,8 +313,10 @@ class Scheduler:
         that preempted."""
         if plan.preempted or not self.waiting:
             return
-        num_partial = sum(1 for r in self.running
-                          if policy.is_prefilling(r) and r.request_id not in plan.paused)
+        paused = plan.paused  # policy.is_prefilling inlined: this runs over every running one
+        num_partial = sum([1 for r in self.running
+                           if len(r.all_token_ids) - r.num_computed_tokens > 1
+                           and r.request_id not in paused])
         while self.waiting and plan.token_budget > 0:
             if 0 < self.config.max_num_seqs <= len(self.running):
                 break
@@ -431,11 +436,14 @@ class Scheduler:
 
     # ---- update ------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput,
-                           now: float = 0.0) -> list[EngineCoreOutput]:
+                           runner_output: ModelRunnerOutput, now: float = 0.0,
+                           decoded: Optional[list[str]] = None) -> list[EngineCoreOutput]:
         """Advance computed counts, append sampled tokens, apply stop rules, free the finished.
 
         Requests aborted or preempted since `scheduler_output` was made are skipped.
+        `decoded` (the simulator's bulk path; not with logprobs): when given, a request that
+        got one token that is neither its first nor its last is listed there by id instead of
+        getting an EngineCoreOutput; its token is in `all_token_ids` as always.
         """
         # The per-token path of the whole engine (and of the simulator): locals, not
         # attribute chains; calls only where something may happen.
@@ -447,6 +455,7 @@ class Scheduler:
         block_size, behind = kv.block_size, kv.registration_behind
         max_model_len = self.max_model_len
         num_fast = 0
+        bulk = decoded.append if decoded is not None and not logprobs else None
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(request_id)
             if request is None or request.status != running:
@@ -477,6 +486,9 @@ class Scheduler:
                     and token_id not in request.sampling_params.stop_token_ids):
                 all_token_ids.append(token_id)
                 num_fast += 1
+                if bulk is not None:
+                    bulk(request_id)
+                    continue
                 output = EngineCoreOutput(request, [token_id])
             else:
                 output = self._append_tokens(request, new_token_ids, now)
