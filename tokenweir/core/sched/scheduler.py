@@ -107,6 +107,31 @@ class _StepPlan:
                 reqs.remove(request)
 
 
+class _PartialPrefills:
+    """How many requests are mid-prefill: the running ones when admission began (paused ones
+    excluded), plus the admissions this step that got only part of their prompt. Only an
+    admission that would itself be chunked asks, so the pass over `running` is made on the
+    first ask, not on every step with a waiting request. Admissions append to `running`, and
+    nothing else changes it while admitting, so its first `len` entries stay the ones that
+    were running."""
+
+    __slots__ = ("_running", "_paused", "_num_running", "_counted", "_admitted")
+
+    def __init__(self, running: list[Request], paused: set[str]) -> None:
+        self._running, self._paused, self._num_running = running, paused, len(running)
+        self._counted: Optional[int] = None
+        self._admitted = 0
+
+    def value(self) -> int:
+        if self._counted is None:
+            self._counted = sum(1 for r in self._running[:self._num_running]
+                                if policy.is_prefilling(r) and r.request_id not in self._paused)
+        return self._counted + self._admitted
+
+    def add_one(self) -> None:
+        self._admitted += 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, costs: Optional[PreemptionCosts] = None) -> None:
@@ -313,10 +338,7 @@ class Scheduler:
         that preempted."""
         if plan.preempted or not self.waiting:
             return
-        paused = plan.paused  # policy.is_prefilling inlined: this runs over every running one
-        num_partial = sum([1 for r in self.running
-                           if len(r.all_token_ids) - r.num_computed_tokens > 1
-                           and r.request_id not in paused])
+        num_partial = _PartialPrefills(self.running, plan.paused)
         while self.waiting and plan.token_budget > 0:
             if 0 < self.config.max_num_seqs <= len(self.running):
                 break
@@ -329,12 +351,12 @@ class Scheduler:
             num_tokens, block_ids = admitted
             self.waiting.pop()
             if num_tokens < request.num_tokens - request.num_computed_tokens:
-                num_partial += 1
+                num_partial.add_one()
             self._admit(request, plan.now)
             plan.add(request, num_tokens, block_ids, is_new=True)
 
     def _try_admit(self, request: Request, plan: _StepPlan,
-                   num_partial: int) -> Optional[tuple[int, list[int]]]:
+                   num_partial: _PartialPrefills) -> Optional[tuple[int, list[int]]]:
         """Admission control for the queue head: prefix-cache hit, chunk size, the watermark
         (only while something runs), the full-sequence check, then the allocation.
         Returns (tokens this step, new block ids), or None with nothing changed."""
@@ -361,7 +383,7 @@ class Scheduler:
         self.kv.record_admission(request, num_hit_tokens)
         return num_tokens, block_ids
 
-    def _try_swap_in(self, request: Request, plan: _StepPlan, num_partial: int,
+    def _try_swap_in(self, request: Request, plan: _StepPlan, num_partial: _PartialPrefills,
                      reserved: int) -> Optional[tuple[int, list[int]]]:
         """Re-admit a swapped-out request: copy its blocks back, then room for its next tokens."""
         num_tokens = self._admission_chunk(request.num_tokens - request.num_computed_tokens,
@@ -382,13 +404,14 @@ class Scheduler:
         self.stats.blocks_swapped_in += len(pairs)
         return num_tokens, [device for _, device in pairs] + new_block_ids
 
-    def _admission_chunk(self, owed: int, token_budget: int, num_partial: int) -> int:
+    def _admission_chunk(self, owed: int, token_budget: int,
+                         num_partial: _PartialPrefills) -> int:
         """Tokens the queue head gets this step out of `owed`, or 0 if it must keep waiting."""
         if not self.config.enable_chunked_prefill:
             return owed if owed <= token_budget else 0  # whole or not at all: no threshold
         num_tokens = policy.num_tokens_to_schedule(
             owed, token_budget, self.config.long_prefill_token_threshold)
-        if num_tokens < owed and num_partial >= self.config.max_num_partial_prefills:
+        if num_tokens < owed and num_partial.value() >= self.config.max_num_partial_prefills:
             return 0
         return num_tokens
 
