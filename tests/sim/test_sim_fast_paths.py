@@ -138,3 +138,20 @@ def test_registration_shortcut_leaves_nothing_unpublished():
     result = sim.run()
     assert result.stats.num_swapped_out > 0
     assert counted["skipped"] > 1000 and counted["registered"] > 50
+
+
+def test_a_run_makes_no_reference_cycles_so_pausing_the_collector_leaks_nothing():
+    """Simulation.run pauses the cyclic GC; that is only safe if the loop leaves no cycles.
+    A cramped pool with swap, prefix groups and chunking exercises every path."""
+    import gc
+
+    engine = {"max_model_len": 1024, "num_gpu_blocks_override": 110,
+              "max_num_batched_tokens": 256, "scheduler_reserve_full_isl": False,
+              "preemption_mode": "swap", "swap_space": 0.01, "long_prefill_token_threshold": 64}
+    sim = build_simulation(engine, _specs(), SMALL, "h100", itl_counts=True)
+    gc.collect()
+    assert gc.isenabled()
+    result = sim.run()
+    assert gc.isenabled()  # restored
+    assert result.stats.num_preemptions > 0 and result.stats.num_swapped_out > 0
+    assert gc.collect() == 0

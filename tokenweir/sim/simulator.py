@@ -10,6 +10,7 @@ step, whose end lands `step_seconds` later; at a step's end, `update_from_output
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from array import array
@@ -111,6 +112,18 @@ class Simulation:
         heapq.heappush(self._heap, (t, kind, self._seq, payload))
 
     def run(self) -> SimResult:
+        """Run to the end. The cyclic garbage collector is paused meanwhile: the loop makes no
+        reference cycles (a test checks that a collection afterwards finds nothing), and at
+        100k requests the collector's passes over the growing heap cost ~10% of the run."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self) -> SimResult:
         started = time.perf_counter()
         next_arrival = 0
         if self.specs:
