@@ -65,6 +65,22 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """The n least recently freed blocks, unlinked (one pass; caller checks n <= free)."""
+        blocks = []
+        block = self._head.next_free
+        for _ in range(n):
+            if block is None or block is self._tail:
+                raise ValueError("no free blocks")
+            blocks.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= n
+        return blocks
+
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
@@ -107,14 +123,16 @@ class BlockPool:
         """Take n blocks (least recently freed first), each with ref_cnt 1. Caller checks room."""
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
-        blocks = [self.free_queue.popleft() for _ in range(n)]
+        blocks = self.free_queue.popleft_n(n)
+        cached = self.cached
         for block in blocks:
-            if block.key is not None:
-                self._evict(block)
-            else:
-                # Unpublished content (a duplicate of a cached block) can still be the parent
-                # in a published child's key: handing the block out must orphan that child too.
-                block.generation += 1
+            if block.key is not None:  # its published content goes (_evict, inlined)
+                del cached[block.key]
+                block.key = None
+            # The generation bumps even for unpublished content (a duplicate of a cached
+            # block): it can still be the parent in a published child's key, which handing
+            # the block out must orphan.
+            block.generation += 1
             block.ref_cnt = 1
         return blocks
 
