@@ -155,3 +155,28 @@ def test_a_run_makes_no_reference_cycles_so_pausing_the_collector_leaks_nothing(
     assert gc.isenabled()  # restored
     assert result.stats.num_preemptions > 0 and result.stats.num_swapped_out > 0
     assert gc.collect() == 0
+
+
+def test_a_step_that_only_preempts_is_followed_by_another_not_by_idling():
+    """Auto preemption with cost victims on a cramped pool: a step whose requester is its own
+    victim schedules nothing. The simulator must step again (the victims can be re-admitted)
+    rather than go idle waiting for an arrival: this workload used to stall at its end."""
+    specs = synthetic(400, 300.0, seed=2, prompt="lognormal:120:0.9", output="lognormal:40:0.9",
+                      arrival="gamma", cv=2.0, num_prefix_groups=4, prefix_len=64,
+                      priority_mix="0:0.7,1:0.3", max_model_len=1024)
+    engine = {"max_model_len": 1024, "max_num_batched_tokens": 256,
+              "num_gpu_blocks_override": 120, "scheduler_reserve_full_isl": False,
+              "preemption_mode": "auto", "preemption_policy": "cost", "swap_space": 0.01}
+    sim = build_simulation(engine, specs, SMALL, "h100", check=True)
+    schedule, preempt_only = sim.scheduler.schedule, []
+
+    def spy(now=0.0):
+        out = schedule(now)
+        if out.is_empty and out.preempted_req_ids:
+            preempt_only.append(now)
+        return out
+
+    sim.scheduler.schedule = spy
+    result = sim.run()
+    assert preempt_only  # the case really happened
+    assert all(r.num_finishes == 1 for r in result.requests) and len(result.requests) == 400

@@ -29,6 +29,7 @@ from tokenweir.sim.slo_cuts import setup_slo
 from tokenweir.sim.workload import RequestSpec
 
 ARRIVAL, STEP_END, WAKE = 0, 1, 2
+_MAX_EMPTY_STEPS = 1000
 _EOS = frozenset({DEFAULT_EOS})
 
 
@@ -105,6 +106,7 @@ class Simulation:
         self._seq = 0
         self._busy = False
         self._wake_pending = False
+        self._empty_steps = 0  # steps in a row that only preempted
 
     # ---- events ----------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: object = None) -> None:
@@ -193,7 +195,18 @@ class Simulation:
             # Nothing fits; the finished/preempted ids still reach the runner.
             self.runner.execute(out)
             self._busy = False
+            if out.preempted_req_ids or out.blocks_to_swap_out:
+                # This step only preempted (a step that preempts admits nobody): the victims
+                # can be re-admitted next step, so step again now, as the engine's loop would,
+                # instead of idling until an arrival that may never come.
+                self._empty_steps += 1
+                if self._empty_steps > _MAX_EMPTY_STEPS:
+                    raise RuntimeError(f"simulation livelocked at t={now:.3f}s: "
+                                       f"{_MAX_EMPTY_STEPS} steps in a row only preempted")
+                self._wake_pending = True
+                self._push(now, WAKE)
             return
+        self._empty_steps = 0
         runner_out = self.runner.execute(out)
         seconds = runner_out.step_seconds
         if self.record_steps:
