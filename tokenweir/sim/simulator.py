@@ -211,7 +211,7 @@ class Simulation:
         seconds = runner_out.step_seconds
         if self.record_steps:
             counts = out.num_scheduled_tokens
-            decodes = sum(1 for q in counts.values() if q == 1)
+            decodes = list(counts.values()).count(1)  # requests scheduled for one token
             self.steps.append(StepRecord(now, seconds, len(counts), decodes,
                                          out.total_num_scheduled_tokens, scheduler.kv.usage(),
                                          scheduler.num_running, scheduler.num_waiting))
