@@ -42,6 +42,18 @@ def block_size_bytes(config: EngineConfig, model: RooflineLatencyModel) -> int:
     return config.cache.block_size * model.shape.kv_bytes_per_token(model.hardware.dtype_bytes)
 
 
+def host_pool_and_costs(config: EngineConfig, model) -> tuple[int, PreemptionCosts]:
+    """Host (swap) pool size in blocks (0 under recompute) and the preemption costs the
+    latency model implies: prefill time per token at a 2048-token chunk, swap over PCIe."""
+    block_bytes = block_size_bytes(config, model)
+    num_host_blocks = (int(config.cache.swap_space * GiB // block_bytes)
+                       if config.scheduler.preemption_mode != "recompute" else 0)
+    probe = 2048
+    costs = PreemptionCosts(prefill_seconds_per_token=model.step_time([(probe, 0)]) / probe,
+                            swap_seconds_per_block=block_bytes / PCIE_BYTES_PER_S)
+    return num_host_blocks, costs
+
+
 def build_simulation(kwargs: dict[str, Any], specs: list[RequestSpec],
                      model_shape: str = "llama-7b", hardware: str = "h100", tp: int = 1,
                      latency_model: Optional[RooflineLatencyModel] = None,
@@ -53,12 +65,7 @@ def build_simulation(kwargs: dict[str, Any], specs: list[RequestSpec],
     max_model_len = (config.model.max_model_len
                      or (isinstance(model, FittedLatencyModel) and model.max_model_len)
                      or shape.max_position_embeddings)
-    block_bytes = block_size_bytes(config, model)
-    num_host_blocks = (int(config.cache.swap_space * GiB // block_bytes)
-                       if config.scheduler.preemption_mode != "recompute" else 0)
-    probe = 2048
-    costs = PreemptionCosts(prefill_seconds_per_token=model.step_time([(probe, 0)]) / probe,
-                            swap_seconds_per_block=block_bytes / PCIE_BYTES_PER_S)
+    num_host_blocks, costs = host_pool_and_costs(config, model)
     return Simulation(config, model, specs, num_blocks=pool_blocks(config, kwargs, model),
                       max_model_len=max_model_len, num_host_blocks=num_host_blocks,
                       costs=costs, **sim_kw)

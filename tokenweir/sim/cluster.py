@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tokenweir.config import EngineConfig
-from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.sched.scheduler import SchedulerStats
 from tokenweir.request import Request
-from tokenweir.sim.build import GPU_MEMORY_UTILIZATION, PCIE_BYTES_PER_S, block_size_bytes, pool_blocks
+from tokenweir.sim.build import (GPU_MEMORY_UTILIZATION, block_size_bytes, host_pool_and_costs,
+                                 pool_blocks)
 from tokenweir.sim.hardware import GiB, get_hardware, get_shape
 from tokenweir.sim.instance import Instance, KVImport, make_request
 from tokenweir.sim.latency import RooflineLatencyModel
@@ -364,12 +364,7 @@ def build_cluster(kwargs: dict[str, Any], specs: list[RequestSpec],
                          "cache: enable prefix caching")
     roles = ["prefill"] * pd[0] + ["decode"] * pd[1] if pd else ["mixed"] * num_instances
     max_model_len = config.model.max_model_len or shape.max_position_embeddings
-    block_bytes = block_size_bytes(config, model)
-    num_host_blocks = (int(config.cache.swap_space * GiB // block_bytes)
-                       if config.scheduler.preemption_mode != "recompute" else 0)
-    probe = 2048
-    costs = PreemptionCosts(prefill_seconds_per_token=model.step_time([(probe, 0)]) / probe,
-                            swap_seconds_per_block=block_bytes / PCIE_BYTES_PER_S)
+    num_host_blocks, costs = host_pool_and_costs(config, model)
     num_blocks = cluster_pool_blocks(config, kwargs, model, pp_size)
     instances = [Instance(i, config, model, num_blocks, max_model_len, role, num_host_blocks,
                           costs, pp_size, record_steps, record_itl_times, check)
