@@ -35,7 +35,7 @@ from tokenweir.core.sched.scheduler import SchedulerStats
 from tokenweir.request import Request
 from tokenweir.sim.build import (GPU_MEMORY_UTILIZATION, block_size_bytes, host_pool_and_costs,
                                  pool_blocks)
-from tokenweir.sim.hardware import GiB, get_hardware, get_shape
+from tokenweir.sim.hardware import get_hardware, get_shape
 from tokenweir.sim.instance import Instance, KVImport, make_request
 from tokenweir.sim.latency import RooflineLatencyModel
 from tokenweir.sim.router import make_router
