@@ -218,20 +218,21 @@ def run_real(args) -> list[Row]:
     # Solo TTFT measured through the engine itself (chunked prefill, scheduling, sampling), at
     # a few prompt lengths: a bare-forward line underestimates it (attention makes long prompts
     # convex), which would set urgent targets no policy can meet.
-    lengths = sorted({args.real_prompt_range[0], (args.real_prompt_range[0] + args.real_max_prompt) // 2,
-                      args.real_max_prompt})
+    lo, hi = args.real_prompt_range
+    lengths = sorted({lo + (hi - lo) * k // 3 for k in range(4)})
     measured = [(n, measure_solo_ttft(probe, SamplingParams, n)) for n in lengths]
-    a, c = fit_line(measured)
-    per_chunk = a * args.real_budget + c
+    if probe.scheduler.kv.prefix_stats.hits:
+        raise RuntimeError(f"solo TTFT probes hit the prefix cache "
+                           f"({probe.scheduler.kv.prefix_stats.hits} tokens): not solo times")
+    a, b, c, r2 = fit_quadratic(measured)
     decode = measure_decode_seconds(probe, SamplingParams)
 
     def solo(n: int) -> float:  # piecewise-linear through the measured solo TTFTs
         return interpolate(measured, n)
 
     print("real engine: solo TTFT " + ", ".join(f"{n} tok {t * 1e3:.0f} ms" for n, t in measured))
-    print(f"real engine: TTFT line a={a * 1e3:.3f} ms/token c={c * 1e3:.1f} ms "
-          f"(a {args.real_budget}-token chunk ~{per_chunk * 1e3:.0f} ms), decode step "
-          f"~{decode * 1e3:.0f} ms")
+    print(f"real engine: TTFT predictor a={a * 1e3:.3f} ms/token b={b * 1e6:.4f} us/token^2 "
+          f"c={c * 1e3:.1f} ms (R^2 {r2:.4f}), decode step ~{decode * 1e3:.0f} ms")
     mean_prompt = sum(args.real_prompt_range) / 2
     service = solo(int(mean_prompt)) + decode * sum(args.output_range) / 2
     rows = []
@@ -241,7 +242,8 @@ def run_real(args) -> list[Row]:
         for name in POLICY_NAMES:
             config = EngineConfig.from_kwargs(
                 **common, **policy_kwargs(name, args.real_budget, max_len),
-                slo_ttft_a_ms_per_token=a * 1e3, slo_ttft_c_ms=c * 1e3)
+                slo_ttft_a_ms_per_token=a * 1e3, slo_ttft_b_us_per_token2=b * 1e6,
+                slo_ttft_c_ms=c * 1e3)
             engine = LLMEngine(config, loaded=loaded)
             try:
                 rows.append(real_one(engine, name, load, items, SamplingParams, args,
@@ -253,11 +255,14 @@ def run_real(args) -> list[Row]:
 
 
 def measure_solo_ttft(engine, SamplingParams, prompt_len: int, repeats: int = 2) -> float:
-    """Best-of seconds from add_request to the first token of one request alone."""
+    """Best-of seconds from add_request to the first token of one request alone. Every prompt
+    is fresh (random tokens): a prompt that shared a prefix with an earlier measurement would
+    hit the prefix cache and time only its uncached tail."""
     best = float("inf")
-    for r in range(repeats):
+    rng = random.Random(f"solo-{prompt_len}")
+    for _ in range(repeats):
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        prompt = [(7919 * i + 31 * r) % 30000 + 200 for i in range(prompt_len)]  # no cache hits
+        prompt = [rng.randrange(200, 40000) for _ in range(prompt_len)]
         request, _ = engine.make_request({"prompt_token_ids": prompt}, params)
         started = time.perf_counter()
         engine.add_request(request, None)
@@ -267,14 +272,23 @@ def measure_solo_ttft(engine, SamplingParams, prompt_len: int, repeats: int = 2)
     return best
 
 
-def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ttft = a * n + c (a, c >= 0) through (n, seconds) points."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    a = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx) if sxx else 0.0
-    return a, max(0.0, my - a * mx)
+def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float, float, float]:
+    """Least-squares ttft = a * n + b * n^2 + c through (n, seconds) points: (a, b, c, R^2).
+    A chunked prefill's TTFT is convex in n (each chunk attends to all before it); a fit that
+    comes out concave or with a negative slope falls back to the line (b = 0, a, c >= 0)."""
+    import numpy as np
+
+    x = np.array([n for n, _ in points], dtype=float)
+    y = np.array([t for _, t in points], dtype=float)
+    b, a, c = np.polyfit(x, y, 2)
+    if b < 0 or a < 0:
+        b = 0.0
+        a, c = np.polyfit(x, y, 1)
+        a, c = max(0.0, a), max(0.0, c)
+    predicted = a * x + b * x * x + c
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1 - float(((y - predicted) ** 2).sum()) / total if total else 1.0
+    return float(a), float(b), float(c), r2
 
 
 def interpolate(points: list[tuple[int, float]], n: int) -> float:

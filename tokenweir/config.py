@@ -101,6 +101,9 @@ class SchedulerConfig:
     slo_ttft_a_ms_per_token: Optional[float] = _f(
         None, "slo policy: TTFT predictor slope, ms per uncached prompt token "
         "(default: the profile, else measured at start-up)")
+    slo_ttft_b_us_per_token2: float = _f(
+        0.0, "slo policy: TTFT predictor quadratic term, us per uncached prompt token squared "
+        "(attention makes a long prompt's TTFT convex; 0 keeps the line a * n + c)")
     slo_ttft_c_ms: Optional[float] = _f(
         None, "slo policy: TTFT predictor intercept in ms (default: the profile, else measured)")
     slo_ttft_profile: Optional[str] = _f(
@@ -144,7 +147,7 @@ class SchedulerConfig:
         if not 0 <= self.slo_cut_layer_fraction <= 1:
             raise ValueError(f"slo_cut_layer_fraction must be in [0, 1], "
                              f"got {self.slo_cut_layer_fraction}")
-        for name in ("slo_ttft_a_ms_per_token", "slo_ttft_c_ms"):
+        for name in ("slo_ttft_a_ms_per_token", "slo_ttft_b_us_per_token2", "slo_ttft_c_ms"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")

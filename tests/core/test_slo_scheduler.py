@@ -239,3 +239,10 @@ def test_random_slo_runs_with_cuts_keep_invariants_and_outputs():
         assert len(finished) == 40
         for request in finished.values():
             assert request.output_token_ids == expected_output(request)
+
+
+def test_configured_quadratic_ttft_term_reaches_the_predictor():
+    scheduler = make_scheduler(scheduling_policy="slo", slo_ttft_a_ms_per_token=2.0,
+                               slo_ttft_b_us_per_token2=1.0, slo_ttft_c_ms=50.0)
+    # 1000 tokens: 2 ms * 1000 + 1 us * 1000^2 + 50 ms = 3.05 s (the line alone: 2.05 s)
+    assert abs(scheduler.ttft_predictor.predict(1000) - 3.05) < 1e-9

@@ -91,10 +91,12 @@ def load_ttft_profile(path: str) -> tuple[float, float]:
 
 def resolve_ttft_predictor(config, measure: Callable[[], tuple[float, float]]
                            ) -> slo.TTFTPredictor:
-    """Explicit coefficients win, then the profile, then `measure()` (start-up timing)."""
+    """Explicit coefficients win, then the profile, then `measure()` (start-up timing). The
+    quadratic term is only ever given explicitly (`slo_ttft_b_us_per_token2`)."""
     a_ms, c_ms = config.slo_ttft_a_ms_per_token, config.slo_ttft_c_ms
+    b = config.slo_ttft_b_us_per_token2 / 1e6
     if a_ms is not None and c_ms is not None:
-        return slo.TTFTPredictor(a_ms / 1000, c_ms / 1000)
+        return slo.TTFTPredictor(a_ms / 1000, c_ms / 1000, b)
     a, c = load_ttft_profile(config.slo_ttft_profile) if config.slo_ttft_profile else measure()
     return slo.TTFTPredictor(a if a_ms is None else a_ms / 1000,
-                             c if c_ms is None else c_ms / 1000)
+                             c if c_ms is None else c_ms / 1000, b)

@@ -153,7 +153,7 @@ class Scheduler:
         self.ttft_predictor = slo.TTFTPredictor(
             a=(config.slo_ttft_a_ms_per_token / 1000 if config.slo_ttft_a_ms_per_token is not None
                else self.costs.prefill_seconds_per_token),
-            c=(config.slo_ttft_c_ms or 0.0) / 1000)
+            c=(config.slo_ttft_c_ms or 0.0) / 1000, b=config.slo_ttft_b_us_per_token2 / 1e6)
         # The latest StepSnapshot (slo policy): replaced whole after each schedule(), never
         # mutated, so a monitor thread may read it without a lock.
         self.slo_snapshot: Optional[slo.StepSnapshot] = None
