@@ -1,10 +1,14 @@
 """AsyncEngine: the LLMEngine step loop on one background thread, streamed to asyncio.
 
-Contract: every LLMEngine call (make_request, add_request, abort_requests, step, get_metrics)
-happens on the engine thread; other threads hand it work through `_commands` (guarded by
-`_cond`). Each request's delta outputs go to its own asyncio.Queue on the event loop, delivered
-once per step with `loop.call_soon_threadsafe`. When there is nothing to do the thread sleeps
-on the condition (no busy loop).
+Contract: a new request is validated and tokenized on the event loop (`make_request`, which
+reads only immutable engine state) and handed to the engine with `submit_request`, the
+thread-safe inbox: a step in flight does not delay its arrival, so the SLO monitor can cut that
+step for an urgent request. Every other LLMEngine call (abort_requests, step, get_metrics)
+happens on the engine thread; other threads hand it aborts through `_aborts` (guarded by
+`_cond`), and the engine thread admits submitted requests before it handles aborts, so an
+abort always finds the request it names. Each request's delta outputs go to its own
+asyncio.Queue on the event loop, delivered once per step with `loop.call_soon_threadsafe`.
+When there is nothing to do the thread sleeps on the condition (no busy loop).
 """
 
 from __future__ import annotations
@@ -64,12 +68,12 @@ class AsyncEngine:
         self.metrics_snapshot: list = engine.get_metrics()  # replaced by the engine thread
         self.stats_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._commands: collections.deque = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()  # request ids
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
-        self._tracked: dict[str, _Tracked] = {}  # engine-thread side only
+        self._tracked: dict[str, _Tracked] = {}  # added on the event loop, then engine side
         self._unstarted: set[str] = set()  # event-loop side: admitted, no output yet
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -106,18 +110,24 @@ class AsyncEngine:
         Returns the queue its delta RequestOutputs arrive on (an Exception on engine error)."""
         if not self.is_running:
             raise EngineDeadError("the engine is shutting down")
+        request, text = self.engine.make_request(prompt, params, request_id=request_id,
+                                                 priority=priority, ttft_slo_ms=ttft_slo_ms)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._unstarted.add(request_id)
-        done = self._loop.create_future()
-        self._submit(("add", prompt, params, request_id, priority, ttft_slo_ms, done))
-        try:
-            await done
-        except BaseException:
-            self._queues.pop(request_id, None)
-            self._unstarted.discard(request_id)
-            raise
+        self._tracked[request_id] = _Tracked(ttft_slo_ms)
+        with self._cond:
+            if self._stopping:
+                self._forget(request_id)
+                raise EngineDeadError("the engine is shutting down")
+            self.engine.submit_request(request, text)
+            self._cond.notify()
         return queue
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._unstarted.discard(request_id)
+        self._tracked.pop(request_id, None)
 
     @property
     def num_unstarted(self) -> int:
@@ -151,13 +161,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for unknown or finished requests."""
-        self._submit(("abort", request_id))
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
 
     # ---- plumbing -----------------------------------------------------------------------
-    def _submit(self, command: tuple) -> None:
-        with self._cond:
-            self._commands.append(command)
-            self._cond.notify()
 
     def _deliver(self, items: list[tuple[str, Any]]) -> None:
         """Event-loop side: route one step's outputs to their queues."""
@@ -182,15 +190,16 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._cond:
-                while not self._commands and not self._stopping and not \
+                while not self._aborts and not self._stopping and not \
                         engine.has_unfinished_requests():
                     self._cond.wait()
-                commands = list(self._commands)
-                self._commands.clear()
+                aborts = list(self._aborts)
+                self._aborts.clear()
                 stopping = self._stopping
+            engine.core.admit_submitted()
             items: list[tuple[str, Any]] = []
-            for command in commands:
-                self._handle(command, items)
+            for request_id in aborts:
+                self._abort_one(request_id, items)
             if stopping:
                 self._abort_all(items)
                 self._post(items)
@@ -208,34 +217,6 @@ class AsyncEngine:
                     items.append((out.request_id, out))
             self._post(items)
             self._refresh_metrics()
-
-    def _handle(self, command: tuple, items: list) -> None:
-        engine = self.engine
-        if command[0] == "add":
-            _, prompt, params, request_id, priority, ttft_slo_ms, done = command
-            try:
-                request, text = engine.make_request(prompt, params, request_id=request_id,
-                                                    priority=priority, ttft_slo_ms=ttft_slo_ms)
-                engine.add_request(request, text)
-                self._tracked[request_id] = _Tracked(ttft_slo_ms)
-                self._resolve(done, None)
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                self._resolve(done, exc)
-        elif command[0] == "abort":
-            self._abort_one(command[1], items)
-
-    def _resolve(self, future: asyncio.Future, exc: Optional[BaseException]) -> None:
-        def settle() -> None:
-            if future.done():
-                return
-            if exc is None:
-                future.set_result(None)
-            else:
-                future.set_exception(exc)
-        try:
-            self._loop.call_soon_threadsafe(settle)
-        except RuntimeError:
-            pass
 
     def _abort_one(self, request_id: str, items: list) -> None:
         engine = self.engine

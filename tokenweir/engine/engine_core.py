@@ -45,9 +45,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.inbox) or self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def admit_submitted(self) -> None:
+        """Hand the submitted requests to the scheduler (on the stepping thread, between
+        steps)."""
         while self.inbox:
             self.scheduler.add_request(self.inbox.popleft())
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.admit_submitted()
         scheduler_output = self.scheduler.schedule(now=self.clock())
         runner_output = self.executor.execute(scheduler_output)
         cut = runner_output.cut
