@@ -14,12 +14,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenweir.model import kernels
+
+
+# Up to this many rows of x, a CPU float32 matmul goes to the C++ few-rows kernel (a decode
+# step's batch): it beats MKL's sgemm there (measured 1.2-2x at 1-8 rows, even at 16) and loses
+# beyond. The LM head (a 49k-row weight) keeps winning to ~24 rows.
+SKINNY_MAX_ROWS = 12
+SKINNY_MAX_ROWS_LM_HEAD = 24
+
+
+def skinny_matmul_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int):
+    """The C++ kernel for `x @ weight.T` when it applies (CPU, float32, 2-D, contiguous, at
+    most `max_rows` rows, kernels available), else None."""
+    if (x.dim() != 2 or x.shape[0] > max_rows or x.device.type != "cpu"
+            or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or not x.is_contiguous() or not weight.is_contiguous()):
+        return None
+    return kernels.skinny_linear_kernel()
+
 
 class Linear(nn.Linear):
-    """nn.Linear without random init: parameters start uninitialized (weights are loaded)."""
+    """nn.Linear without random init: parameters start uninitialized (weights are loaded).
+    A few rows on CPU float32 take the C++ few-rows kernel (see SKINNY_MAX_ROWS)."""
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = skinny_matmul_kernel(x, self.weight, SKINNY_MAX_ROWS)
+        if kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        out = kernel(x, self.weight)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class Embedding(nn.Embedding):

@@ -19,8 +19,8 @@ from torch import nn
 
 from tokenweir.model.arch import ArchConfig
 from tokenweir.model.attention import AttentionMetadata, paged_attention
-from tokenweir.model.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
-                                    apply_rotary)
+from tokenweir.model.layers import (SKINNY_MAX_ROWS_LM_HEAD, Embedding, GatedMLP, Linear,
+                                    RMSNorm, RotaryEmbedding, apply_rotary, skinny_matmul_kernel)
 
 
 # Called with the layer index before each decoder layer (an attention-layer boundary). It may
@@ -150,7 +150,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+        weight = self.lm_head_weight
+        kernel = skinny_matmul_kernel(hidden, weight, SKINNY_MAX_ROWS_LM_HEAD)
+        if kernel is not None:
+            return kernel(hidden, weight)
+        return torch.matmul(hidden, weight.t()).float()
 
     # ---- weights ---------------------------------------------------------------------------
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:

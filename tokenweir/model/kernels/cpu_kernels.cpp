@@ -1,13 +1,21 @@
-// Paged decode attention on CPU: one query token per request, attending its context directly in
-// the block-paged KV cache (no gather into a contiguous buffer).
+// CPU float32 kernels for tokenweir (built on first use as a torch extension):
 //
-// Contract (checked by the Python wrapper, tokenweir/model/kernels/__init__.py):
-//   q            float32 [n, H, D], contiguous
-//   kv_cache     float32 [2, num_blocks, block_size, KVH, D], contiguous (0 = K, 1 = V)
-//   block_tables int64   [n, max_blocks], contiguous; row i covers seq_lens[i] tokens
-//   seq_lens     int64   [n], >= 1
-//   out          float32 [n, H, D], contiguous, written
-// Query head h reads kv head h / (H / KVH) (GQA). Softmax in float32 over the whole context.
+// 1. paged_decode_attention: one query token per request, attending its context directly in
+//    the block-paged KV cache (no gather into a contiguous buffer).
+//
+//    Contract (checked by the Python caller, tokenweir/model/attention.py):
+//      q            float32 [n, H, D], contiguous
+//      kv_cache     float32 [2, num_blocks, block_size, KVH, D], contiguous (0 = K, 1 = V)
+//      block_tables int64   [n, max_blocks], contiguous; row i covers seq_lens[i] tokens
+//      seq_lens     int64   [n], >= 1
+//      out          float32 [n, H, D], contiguous, written
+//    Query head h reads kv head h / (H / KVH) (GQA). Softmax in float32 over the whole context.
+//
+// 2. skinny_linear: x [M, K] @ w[N, K]^T for a FEW rows M (decode batches), on the weight as
+//    nn.Linear stores it (no packed copy). Each weight row is read from memory once and
+//    multiplied with every row of x, several weight rows at a time sharing each x load; a
+//    general GEMM (MKL) packs the weight per call, which costs more than the multiply when M is
+//    small. Contract (checked by tokenweir/model/layers.py): x and w float32, contiguous.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -212,7 +220,76 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tens
   });
 }
 
+namespace {
+
+// out[m, n] for n in [n0, n1) and the MB rows of x from m0: R weight rows at a time, so each x
+// load feeds R multiply-adds; R * MB accumulators stay in registers.
+template <int MB, int R>
+void skinny_tile(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t m0,
+                 int64_t n0, int64_t n1) {
+  const int64_t k8 = K & ~int64_t(7);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    vec8 acc[R][MB] = {};
+    for (int64_t k = 0; k < k8; k += 8) {
+      vec8 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = load8(w + (n + r) * K + k);
+      for (int m = 0; m < MB; ++m) {
+        const vec8 xv = load8(x + (m0 + m) * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] += wv[r] * xv;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        float s = hsum(acc[r][m]);
+        for (int64_t k = k8; k < K; ++k) s += w[(n + r) * K + k] * x[(m0 + m) * K + k];
+        out[(m0 + m) * N + n + r] = s;
+      }
+  }
+  if (n < n1) skinny_tile<MB, 1>(x, w, out, K, N, m0, n, n1);
+}
+
+// Weight rows [n0, n1) against every row of x, in groups of 4, 2 and 1 rows of x (the weight
+// rows stay in L1/L2 between groups, so memory sees them once).
+void skinny_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
+                 int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t left = M - m0;
+    if (left >= 4) {
+      skinny_tile<4, 3>(x, w, out, K, N, m0, n0, n1);
+      m0 += 4;
+    } else if (left >= 2) {
+      skinny_tile<2, 4>(x, w, out, K, N, m0, n0, n1);
+      m0 += 2;
+    } else {
+      skinny_tile<1, 6>(x, w, out, K, N, m0, n0, n1);
+      m0 += 1;
+    }
+  }
+}
+
+constexpr int64_t kWeightRowsPerTask = 64;  // ~147 KB of weight at K = 576: stays in L2
+
+}  // namespace
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "skinny_linear: x and w disagree on K");
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t tasks = (N + kWeightRowsPerTask - 1) / kWeightRowsPerTask;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      skinny_rows(xp, wp, op, M, K, N, t * kWeightRowsPerTask,
+                  std::min(N, (t + 1) * kWeightRowsPerTask));
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (float32, CPU)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a block-paged KV cache (float32, CPU)");
 }
