@@ -121,7 +121,7 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take n blocks (least recently freed first), each with ref_cnt 1. Caller checks room."""
-        if n > self.num_free_blocks:
+        if n > self.free_queue.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         blocks = self.free_queue.popleft_n(n)
         cached = self.cached
@@ -149,8 +149,7 @@ class BlockPool:
 
     def register(self, block: KVBlock, key: BlockKey) -> None:
         """Publish a held, full block's content. A key already published keeps its block."""
-        if block.key is None and key not in self.cached:
-            self.cached[key] = block
+        if block.key is None and self.cached.setdefault(key, block) is block:  # one hash
             block.key = key
 
     def _evict(self, block: KVBlock) -> None:

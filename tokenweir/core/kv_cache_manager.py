@@ -134,10 +134,15 @@ class KVCacheManager:
         start = self.num_registered.get(rid, 0)
         if full <= start:
             return
-        blocks = self.req_to_blocks[rid]
+        blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
+        register = self.pool.register
         for k in range(start, full):
-            parent = ROOT_PARENT if k == 0 else (blocks[k - 1].block_id, blocks[k - 1].generation)
-            self.pool.register(blocks[k], self._key(parent, request.all_token_ids, k))
+            if k == 0:
+                key = (*ROOT_PARENT, tuple(tokens[:bs]))
+            else:  # self._key((parent id, parent generation), tokens, k), inlined
+                parent = blocks[k - 1]
+                key = (parent.block_id, parent.generation, tuple(tokens[k * bs:(k + 1) * bs]))
+            register(blocks[k], key)
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
 
@@ -161,9 +166,16 @@ class KVCacheManager:
         """
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
-        if not computed_blocks and held is not None and \
-                request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
-            return []  # the hot path: a decode inside its last block
+        if not computed_blocks and held is not None:  # the hot path: a running request grows
+            needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) \
+                - len(held)  # cdiv(tokens, block_size) - held, inlined
+            if needed <= 0:
+                return []
+            if needed > self.pool.free_queue.num_free_blocks - reserved_blocks:
+                return None
+            new_blocks = self.pool.get_new_blocks(needed)
+            held.extend(new_blocks)
+            return [b.block_id for b in new_blocks]
         hits = computed_blocks or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens

@@ -18,6 +18,8 @@ from tokenweir.sim.latency import StepTotals
 
 DEFAULT_EOS = 2
 _FIRST_REGULAR_TOKEN = 3
+_COMPUTED, _KNOWN, _EOS_AT, _SALT = 0, 1, 2, 3  # fields of a tracked request's state list
+_NEVER = float("inf")  # eos_at of a request without a target: EOS is never sampled
 
 
 class SimRunner:
@@ -30,26 +32,40 @@ class SimRunner:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.check = check  # assert the contract (tests); off on the hot path
-        self.known: dict[str, int] = {}  # tokens the runner knows (prompt + outputs so far)
-        self.computed: dict[str, int] = {}  # tokens whose KV the runner has written
-        self.num_prompt: dict[str, int] = {}
+        # Per tracked request, one list (one lookup per request per step):
+        # [computed: tokens whose KV the runner has written, known: prompt + outputs so far,
+        #  eos_at: the `known` count at which the next sample is EOS (prompt + target - 1),
+        #  salt: len(request id), mixed into its regular token ids].
+        # The target is read when the request (re)arrives in `scheduled_new_reqs`.
+        self._state: dict[str, list[int]] = {}
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
         self._undo: dict[str, tuple[int, int]] = {}
 
     @property
+    def computed(self) -> dict[str, int]:
+        """Request id -> tokens whose KV the runner has written (a copy, for inspection)."""
+        return {rid: st[_COMPUTED] for rid, st in self._state.items()}
+
+    @property
+    def known(self) -> dict[str, int]:
+        """Request id -> tokens the runner knows: prompt + outputs so far (a copy)."""
+        return {rid: st[_KNOWN] for rid, st in self._state.items()}
+
+    @property
     def num_tracked(self) -> int:
-        return len(self.known)
+        return len(self._state)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._forget(out.finished_req_ids)
         self._forget(out.preempted_req_ids)
+        state, targets = self._state, self.target_output_len
         for new in out.scheduled_new_reqs:
             rid = new.req_id
-            self.known[rid] = len(new.token_ids)
-            self.computed[rid] = new.num_computed_tokens
-            self.num_prompt[rid] = new.num_prompt_tokens
+            target = targets.get(rid)
+            eos_at = _NEVER if target is None else new.num_prompt_tokens + target - 1
+            state[rid] = [new.num_computed_tokens, len(new.token_ids), eos_at, len(rid)]
             if self.check:
                 self.num_blocks[rid] = len(new.block_ids)
         if self.check:
@@ -57,11 +73,12 @@ class SimRunner:
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={}, step_seconds=0.0)
         if self.keep_undo:
-            self._undo = {rid: (self.computed[rid], self.known[rid])
+            self._undo = {rid: (state[rid][_COMPUTED], state[rid][_KNOWN])
                           for rid in out.num_scheduled_tokens}
         predict_totals = getattr(self.latency_model, "predict_totals", None)
         if predict_totals is None:  # a model that needs the whole step
-            seconds = self.latency_model.predict(out, self.computed)
+            context = {rid: state[rid][_COMPUTED] for rid in out.num_scheduled_tokens}
+            seconds = self.latency_model.predict(out, context)  # context before advancing
             sampled, _ = self._advance(out)
         else:  # the step's sums are gathered while advancing: one pass over the batch
             sampled, totals = self._advance(out)
@@ -72,8 +89,9 @@ class SimRunner:
         """The scheduler's view of each running request matches the runner's."""
         for cached in out.scheduled_cached_reqs:
             rid = cached.req_id
-            assert self.computed[rid] == cached.num_computed_tokens, (
-                f"{rid}: runner has {self.computed[rid]} computed, scheduler says "
+            computed = self._state[rid][_COMPUTED]
+            assert computed == cached.num_computed_tokens, (
+                f"{rid}: runner has {computed} computed, scheduler says "
                 f"{cached.num_computed_tokens}")
             self.num_blocks[rid] += len(cached.new_block_ids)
 
@@ -83,7 +101,8 @@ class SimRunner:
         `layer_index`: undo its advance and samples, as the real runner never makes them, and
         report the cut. The step lasted layer_index / num_layers of its time."""
         for rid, (computed, known) in self._undo.items():
-            self.computed[rid], self.known[rid] = computed, known
+            st = self._state[rid]
+            st[_COMPUTED], st[_KNOWN] = computed, known
         self._undo = {}
         return ModelRunnerOutput(
             sampled_token_ids={}, step_seconds=step_seconds * layer_index / num_layers,
@@ -91,8 +110,7 @@ class SimRunner:
 
     def _forget(self, request_ids) -> None:
         for rid in request_ids:
-            if self.known.pop(rid, None) is not None:
-                del self.computed[rid], self.num_prompt[rid]
+            if self._state.pop(rid, None) is not None:
                 self.num_blocks.pop(rid, None)
 
     def _advance(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], StepTotals]:
@@ -101,16 +119,16 @@ class SimRunner:
 
         The token at position k (0-based over prompt + output) is EOS when it is the
         target-th output token or later, else a deterministic regular id."""
-        known, computed, num_prompt = self.known, self.computed, self.num_prompt
-        targets, eos = self.target_output_len, self.eos_token_id
+        state, eos = self._state, self.eos_token_id
         span = self.vocab_size - _FIRST_REGULAR_TOKEN
         sampled: dict[str, list[int]] = {}
         num_decodes = decode_context = 0  # q == 1 rows, summed apart: the common, cheap case
         tokens = rows = context = q_context = q_squared = 0
         for rid, n in out.num_scheduled_tokens.items():
-            c = computed[rid]
+            st = state[rid]
+            c = st[0]  # _COMPUTED
             done = c + n
-            computed[rid] = done
+            st[0] = done
             if n == 1:
                 num_decodes += 1
                 decode_context += c
@@ -120,14 +138,13 @@ class SimRunner:
                 context += c
                 q_context += n * c
                 q_squared += n * n
-            k = known[rid]
+            k = st[1]  # _KNOWN
             if done == k:
-                target = targets.get(rid)
-                if target is not None and k - num_prompt[rid] + 1 >= target:
+                if k >= st[2]:  # _EOS_AT: this is the target-th output token, or later
                     sampled[rid] = [eos]
                 else:
-                    sampled[rid] = [_FIRST_REGULAR_TOKEN + (k * 7919 + len(rid)) % span]
-                known[rid] = k + 1
+                    sampled[rid] = [_FIRST_REGULAR_TOKEN + (k * 7919 + st[3]) % span]  # _SALT
+                st[1] = k + 1
             elif self.check:
                 assert done < k, f"{rid}: computed {done} past the {k} known tokens"
         totals = StepTotals(tokens + num_decodes, rows + num_decodes, num_decodes,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+from collections import Counter
 import time
 from array import array
 from typing import Union
@@ -240,10 +241,9 @@ class Simulation:
         update = self.scheduler.update_from_output
         outputs = update(out, runner_out, now) if decoded is None else \
             update(out, runner_out, now, decoded)
-        for rid in decoded or ():  # one more token, neither the request's first nor its last
-            previous = last_token[rid]
-            gap_starts[previous] = gap_starts.get(previous, 0) + 1
-            last_token[rid] = now
+        if decoded:  # one more token each, neither the request's first nor its last
+            gap_starts = Counter(map(last_token.__getitem__, decoded))
+            last_token.update(dict.fromkeys(decoded, now))
         for eco in outputs:
             rid = eco.request.request_id
             previous = last_token.get(rid)

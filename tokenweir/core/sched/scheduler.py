@@ -72,7 +72,7 @@ MEMORY, SLO_BETWEEN_STEPS, SLO_MID_STEP = "memory", "slo-between-steps", "slo-mi
 PREEMPTION_CAUSES = (MEMORY, SLO_BETWEEN_STEPS, SLO_MID_STEP)
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepPlan:
     """What one schedule() call has decided so far."""
 
@@ -80,8 +80,12 @@ class _StepPlan:
     now: float = 0.0
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
-    running_reqs: list[Request] = field(default_factory=list)
+    # The running requests scheduled, in order, and their computed tokens before this step:
+    # the output's `cached_req_ids` / `cached_num_computed_tokens`, built as they are added.
+    cached_req_ids: list[str] = field(default_factory=list)
+    cached_num_computed: list[int] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_chunked: int = 0  # scheduled prefill chunks that stop short of their prompt's end
     preempted: list[Request] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -90,21 +94,39 @@ class _StepPlan:
     slo_victim: Optional[str] = None
 
     def add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
-        self.num_scheduled[request.request_id] = num_tokens
-        self.new_block_ids[request.request_id] = block_ids
-        (self.new_reqs if is_new else self.running_reqs).append(request)
+        rid = request.request_id
+        self.num_scheduled[rid] = num_tokens
+        self.new_block_ids[rid] = block_ids
+        if is_new:
+            self.new_reqs.append(request)
+        else:
+            self.cached_req_ids.append(rid)
+            self.cached_num_computed.append(request.num_computed_tokens)
+        if _stops_short_of_prompt(request, num_tokens):
+            self.num_chunked += 1
         self.token_budget -= num_tokens
 
     def drop(self, request: Request) -> None:
         """Undo `add` for a request preempted later in the same step."""
-        num_tokens = self.num_scheduled.pop(request.request_id, None)
+        rid = request.request_id
+        num_tokens = self.num_scheduled.pop(rid, None)
         if num_tokens is None:
             return
         self.token_budget += num_tokens
-        del self.new_block_ids[request.request_id]
-        for reqs in (self.new_reqs, self.running_reqs):
-            if request in reqs:
-                reqs.remove(request)
+        del self.new_block_ids[rid]
+        if _stops_short_of_prompt(request, num_tokens):
+            self.num_chunked -= 1
+        if request in self.new_reqs:
+            self.new_reqs.remove(request)
+        else:
+            k = self.cached_req_ids.index(rid)
+            del self.cached_req_ids[k], self.cached_num_computed[k]
+
+
+def _stops_short_of_prompt(request: Request, num_tokens: int) -> bool:
+    """A chunk of `num_tokens` from the request's computed tokens ends inside its prompt (a
+    chunked prefill step). Never true of a decode: it owes 1 token, the last it knows."""
+    return request.num_computed_tokens + num_tokens < len(request.prompt_token_ids)
 
 
 class _PartialPrefills:
@@ -253,25 +275,30 @@ class Scheduler:
         i = 0
         running = self.running  # mutated in place only (remove, sort)
         scheduled, paused = plan.num_scheduled, plan.paused
+        # One pass visits each request once; only a second pass (prioritize_prefill) meets
+        # requests the first one scheduled.
+        check_scheduled = bool(scheduled)
         allocate, block_size = self.kv.allocate_slots, self.kv.block_size
-        new_block_ids, running_reqs = plan.new_block_ids, plan.running_reqs
+        new_block_ids = plan.new_block_ids
+        cached_req_ids, cached_num_computed = plan.cached_req_ids, plan.cached_num_computed
         while i < len(running) and plan.token_budget > 0:
             request = running[i]
-            owed = len(request.all_token_ids) - request.num_computed_tokens
-            wanted = prefills if owed > 1 else decodes  # owed > 1: policy.is_prefilling
+            computed = request.num_computed_tokens
+            owed = len(request.all_token_ids) - computed
             rid = request.request_id
-            if not wanted or rid in scheduled or rid in paused:
+            if not (prefills if owed > 1 else decodes) or (check_scheduled and rid in scheduled) \
+                    or (paused and rid in paused):  # owed > 1: policy.is_prefilling
                 i += 1
                 continue
-            # A decode owes 1 and the budget is > 0: policy.num_tokens_to_schedule gives 1.
-            num_tokens = 1 if owed == 1 else policy.num_tokens_to_schedule(
-                owed, plan.token_budget, self.config.long_prefill_token_threshold)
-            assert num_tokens > 0, f"running request {rid} owes no tokens"
-            # A running request's blocks cover its computed tokens, so a decode whose computed
-            # tokens end inside a block has room for its next one (allocate_slots would give []).
-            if owed == 1 and request.num_computed_tokens % block_size:
-                block_ids = []
+            if owed == 1:  # a decode: the budget is > 0, so policy.num_tokens_to_schedule is 1
+                num_tokens = 1
+                # A running request's blocks cover its computed tokens, so a decode whose
+                # computed tokens end inside a block has room for its next one.
+                block_ids = [] if computed % block_size else allocate(request, 1)
             else:
+                num_tokens = policy.num_tokens_to_schedule(
+                    owed, plan.token_budget, self.config.long_prefill_token_threshold)
+                assert num_tokens > 0, f"running request {rid} owes no tokens"
                 block_ids = allocate(request, num_tokens)
             if block_ids is None:
                 block_ids = self._allocate_or_preempt(request, num_tokens, plan)
@@ -281,10 +308,14 @@ class Scheduler:
                 # A victim ahead of `request` in `running` (priority policy) shifted it left.
                 while i >= len(running) or running[i] is not request:
                     i -= 1
-            scheduled[rid] = num_tokens  # plan.add(..., is_new=False), inlined: hot
-            new_block_ids[rid] = block_ids
-            running_reqs.append(request)
-            plan.token_budget -= num_tokens
+            if owed == 1:  # plan.add(..., is_new=False), inlined: hot; a decode is no chunk
+                scheduled[rid] = 1
+                new_block_ids[rid] = block_ids
+                cached_req_ids.append(rid)
+                cached_num_computed.append(computed)
+                plan.token_budget -= 1
+            else:
+                plan.add(request, num_tokens, block_ids, is_new=False)
             i += 1
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int,
@@ -429,15 +460,13 @@ class Scheduler:
             num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
             block_ids=self.kv.block_ids(r.request_id), num_computed_tokens=r.num_computed_tokens,
         ) for r in plan.new_reqs]
-        running_reqs = plan.running_reqs  # their CachedRequestData is built only when read
         total = sum(plan.num_scheduled.values())
         assert total <= self.config.max_num_batched_tokens
         self._count_step(plan, total)
-        output = SchedulerOutput(
+        output = SchedulerOutput(  # the running requests' CachedRequestData is built when read
             scheduled_new_reqs=new_reqs, num_scheduled_tokens=plan.num_scheduled,
-            total_num_scheduled_tokens=total,
-            cached_req_ids=[r.request_id for r in running_reqs],
-            cached_num_computed_tokens=[r.num_computed_tokens for r in running_reqs],
+            total_num_scheduled_tokens=total, cached_req_ids=plan.cached_req_ids,
+            cached_num_computed_tokens=plan.cached_num_computed,
             new_block_ids=plan.new_block_ids,
             preempted_req_ids=self._preempted_since_last_step,
             finished_req_ids=self._finished_since_last_step, step_id=self.stats.num_steps,
@@ -450,12 +479,7 @@ class Scheduler:
         stats = self.stats
         stats.num_steps += 1
         stats.last_iteration_tokens = total
-        num_scheduled = plan.num_scheduled
-        for reqs in (plan.new_reqs, plan.running_reqs):
-            for request in reqs:
-                if request.num_computed_tokens + num_scheduled[request.request_id] < \
-                        len(request.prompt_token_ids):
-                    stats.num_chunked_prefill_steps += 1
+        stats.num_chunked_prefill_steps += plan.num_chunked
 
     # ---- update ------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -481,7 +505,7 @@ class Scheduler:
         bulk = decoded.append if decoded is not None and not logprobs else None
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(request_id)
-            if request is None or request.status != running:
+            if request is None or request.status is not running:  # statuses are the members
                 continue
             if request.num_preemptions:
                 self._count_recomputed_tokens(request, num_tokens)
@@ -489,8 +513,8 @@ class Scheduler:
             request.num_computed_tokens = computed
             if computed > request.max_computed_tokens:
                 request.max_computed_tokens = computed
-            if register is not None and (computed % block_size < num_tokens
-                                         or request_id in behind):  # kv.needs_registration
+            if register is not None and (computed % block_size < num_tokens or (
+                    behind and request_id in behind)):  # kv.needs_registration
                 register(request)
             new_token_ids = sampled.get(request_id)
             if not new_token_ids:
@@ -500,11 +524,10 @@ class Scheduler:
             # else takes _append_tokens and the full rule (_stop_status).
             token_id = new_token_ids[0]
             all_token_ids = request.all_token_ids
-            length_cap = len(request.prompt_token_ids) + request.max_tokens
-            if length_cap > max_model_len:
-                length_cap = max_model_len
-            if (len(new_token_ids) == 1 and request.first_token_time is not None
-                    and len(all_token_ids) + 1 < length_cap
+            num_after = len(all_token_ids) + 1
+            if (num_after < max_model_len and request.first_token_time is not None
+                    and num_after < len(request.prompt_token_ids) + request.max_tokens
+                    and len(new_token_ids) == 1
                     and token_id not in request.eos_token_ids
                     and token_id not in request.sampling_params.stop_token_ids):
                 all_token_ids.append(token_id)
