@@ -170,6 +170,8 @@ class Cluster:
             self._push(end, STEP_END, inst)
             if inst.pp_size > 1:
                 self._push(inst.stage0_free, WAKE, inst)  # the next micro-batch may enter
+        elif inst.step_again:  # the step only preempted: its victims may be re-admitted now
+            self._poke(inst, now)
         if inst.role == "decode":
             self._pump_transfers(inst, now)  # admissions released import reservations
 

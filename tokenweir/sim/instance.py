@@ -21,21 +21,17 @@ A hold is a placeholder owner in the KV manager (ids start with '~'), never a sc
 from __future__ import annotations
 
 import dataclasses
-from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 from tokenweir.config import EngineConfig
-from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
-from tokenweir.core.sched.scheduler import EngineCoreOutput, Scheduler
-from tokenweir.request import Request, SamplingParams
-from tokenweir.runner.sim_runner import DEFAULT_EOS, SimRunner
-from tokenweir.sim.simulator import RequestRecord, StepRecord
+from tokenweir.core.sched.scheduler import EngineCoreOutput
+from tokenweir.request import Request
+from tokenweir.sim.sim_engine import SimEngine, make_request  # noqa: F401 (re-exported)
 
-_EOS = frozenset({DEFAULT_EOS})
 ROLES = ("mixed", "prefill", "decode")
 
 
@@ -56,17 +52,7 @@ class KVImport:
     need_after: int  # blocks the request still needs at admission (its tail and output)
 
 
-def make_request(request_id: str, tokens: list[int], output_len: int, max_model_len: int,
-                 arrival: float, priority: int = 0,
-                 ttft_slo_ms: Optional[float] = None) -> Request:
-    max_tokens = max(1, min(output_len, max_model_len - len(tokens)))
-    return Request(request_id=request_id, prompt_token_ids=tokens,
-                   sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
-                   max_tokens=max_tokens, arrival_time=arrival, priority=priority,
-                   eos_token_ids=_EOS, ttft_slo_ms=ttft_slo_ms)
-
-
-class Instance:
+class Instance(SimEngine):
     def __init__(self, index: int, config: EngineConfig, latency_model, num_blocks: int,
                  max_model_len: int, role: str = "mixed", num_host_blocks: int = 0,
                  costs: Optional[PreemptionCosts] = None, pp_size: int = 1,
@@ -76,21 +62,10 @@ class Instance:
             raise ValueError(f"instance role must be one of {ROLES}, got {role!r}")
         if pp_size < 1:
             raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+        super().__init__(config, latency_model, num_blocks, max_model_len, num_host_blocks,
+                         costs, record_steps=record_steps, record_itl_times=record_itl_times,
+                         check=check)
         self.index, self.role, self.pp_size = index, role, pp_size
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size,
-                                 enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 num_host_blocks=num_host_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len, costs=costs)
-        self.targets: dict[str, int] = {}
-        self.runner = SimRunner(latency_model, self.targets, check=check)
-        self.max_model_len = max_model_len
-        self.record_steps, self.check = record_steps, check
-        self.records: dict[str, RequestRecord] = {}
-        self.steps: list[StepRecord] = []
-        self.itl = array("d")
-        self.itl_times: Optional[array] = array("d") if record_itl_times else None  # gap ends
-        self.itl_ids: list[str] = []  # with itl_times: whose gap each one is
-        self._last_token: dict[str, float] = {}
         self.in_flight: deque[Batch] = deque()
         self.max_in_flight = 0  # probe: most batches in flight at once
         self._stage_free = [0.0] * pp_size
@@ -107,14 +82,6 @@ class Instance:
         """Requests here or on their way: what least-loaded routing compares."""
         return self.scheduler.num_running + self.scheduler.num_waiting + self.num_incoming
 
-    def add_request(self, request: Request, target_output_len: int,
-                    ttft_slo_ms: Optional[float] = None) -> None:
-        rid = request.request_id
-        self.targets[rid] = target_output_len
-        self.records[rid] = RequestRecord(rid, request.arrival_time, request.num_prompt_tokens,
-                                          target_output_len, request.priority, ttft_slo_ms)
-        self.scheduler.add_request(request)
-
     # ---- the engine loop -------------------------------------------------------------------
     def can_start(self, now: float) -> bool:
         return len(self.in_flight) < self.pp_size and now >= self._stage_free[0]
@@ -124,34 +91,30 @@ class Instance:
         return self._stage_free[0]
 
     def start_batch(self, now: float) -> Optional[float]:
-        """Plan and launch one batch; returns when it completes, or None if nothing runs."""
-        scheduler = self.scheduler
-        if not scheduler.has_unfinished_requests():
+        """Plan and launch one batch; returns when it completes, or None if nothing runs
+        (`step_again` then tells whether the empty step preempted)."""
+        step = self.start_step(now)
+        if step is None:
             return None
-        out = self._schedule(now)
-        if out is None:
-            return None
-        self._release_admitted_imports(out)
-        runner_out = self.runner.execute(out)  # finished/preempted ids reach it even if empty
-        if out.is_empty:
-            return None
+        out, runner_out = step
         seconds = runner_out.step_seconds
         end = self._through_pipeline(now, seconds)
-        if self.record_steps:  # seconds: the batch's latency, start to completion
-            if self.pp_size > 1:
-                seconds = end - now
-            counts = out.num_scheduled_tokens
-            decodes = sum(1 for q in counts.values() if q == 1)
-            self.steps.append(StepRecord(now, seconds, len(counts), decodes,
-                                         out.total_num_scheduled_tokens, self.kv.usage(),
-                                         scheduler.num_running, scheduler.num_waiting))
+        # the record's seconds: the batch's latency, start to completion
+        self.record_step(now, end - now if self.pp_size > 1 else seconds, out)
         self.in_flight.append(Batch(out, runner_out, now))
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         return end
 
     def _schedule(self, now: float) -> Optional[SchedulerOutput]:
         """The next batch, planned with in-flight requests hidden from the scheduler (and
-        `max_num_seqs` lowered by their number); None when the instance is full of them."""
+        `max_num_seqs` lowered by their number); None when the instance is full of them.
+        Import reservations of the requests it admits are released."""
+        out = self._schedule_around_in_flight(now)
+        if out is not None:
+            self._release_admitted_imports(out)
+        return out
+
+    def _schedule_around_in_flight(self, now: float) -> Optional[SchedulerOutput]:
         if not self.in_flight:
             return self.scheduler.schedule(now)
         busy = {rid for b in self.in_flight for rid in b.out.num_scheduled_tokens}
@@ -190,34 +153,7 @@ class Instance:
     def finish_batch(self, now: float) -> list[EngineCoreOutput]:
         """Complete the oldest in-flight batch at `now`; returns the scheduler's outputs."""
         batch = self.in_flight.popleft()
-        outputs = self.scheduler.update_from_output(batch.out, batch.runner_out, now)
-        records, last_token = self.records, self._last_token
-        for eco in outputs:
-            request = eco.request
-            rid = request.request_id
-            record = records[rid]
-            record.num_output += len(eco.new_token_ids)
-            previous = last_token.get(rid)
-            if previous is None:
-                record.first_token = now
-                record.first_scheduled = request.first_scheduled_time
-            else:
-                self.itl.append(now - previous)
-                if self.itl_times is not None:
-                    self.itl_times.append(now)
-                    self.itl_ids.append(rid)
-            last_token[rid] = now
-            if eco.finish_reason is not None:
-                record.finished = now
-                record.finish_reason = eco.finish_reason
-                record.num_finishes += 1
-                record.num_preemptions = request.num_preemptions
-                record.num_cached_tokens = max(0, request.num_cached_tokens)
-                del last_token[rid]
-                del self.targets[rid]
-        if self.check:
-            self.scheduler.check_integrity()
-        return outputs
+        return self.complete_step(batch.out, batch.runner_out, now)
 
     # ---- KV hand-over (prefill/decode disaggregation) ---------------------------------------
     def _holder(self, tokens: list[int]) -> Request:
