@@ -47,8 +47,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # every scheduled request -> tokens this step (>= 1)
     total_num_scheduled_tokens: int
     # The running (not new) requests scheduled this step, in order, with their computed tokens
-    # before it; `new_block_ids` holds the blocks each scheduled request got this step.
-    # Together they are `scheduled_cached_reqs`.
+    # before it; `new_block_ids` holds the blocks each scheduled request got this step (a
+    # running request that got none may be absent). Together they are `scheduled_cached_reqs`.
     cached_req_ids: list[str] = field(default_factory=list)
     cached_num_computed_tokens: list[int] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -67,7 +67,7 @@ class SchedulerOutput:
         if self._cached_reqs is None:
             new_block_ids = self.new_block_ids
             self._cached_reqs = [
-                CachedRequestData(req_id, new_block_ids[req_id], num_computed)
+                CachedRequestData(req_id, new_block_ids.get(req_id, []), num_computed)
                 for req_id, num_computed in zip(self.cached_req_ids,
                                                 self.cached_num_computed_tokens)]
         return self._cached_reqs

@@ -113,7 +113,7 @@ class _StepPlan:
         if num_tokens is None:
             return
         self.token_budget += num_tokens
-        del self.new_block_ids[rid]
+        self.new_block_ids.pop(rid, None)
         if _stops_short_of_prompt(request, num_tokens):
             self.num_chunked -= 1
         if request in self.new_reqs:
@@ -279,7 +279,6 @@ class Scheduler:
         # requests the first one scheduled.
         check_scheduled = bool(scheduled)
         allocate, block_size = self.kv.allocate_slots, self.kv.block_size
-        new_block_ids = plan.new_block_ids
         cached_req_ids, cached_num_computed = plan.cached_req_ids, plan.cached_num_computed
         while i < len(running) and plan.token_budget > 0:
             request = running[i]
@@ -290,16 +289,21 @@ class Scheduler:
                     or (paused and rid in paused):  # owed > 1: policy.is_prefilling
                 i += 1
                 continue
-            if owed == 1:  # a decode: the budget is > 0, so policy.num_tokens_to_schedule is 1
-                num_tokens = 1
-                # A running request's blocks cover its computed tokens, so a decode whose
-                # computed tokens end inside a block has room for its next one.
-                block_ids = [] if computed % block_size else allocate(request, 1)
-            else:
-                num_tokens = policy.num_tokens_to_schedule(
-                    owed, plan.token_budget, self.config.long_prefill_token_threshold)
-                assert num_tokens > 0, f"running request {rid} owes no tokens"
-                block_ids = allocate(request, num_tokens)
+            if owed == 1 and computed % block_size:
+                # The hot case: a decode (1 token, as the budget is > 0) whose computed tokens
+                # end inside a block; a running request's blocks cover its computed tokens, so
+                # it has room for its next one (allocate_slots would give []). No chunk, no
+                # preemption, no new blocks (left out of new_block_ids): plan.add, inlined.
+                scheduled[rid] = 1
+                cached_req_ids.append(rid)
+                cached_num_computed.append(computed)
+                plan.token_budget -= 1
+                i += 1
+                continue
+            num_tokens = 1 if owed == 1 else policy.num_tokens_to_schedule(
+                owed, plan.token_budget, self.config.long_prefill_token_threshold)
+            assert num_tokens > 0, f"running request {rid} owes no tokens"
+            block_ids = allocate(request, num_tokens)
             if block_ids is None:
                 block_ids = self._allocate_or_preempt(request, num_tokens, plan)
                 if block_ids is None:
@@ -308,14 +312,7 @@ class Scheduler:
                 # A victim ahead of `request` in `running` (priority policy) shifted it left.
                 while i >= len(running) or running[i] is not request:
                     i -= 1
-            if owed == 1:  # plan.add(..., is_new=False), inlined: hot; a decode is no chunk
-                scheduled[rid] = 1
-                new_block_ids[rid] = block_ids
-                cached_req_ids.append(rid)
-                cached_num_computed.append(computed)
-                plan.token_budget -= 1
-            else:
-                plan.add(request, num_tokens, block_ids, is_new=False)
+            plan.add(request, num_tokens, block_ids, is_new=False)
             i += 1
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int,
