@@ -167,6 +167,11 @@ class Scheduler:
         self.waiting = make_queue(config.scheduling_policy)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
+        # Request id -> the length the decode fast path of update_from_output stays below:
+        # prompt + max_tokens (the length cap), or 0 for a request with stop_token_ids, which
+        # every token takes through the full stop rule. Read per token; the request's own
+        # prompt and sampling params are not.
+        self._fast_length_cap: dict[str, int] = {}
         self._finished_since_last_step: set[str] = set()
         self._preempted_since_last_step: set[str] = set()
         self.watermark_blocks = int(config.watermark * self.kv.num_usable_blocks)
@@ -216,6 +221,8 @@ class Scheduler:
                              f"{request.max_num_tokens} exceeds max_model_len={self.max_model_len}")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._fast_length_cap[request.request_id] = (
+            0 if request.sampling_params.stop_token_ids else request.max_num_tokens)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str],
@@ -235,6 +242,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        del self._fast_length_cap[request.request_id]
         self._finished_since_last_step.add(request.request_id)
 
     @property
@@ -497,7 +505,7 @@ class Scheduler:
         kv = self.kv
         register = kv.register_computed_blocks if kv.enable_prefix_caching else None
         block_size, behind = kv.block_size, kv.registration_behind
-        max_model_len = self.max_model_len
+        fast_length_cap = self._fast_length_cap
         num_fast = 0
         bulk = decoded.append if decoded is not None and not logprobs else None
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -517,16 +525,14 @@ class Scheduler:
             if not new_token_ids:
                 continue
             # Decode fast path: one token, not the first, that no stop rule can end (not an
-            # EOS or stop token id, below the length cap): append it and move on. Everything
-            # else takes _append_tokens and the full rule (_stop_status).
+            # EOS token id, the request has no stop token ids, below the length cap, which
+            # add_request keeps within max_model_len): append it and move on. Everything else
+            # takes _append_tokens and the full rule (_stop_status).
             token_id = new_token_ids[0]
             all_token_ids = request.all_token_ids
-            num_after = len(all_token_ids) + 1
-            if (num_after < max_model_len and request.first_token_time is not None
-                    and num_after < len(request.prompt_token_ids) + request.max_tokens
-                    and len(new_token_ids) == 1
-                    and token_id not in request.eos_token_ids
-                    and token_id not in request.sampling_params.stop_token_ids):
+            if (len(all_token_ids) + 1 < fast_length_cap[request_id]
+                    and request.first_token_time is not None and len(new_token_ids) == 1
+                    and token_id not in request.eos_token_ids):
                 all_token_ids.append(token_id)
                 num_fast += 1
                 if bulk is not None:
