@@ -18,7 +18,8 @@ from tokenweir.sim.latency import StepTotals
 
 DEFAULT_EOS = 2
 _FIRST_REGULAR_TOKEN = 3
-_COMPUTED, _KNOWN, _EOS_AT, _SALT = 0, 1, 2, 3  # fields of a tracked request's state list
+_COMPUTED, _KNOWN, _EOS_AT, _NEXT = 0, 1, 2, 3  # fields of a tracked request's state list
+_TOKEN_STRIDE = 7919  # regular token at position k: FIRST + (k * STRIDE + len(id)) % span
 _NEVER = float("inf")  # eos_at of a request without a target: EOS is never sampled
 
 
@@ -35,13 +36,13 @@ class SimRunner:
         # Per tracked request, one list (one lookup per request per step):
         # [computed: tokens whose KV the runner has written, known: prompt + outputs so far,
         #  eos_at: the `known` count at which the next sample is EOS (prompt + target - 1),
-        #  salt: len(request id), mixed into its regular token ids].
+        #  next: the regular token id at position `known` (`_regular_token`), stepped along].
         # The target is read when the request (re)arrives in `scheduled_new_reqs`.
         self._state: dict[str, list[int]] = {}
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
-        self._undo: dict[str, tuple[int, int]] = {}
+        self._undo: dict[str, tuple[int, int, int]] = {}
 
     @property
     def computed(self) -> dict[str, int]:
@@ -65,7 +66,8 @@ class SimRunner:
             rid = new.req_id
             target = targets.get(rid)
             eos_at = _NEVER if target is None else new.num_prompt_tokens + target - 1
-            state[rid] = [new.num_computed_tokens, len(new.token_ids), eos_at, len(rid)]
+            known = len(new.token_ids)
+            state[rid] = [new.num_computed_tokens, known, eos_at, self._regular_token(rid, known)]
             if self.check:
                 self.num_blocks[rid] = len(new.block_ids)
         if self.check:
@@ -73,8 +75,7 @@ class SimRunner:
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={}, step_seconds=0.0)
         if self.keep_undo:
-            self._undo = {rid: (state[rid][_COMPUTED], state[rid][_KNOWN])
-                          for rid in out.num_scheduled_tokens}
+            self._undo = {rid: tuple(state[rid][:_NEXT + 1]) for rid in out.num_scheduled_tokens}
         predict_totals = getattr(self.latency_model, "predict_totals", None)
         if predict_totals is None:  # a model that needs the whole step
             context = {rid: state[rid][_COMPUTED] for rid in out.num_scheduled_tokens}
@@ -100,13 +101,17 @@ class SimRunner:
         """The last executed step (`out`, predicted to take `step_seconds`) is cut before layer
         `layer_index`: undo its advance and samples, as the real runner never makes them, and
         report the cut. The step lasted layer_index / num_layers of its time."""
-        for rid, (computed, known) in self._undo.items():
-            st = self._state[rid]
-            st[_COMPUTED], st[_KNOWN] = computed, known
+        for rid, saved in self._undo.items():
+            self._state[rid][:_NEXT + 1] = saved
         self._undo = {}
         return ModelRunnerOutput(
             sampled_token_ids={}, step_seconds=step_seconds * layer_index / num_layers,
             cut=CutReport(out.step_id, layer_index, num_layers, victim_id, waiter_id))
+
+    def _regular_token(self, rid: str, k: int) -> int:
+        """The deterministic non-EOS token id sampled at position k of request `rid`."""
+        span = self.vocab_size - _FIRST_REGULAR_TOKEN
+        return _FIRST_REGULAR_TOKEN + (k * _TOKEN_STRIDE + len(rid)) % span
 
     def _forget(self, request_ids) -> None:
         for rid in request_ids:
@@ -118,9 +123,11 @@ class SimRunner:
         step's shape for the latency model (context = computed before the step).
 
         The token at position k (0-based over prompt + output) is EOS when it is the
-        target-th output token or later, else a deterministic regular id."""
+        target-th output token or later, else `_regular_token(rid, k)`, stepped from position
+        k - 1's: + stride, wrapped into [FIRST, FIRST + span) (stride % span < span)."""
         state, eos = self._state, self.eos_token_id
         span = self.vocab_size - _FIRST_REGULAR_TOKEN
+        stride, end = _TOKEN_STRIDE % span, _FIRST_REGULAR_TOKEN + span
         sampled: dict[str, list[int]] = {}
         num_decodes = decode_context = 0  # q == 1 rows, summed apart: the common, cheap case
         tokens = rows = context = q_context = q_squared = 0
@@ -140,10 +147,11 @@ class SimRunner:
                 q_squared += n * n
             k = st[1]  # _KNOWN
             if done == k:
-                if k >= st[2]:  # _EOS_AT: this is the target-th output token, or later
-                    sampled[rid] = [eos]
-                else:
-                    sampled[rid] = [_FIRST_REGULAR_TOKEN + (k * 7919 + st[3]) % span]  # _SALT
+                regular = st[3]  # _NEXT
+                # _EOS_AT: this is the target-th output token, or later
+                sampled[rid] = [eos if k >= st[2] else regular]
+                regular += stride
+                st[3] = regular - span if regular >= end else regular
                 st[1] = k + 1
             elif self.check:
                 assert done < k, f"{rid}: computed {done} past the {k} known tokens"

@@ -195,7 +195,7 @@ class SimEngine:
         """Count each gap's start, then add one value per distinct start (most requests share
         the previous step's end). Also the path when gaps are not recorded at all."""
         last_token = self._last_token
-        gap_starts = Counter(map(last_token.__getitem__, decoded))
+        gap_starts = _count(list(map(last_token.__getitem__, decoded)))
         last_token.update(dict.fromkeys(decoded, now))
         for eco in outputs:
             rid = eco.request.request_id
@@ -203,7 +203,7 @@ class SimEngine:
             if previous is None:
                 self._first_token(eco.request, now)
             else:
-                gap_starts[previous] += 1
+                gap_starts[previous] = gap_starts.get(previous, 0) + 1
             last_token[rid] = now
             if eco.finish_reason is not None:
                 self._finished(eco, now)
@@ -229,3 +229,11 @@ class SimEngine:
         record.num_cached_tokens = max(0, request.num_cached_tokens)
         del self._last_token[rid]
         del self.targets[rid]
+
+
+def _count(values: list[float]) -> dict[float, int]:
+    """value -> count, in order of first appearance. Usually every value is the same (each
+    decoded request's previous token came at the previous step's end): one C-level pass."""
+    if values and values.count(values[0]) == len(values):
+        return {values[0]: len(values)}
+    return dict(Counter(values))
