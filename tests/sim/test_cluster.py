@@ -247,3 +247,50 @@ def test_prioritize_prefill_is_reachable_from_the_simulate_cli(tmp_path):
     assert ttft_p50("--prioritize-prefill") < ttft_p50("--no-prioritize-prefill")
     busy = ("--num-instances", "2", "--request-rate", "2000")  # the cluster path too
     assert ttft_p50("--prioritize-prefill", *busy) < ttft_p50("--no-prioritize-prefill", *busy)
+
+
+def _trace_by_pid(events):
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    steps, spans, transfers = {}, {}, {}
+    for e in events:
+        if e["ph"] == "X" and e.get("cat") == "step":
+            steps[e["pid"]] = steps.get(e["pid"], 0) + 1
+        elif e["ph"] == "X" and e.get("cat") == "kv_transfer":
+            transfers[e["pid"]] = transfers.get(e["pid"], 0) + 1
+        elif e["ph"] in "be" and e.get("cat") == "request":
+            spans.setdefault((e["pid"], e["id"]), []).append(e["ph"])
+    return names, steps, spans, transfers
+
+
+def test_cluster_chrome_trace_has_one_process_per_instance():
+    from tokenweir.sim.trace import cluster_chrome_trace_events
+
+    specs = _mixed(80)
+    result = _cluster(specs, pd=(1, 2), router="least-loaded",
+                      engine={"num_gpu_blocks_override": 200}).run()
+    names, steps, spans, transfers = _trace_by_pid(cluster_chrome_trace_events(result))
+    assert names == {1: "instance 0 (prefill)", 2: "instance 1 (decode)",
+                     3: "instance 2 (decode)"}
+    # every instance really ran: its own steps, on its own process
+    assert steps == {i + 1: len(inst.steps) for i, inst in enumerate(result.instances)}
+    assert all(n > 0 for n in steps.values())
+    for pid in (1, 2, 3):  # a request span (and its 3 phases) per request the instance served
+        ids = {key[1] for key in spans if key[0] == pid}
+        assert len(ids) == len(result.instances[pid - 1].requests)
+    assert all(phases.count("b") == phases.count("e") == 4 for phases in spans.values())
+    # a request served by the prefill and a decode instance is two spans, ids never clash
+    assert len({key[1] for key in spans}) == len(spans) == 2 * len(specs)
+    assert sum(transfers.values()) == len(result.transfers) == len(specs)
+    assert set(transfers) <= {2, 3}  # on the receiving (decode) instances
+
+
+def test_simulate_cli_cluster_chrome_trace(tmp_path):
+    trace = tmp_path / "t.json"
+    assert _cli(["simulate", "--model-shape", SMALL, "--num-requests", "30", "--request-rate",
+                 "100", "--prompt-len", "fixed:100", "--output-len", "fixed:6",
+                 "--num-gpu-blocks-override", "300", "--max-model-len", "512",
+                 "--num-instances", "2", "--chrome-trace", str(trace)]) == 0
+    names, steps, spans, _ = _trace_by_pid(json.loads(trace.read_text())["traceEvents"])
+    assert names == {1: "instance 0 (mixed)", 2: "instance 1 (mixed)"}
+    assert steps[1] > 0 and steps[2] > 0
+    assert len(spans) == 30 and {pid for pid, _ in spans} == {1, 2}

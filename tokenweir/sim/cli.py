@@ -26,7 +26,8 @@ def add_subcommands(subparsers) -> None:
 
     sim = subparsers.add_parser("simulate", help="simulate serving a workload on a virtual clock")
     _add_sim_args(sim)
-    sim.add_argument("--chrome-trace", help="write a Chrome/Perfetto trace JSON here")
+    sim.add_argument("--chrome-trace", help="write a Chrome/Perfetto trace JSON here "
+                     "(cluster runs: one process per instance)")
     sim.add_argument("--json", dest="json_out", help="write the metrics as JSON here")
     _add_cluster_args(sim)
     add_engine_args(sim)
@@ -180,9 +181,8 @@ def _simulate_cluster(args: argparse.Namespace) -> int:
     from tokenweir.sim.hardware import get_shape
     from tokenweir.sim.metrics import format_report
     from tokenweir.sim.sessions import synthetic_sessions
+    from tokenweir.sim.trace import write_cluster_chrome_trace
 
-    if args.chrome_trace:
-        raise ValueError("--chrome-trace covers one instance; drop the cluster flags")
     kwargs = _engine_kwargs(args)
     sessions = None
     if args.sessions:
@@ -197,7 +197,10 @@ def _simulate_cluster(args: argparse.Namespace) -> int:
     cluster = build_cluster(kwargs, specs, args.model_shape, args.hardware, args.tp,
                             args.pp_size, args.num_instances, args.router, parse_pd(args.pd),
                             args.link_gbps, sessions)
-    metrics = summarize_cluster(cluster.run(), args.ttft_slo_ms, args.tpot_slo_ms)
+    result = cluster.run()
+    if args.chrome_trace:  # one Perfetto process per instance
+        write_cluster_chrome_trace(result, args.chrome_trace)
+    metrics = summarize_cluster(result, args.ttft_slo_ms, args.tpot_slo_ms)
     layout = (f"PD {args.pd}" if args.pd else f"{args.num_instances} instance(s)")
     print(f"--- tokenweir simulate: {args.model_shape} on {args.tp} x {args.hardware}, "
           f"{layout}, pp {args.pp_size}, router {args.router} ---")
