@@ -39,6 +39,9 @@ class SimRunner:
         #  next: the regular token id at position `known` (`_regular_token`), stepped along].
         # The target is read when the request (re)arrives in `scheduled_new_reqs`.
         self._state: dict[str, list[int]] = {}
+        # One int object per token id, shared by every sampled token: requests' token lists
+        # and the prefix cache's block keys then refer to a few hot objects, not millions.
+        self._token_ids = list(range(vocab_size))
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -125,7 +128,7 @@ class SimRunner:
         The token at position k (0-based over prompt + output) is EOS when it is the
         target-th output token or later, else `_regular_token(rid, k)`, stepped from position
         k - 1's: + stride, wrapped into [FIRST, FIRST + span) (stride % span < span)."""
-        state, eos = self._state, self.eos_token_id
+        state, eos, token_ids = self._state, self.eos_token_id, self._token_ids
         span = self.vocab_size - _FIRST_REGULAR_TOKEN
         stride, end = _TOKEN_STRIDE % span, _FIRST_REGULAR_TOKEN + span
         sampled: dict[str, list[int]] = {}
@@ -149,7 +152,7 @@ class SimRunner:
             if done == k:
                 regular = st[3]  # _NEXT
                 # _EOS_AT: this is the target-th output token, or later
-                sampled[rid] = [eos if k >= st[2] else regular]
+                sampled[rid] = [eos if k >= st[2] else token_ids[regular]]
                 regular += stride
                 st[3] = regular - span if regular >= end else regular
                 st[1] = k + 1
