@@ -17,6 +17,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Optional, Union
 
 from tokenweir.config import EngineConfig
@@ -196,7 +197,7 @@ class SimEngine:
         the previous step's end). Also the path when gaps are not recorded at all."""
         last_token = self._last_token
         gap_starts = _count(list(map(last_token.__getitem__, decoded)))
-        last_token.update(dict.fromkeys(decoded, now))
+        last_token.update(zip(decoded, repeat(now)))
         for eco in outputs:
             rid = eco.request.request_id
             previous = last_token.get(rid)
