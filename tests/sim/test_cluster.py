@@ -294,3 +294,23 @@ def test_simulate_cli_cluster_chrome_trace(tmp_path):
     assert names == {1: "instance 0 (mixed)", 2: "instance 1 (mixed)"}
     assert steps[1] > 0 and steps[2] > 0
     assert len(spans) == 30 and {pid for pid, _ in spans} == {1, 2}
+
+
+def test_a_cluster_run_makes_no_reference_cycles_so_pausing_the_collector_leaks_nothing():
+    """Cluster.run pauses the cyclic GC; safe only if the loop leaves no cycles. PD hand-offs,
+    sessions, pipelining and swap preemption exercise every path."""
+    import gc
+
+    sessions = synthetic_sessions(6, 30.0, seed=3, prompt="lognormal:150:0.5",
+                                  output="uniform:2:30", turns="uniform:1:4",
+                                  user_len="uniform:8:40", tool_delay_ms="lognormal:100:1",
+                                  max_model_len=1024)
+    cluster = _cluster(_mixed(80), sessions, pd=(1, 2), pp_size=2, router="prefix-aware",
+                       engine={"num_gpu_blocks_override": 120, "preemption_mode": "swap",
+                               "swap_space": 0.01})
+    gc.collect()
+    assert gc.isenabled()
+    result = cluster.run()
+    assert gc.isenabled()  # restored
+    assert result.overall.stats.num_preemptions > 0 and result.transfers
+    assert gc.collect() == 0
