@@ -282,6 +282,9 @@ def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float, float,
     x = np.array([n for n, _ in points], dtype=float)
     y = np.array([t for _, t in points], dtype=float)
     b, a, c = np.polyfit(x, y, 2)
+    if c < 0:  # no negative fixed cost: refit through the origin
+        (a, b), *_ = np.linalg.lstsq(np.stack([x, x * x], axis=1), y, rcond=None)
+        c = 0.0
     if b < 0 or a < 0:
         b = 0.0
         a, c = np.polyfit(x, y, 1)
