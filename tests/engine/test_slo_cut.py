@@ -238,3 +238,23 @@ def test_async_engine_arrival_cuts_the_step_in_flight(make_llm):
     stats = engine.scheduler.stats
     assert stats.preemptions_by_cause[SLO_MID_STEP] >= 1 and stats.slo_cut_steps >= 1
     assert len(long_tokens) == 3 and len(urgent_tokens) == 3
+
+
+def test_monitor_wakes_on_an_arrival_not_only_on_its_poll():
+    """With a one-minute poll the monitor looks only when woken (the engine core wakes it on
+    each submitted request); probe: its look counter moves after the wake and not before."""
+    from types import SimpleNamespace
+
+    monitor = SLOMonitor(SimpleNamespace(slo_snapshot=None), CutSignal(2, 0.9), lambda: [],
+                         poll_seconds=60.0).start()
+    try:
+        time.sleep(0.05)
+        assert monitor.num_checks == 0
+        monitor.wake.set()
+        deadline = time.monotonic() + 5
+        while monitor.num_checks == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert monitor.num_checks == 1
+    finally:
+        monitor.stop()
+    assert not monitor._thread.is_alive()  # stop() wakes it out of the long wait

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Callable, Iterable, Protocol
@@ -26,6 +27,7 @@ class EngineCore:
         self.metrics = EngineMetrics()
         # Requests submitted from other threads; handed to the scheduler at the next step.
         self.inbox: deque[Request] = deque()
+        self.arrival_event = threading.Event()  # set on each submit (wakes the SLO monitor)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -34,6 +36,7 @@ class EngineCore:
         """Thread-safe add: may be called while step() runs (the SLO monitor sees it at once,
         the scheduler at the next step)."""
         self.inbox.append(request)
+        self.arrival_event.set()
 
     def pending_arrivals(self) -> list[Request]:
         return list(self.inbox)

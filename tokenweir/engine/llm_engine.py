@@ -147,7 +147,7 @@ class LLMEngine:
             signal = CutSignal(num_layers, config.scheduler.slo_cut_layer_fraction)
             runner.cut_signal = signal
             self.slo_monitor = SLOMonitor(scheduler, signal, self.core.pending_arrivals,
-                                          self.core.clock).start()
+                                          self.core.clock, wake=self.core.arrival_event).start()
 
     def submit_request(self, request: Request, prompt: Optional[str]) -> None:
         """Like add_request, but safe to call from another thread while step() runs."""
