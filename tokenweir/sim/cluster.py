@@ -22,7 +22,6 @@ Sessions (sessions.py): a turn's completion schedules the next turn as an arriva
 from __future__ import annotations
 
 import dataclasses
-import gc
 import heapq
 import json
 import time
@@ -38,6 +37,7 @@ from tokenweir.sim.build import (GPU_MEMORY_UTILIZATION, block_size_bytes, host_
                                  pool_blocks)
 from tokenweir.sim.hardware import get_hardware, get_shape
 from tokenweir.sim.instance import Instance, KVImport, make_request
+from tokenweir.sim.sim_engine import gc_paused
 from tokenweir.sim.latency import RooflineLatencyModel
 from tokenweir.sim.router import make_router
 from tokenweir.sim.sessions import Session
@@ -128,13 +128,8 @@ class Cluster:
     def run(self) -> ClusterResult:
         """Run to the end, the cyclic garbage collector paused as in Simulation.run (the loop
         makes no reference cycles; a test checks that a collection afterwards finds nothing)."""
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             return self._run()
-        finally:
-            if collecting:
-                gc.enable()
 
     def _run(self) -> ClusterResult:
         started = time.perf_counter()

@@ -11,7 +11,6 @@ cluster's instances; this file only decides when steps start and end.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import time
 from array import array
@@ -23,7 +22,8 @@ from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.sched.scheduler import SchedulerStats
 from tokenweir.request import Request
 from tokenweir.sim.counts import ValueCounts
-from tokenweir.sim.sim_engine import RequestRecord, SimEngine, StepRecord, make_request
+from tokenweir.sim.sim_engine import (RequestRecord, SimEngine, StepRecord, gc_paused,
+                                      make_request)
 from tokenweir.sim.slo_cuts import setup_slo
 from tokenweir.sim.workload import RequestSpec
 
@@ -80,13 +80,8 @@ class Simulation:
         """Run to the end. The cyclic garbage collector is paused meanwhile: the loop makes no
         reference cycles (a test checks that a collection afterwards finds nothing), and at
         100k requests the collector's passes over the growing heap cost ~10% of the run."""
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             return self._run()
-        finally:
-            if collecting:
-                gc.enable()
 
     def _run(self) -> SimResult:
         started = time.perf_counter()
