@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import sys
 import threading
 import time
@@ -46,7 +47,7 @@ from typing import Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenweir.sim.build import build_simulation  # noqa: E402
 from tokenweir.sim.hardware import get_hardware, get_shape  # noqa: E402
-from tokenweir.sim.latency import RooflineLatencyModel  # noqa: E402
+from tokenweir.sim.latency import NoisyLatencyModel, RooflineLatencyModel  # noqa: E402
 from tokenweir.sim.slo_cuts import fit_ttft, solo_ttft  # noqa: E402
 from tokenweir.sim.workload import RequestSpec  # noqa: E402
 
@@ -57,14 +58,15 @@ POLICY_NAMES = ("fcfs", "fcfs-chunked", "slo-conservative", "slo-aggressive")
 LINEAR_VARIANT = "slo-cons-linear"
 
 
-def policy_kwargs(name: str, budget: int, max_model_len: int) -> dict:
+def policy_kwargs(name: str, budget: int, max_model_len: int, tolerance: float = 0.0) -> dict:
     if name == "fcfs":
         return dict(scheduling_policy="fcfs", enable_chunked_prefill=False,
                     max_num_batched_tokens=max(budget, max_model_len))
     if name == "fcfs-chunked":
         return dict(scheduling_policy="fcfs", max_num_batched_tokens=budget)
     gate = "conservative" if name == LINEAR_VARIANT else name.split("-", 1)[1]
-    return dict(scheduling_policy="slo", slo_preempt_gate=gate, max_num_batched_tokens=budget)
+    return dict(scheduling_policy="slo", slo_preempt_gate=gate, max_num_batched_tokens=budget,
+                slo_hopeless_tolerance=tolerance)
 
 
 # ---- workload -------------------------------------------------------------------------------
@@ -97,8 +99,10 @@ def make_workload(n: int, rate: float, prompt_range: tuple[int, int],
 class Row:
     policy: str
     load: float
-    urgent_pct: float
-    generous_pct: float
+    urgent_met: int
+    urgent_total: int
+    generous_met: int
+    generous_total: int
     goodput: float
     wasted_pct: float
     cuts: int
@@ -106,6 +110,32 @@ class Row:
     memory: int
     urgent_missed: int = 0
     missed_behind_urgent: int = 0  # arrived while another urgent request had no first token
+    seed: Optional[int] = None  # None: several seeds pooled
+
+    @property
+    def urgent_pct(self) -> float:
+        return 100.0 * self.urgent_met / max(1, self.urgent_total)
+
+    @property
+    def generous_pct(self) -> float:
+        return 100.0 * self.generous_met / max(1, self.generous_total)
+
+
+def pool_rows(rows: list[Row]) -> list[Row]:
+    """One row per (policy, load) over all seeds: attainment from the summed counts, goodput
+    and wasted% averaged, events summed."""
+    groups: dict[tuple[str, float], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.policy, r.load), []).append(r)
+    pooled = []
+    for (policy, load), group in groups.items():
+        total = lambda field: sum(getattr(r, field) for r in group)  # noqa: E731
+        pooled.append(Row(policy, load, total("urgent_met"), total("urgent_total"),
+                          total("generous_met"), total("generous_total"),
+                          total("goodput") / len(group), total("wasted_pct") / len(group),
+                          total("cuts"), total("pauses"), total("memory"),
+                          total("urgent_missed"), total("missed_behind_urgent")))
+    return pooled
 
 
 def urgent_miss_diagnostics(ttfts: list[tuple[Item, Optional[float]]]) -> tuple[int, int]:
@@ -122,15 +152,14 @@ def urgent_miss_diagnostics(ttfts: list[tuple[Item, Optional[float]]]) -> tuple[
     return missed, behind
 
 
-def attainment(ttfts: list[tuple[Item, Optional[float]]]) -> tuple[float, float, int]:
-    """(% urgent met, % generous met, number met)."""
+def attainment(ttfts: list[tuple[Item, Optional[float]]]) -> tuple[int, int, int, int]:
+    """(urgent met, urgent total, generous met, generous total)."""
     met = {True: [0, 0], False: [0, 0]}
     for item, ttft in ttfts:
         ok = ttft is not None and ttft <= item.ttft_slo_s + 1e-12
         met[item.urgent][0] += ok
         met[item.urgent][1] += 1
-    pct = {k: 100.0 * m / max(1, total) for k, (m, total) in met.items()}
-    return pct[True], pct[False], met[True][0] + met[False][0]
+    return met[True][0], met[True][1], met[False][0], met[False][1]
 
 
 # ---- part 1: the simulator --------------------------------------------------------------------
@@ -172,8 +201,11 @@ def sim_one(name, load, items, model, shape, hardware, budget, max_len, args) ->
     specs = [RequestSpec(f"r{it.index}", it.arrival, it.prompt_len, it.output_len,
                          priority=URGENT if it.urgent else GENEROUS,
                          ttft_slo_ms=it.ttft_slo_s * 1000, index=it.index) for it in items]
-    kwargs = dict(policy_kwargs(name, budget, max_len), max_model_len=max_len,
+    kwargs = dict(policy_kwargs(name, budget, max_len, args.slo_tolerance or 0.0),
+                  max_model_len=max_len,
                   num_gpu_blocks_override=args.sim_blocks)
+    if args.sim_noise:  # steps jitter as on a real machine; forecasts stay noise-free
+        model = NoisyLatencyModel(model, args.sim_noise, seed=args.seed)
     sim = build_simulation(kwargs, specs, model_shape=shape.name, hardware=hardware.name,
                            latency_model=model, record_itl=False)
     if name == LINEAR_VARIANT:
@@ -183,20 +215,22 @@ def sim_one(name, load, items, model, shape, hardware, budget, max_len, args) ->
     ttfts = [(by_id[r.request_id],
               None if r.first_token is None else r.first_token - r.arrival)
              for r in result.requests]
-    urgent, generous, met = attainment(ttfts)
     tokens = sum(s.num_tokens for s in result.steps)
-    return make_row(name, load, urgent, generous, met / result.end_time, sim.scheduler.stats,
-                    tokens, shape.num_layers, ttfts)
+    return make_row(name, load, result.end_time, sim.scheduler.stats, tokens, shape.num_layers,
+                    ttfts, args.seed)
 
 
-def make_row(name, load, urgent, generous, goodput, stats, tokens, num_layers, ttfts) -> Row:
-    """Wasted work: cut steps' layer-tokens (as tokens) plus tokens recomputed after SLO
-    preemptions, over all tokens computed (cut steps included)."""
+def make_row(name, load, elapsed, stats, tokens, num_layers, ttfts, seed) -> Row:
+    """Goodput: requests meeting their target per second of the run. Wasted work: cut steps'
+    layer-tokens (as tokens) plus tokens recomputed after SLO preemptions, over all tokens
+    computed (cut steps included)."""
+    counts = attainment(ttfts)
+    goodput = (counts[0] + counts[2]) / elapsed
     wasted = stats.slo_wasted_layer_tokens / num_layers + stats.recomputed_tokens
     by_cause = stats.preemptions_by_cause
-    return Row(name, load, urgent, generous, goodput, 100.0 * wasted / max(1, tokens),
+    return Row(name, load, *counts, goodput, 100.0 * wasted / max(1, tokens),
                by_cause["slo-mid-step"], by_cause["slo-between-steps"], by_cause["memory"],
-               *urgent_miss_diagnostics(ttfts))
+               *urgent_miss_diagnostics(ttfts), seed)
 
 
 # ---- part 2: the real engine ------------------------------------------------------------------
@@ -221,45 +255,57 @@ def run_real(args) -> list[Row]:
     # convex), which would set urgent targets no policy can meet.
     lo, hi = args.real_prompt_range
     lengths = sorted({lo + (hi - lo) * k // 3 for k in range(4)})
-    measured = [(n, measure_solo_ttft(probe, SamplingParams, n)) for n in lengths]
+    probes = {n: measure_solo_ttfts(probe, SamplingParams, n, args.solo_repeats)
+              for n in lengths}
     if probe.scheduler.kv.prefix_stats.hits:
         raise RuntimeError(f"solo TTFT probes hit the prefix cache "
                            f"({probe.scheduler.kv.prefix_stats.hits} tokens): not solo times")
+    measured = [(n, statistics.median(times)) for n, times in probes.items()]
+    spread = max((max(times) - min(times)) / statistics.median(times)
+                 for times in probes.values())
     a, b, c, r2 = fit_quadratic(measured)
     decode = measure_decode_seconds(probe, SamplingParams)
+    # The predictor is only as good as the solo times it was fitted to: a request is given up
+    # as hopeless only if it would miss even running that much faster than predicted.
+    tolerance = (min(0.3, round(spread, 2)) if args.slo_tolerance is None
+                 else args.slo_tolerance)
 
-    def solo(n: int) -> float:  # piecewise-linear through the measured solo TTFTs
+    def solo(n: int) -> float:  # piecewise-linear through the median solo TTFTs
         return interpolate(measured, n)
 
-    print("real engine: solo TTFT " + ", ".join(f"{n} tok {t * 1e3:.0f} ms" for n, t in measured))
+    print("real engine: solo TTFT (median of " + str(args.solo_repeats) + ") " +
+          ", ".join(f"{n} tok {t * 1e3:.0f} ms" for n, t in measured) +
+          f"; probe spread up to {spread:.0%} of the median")
     print(f"real engine: TTFT predictor a={a * 1e3:.3f} ms/token b={b * 1e6:.4f} us/token^2 "
-          f"c={c * 1e3:.1f} ms (R^2 {r2:.4f}), decode step ~{decode * 1e3:.0f} ms")
+          f"c={c * 1e3:.1f} ms (R^2 {r2:.4f}), decode step ~{decode * 1e3:.0f} ms; "
+          f"slo_hopeless_tolerance {tolerance:.2f}")
     mean_prompt = sum(args.real_prompt_range) / 2
     service = solo(int(mean_prompt)) + decode * sum(args.output_range) / 2
     rows = []
     for load in args.real_loads:
-        items = make_workload(args.real_requests, load / service, args.real_prompt_range,
-                              args.output_range, solo, args.seed)
-        for name in POLICY_NAMES:
-            config = EngineConfig.from_kwargs(
-                **common, **policy_kwargs(name, args.real_budget, max_len),
-                slo_ttft_a_ms_per_token=a * 1e3, slo_ttft_b_us_per_token2=b * 1e6,
-                slo_ttft_c_ms=c * 1e3)
-            engine = LLMEngine(config, loaded=loaded)
-            try:
-                rows.append(real_one(engine, name, load, items, SamplingParams, args,
-                                     loaded.arch.num_layers))
-            finally:
-                engine.shutdown()
-            print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
+        for seed in range(args.seed, args.seed + args.real_seeds):
+            items = make_workload(args.real_requests, load / service, args.real_prompt_range,
+                                  args.output_range, solo, seed)
+            for name in args.real_policies:
+                config = EngineConfig.from_kwargs(
+                    **common, **policy_kwargs(name, args.real_budget, max_len, tolerance),
+                    slo_ttft_a_ms_per_token=a * 1e3, slo_ttft_b_us_per_token2=b * 1e6,
+                    slo_ttft_c_ms=c * 1e3)
+                engine = LLMEngine(config, loaded=loaded)
+                try:
+                    rows.append(real_one(engine, name, load, items, SamplingParams, args,
+                                         loaded.arch.num_layers, seed))
+                finally:
+                    engine.shutdown()
+                print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
     return rows
 
 
-def measure_solo_ttft(engine, SamplingParams, prompt_len: int, repeats: int = 2) -> float:
-    """Best-of seconds from add_request to the first token of one request alone. Every prompt
-    is fresh (random tokens): a prompt that shared a prefix with an earlier measurement would
-    hit the prefix cache and time only its uncached tail."""
-    best = float("inf")
+def measure_solo_ttfts(engine, SamplingParams, prompt_len: int, repeats: int) -> list[float]:
+    """Seconds from add_request to the first token of one request alone, `repeats` times.
+    Every prompt is fresh (random tokens): a prompt that shared a prefix with an earlier
+    measurement would hit the prefix cache and time only its uncached tail."""
+    times = []
     rng = random.Random(f"solo-{prompt_len}")
     for _ in range(repeats):
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -269,8 +315,8 @@ def measure_solo_ttft(engine, SamplingParams, prompt_len: int, repeats: int = 2)
         engine.add_request(request, None)
         while engine.has_unfinished_requests():
             engine.step()
-        best = min(best, time.perf_counter() - started)
-    return best
+        times.append(time.perf_counter() - started)
+    return times
 
 
 def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float, float, float]:
@@ -319,8 +365,9 @@ def measure_decode_seconds(engine, SamplingParams, num_tokens: int = 8) -> float
     return sorted(times)[len(times) // 2]
 
 
-def real_one(engine, name, load, items, SamplingParams, args, num_layers: int) -> Row:
-    rng = random.Random(args.seed + 1)
+def real_one(engine, name, load, items, SamplingParams, args, num_layers: int,
+             seed: int) -> Row:
+    rng = random.Random(seed + 1)
     requests = []
     for it in items:
         prompt = [rng.randrange(200, 40000) for _ in range(it.prompt_len)]
@@ -354,22 +401,24 @@ def real_one(engine, name, load, items, SamplingParams, args, num_layers: int) -
     elapsed = engine.core.clock() - start
     ttfts = [(it, None if r.first_token_time is None else r.first_token_time - r.arrival_time)
              for it, r in requests]
-    urgent, generous, met = attainment(ttfts)
     tokens = engine.core.metrics.iteration_tokens.sum
     if len(done) < len(requests):
         print(f"  ({name}: {len(requests) - len(done)} requests unfinished after "
               f"{elapsed:.0f} s; counted as misses)")
-    return make_row(name, load, urgent, generous, met / elapsed, engine.scheduler.stats,
-                    tokens, num_layers, ttfts)
+    return make_row(name, load, elapsed, engine.scheduler.stats, tokens, num_layers, ttfts,
+                    seed)
 
 
 # ---- report -----------------------------------------------------------------------------------
 def format_rows(rows: list[Row]) -> str:
-    head = (f"{'policy':<17}{'load':>6}{'urgent%':>9}{'generous%':>11}{'goodput/s':>11}"
-            f"{'wasted%':>9}{'cuts':>6}{'pauses':>8}{'mem-pre':>9}{'u-miss':>8}{'behind-u':>10}")
+    head = (f"{'policy':<17}{'load':>6}{'seed':>5}{'urgent%':>9}{'(met/n)':>9}{'generous%':>11}"
+            f"{'goodput/s':>11}{'wasted%':>9}{'cuts':>6}{'pauses':>8}{'mem-pre':>9}"
+            f"{'u-miss':>8}{'behind-u':>10}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r.policy:<17}{r.load:>6.2f}{r.urgent_pct:>9.1f}{r.generous_pct:>11.1f}"
+        seed = "all" if r.seed is None else str(r.seed)
+        lines.append(f"{r.policy:<17}{r.load:>6.2f}{seed:>5}{r.urgent_pct:>9.1f}"
+                     f"{f'{r.urgent_met}/{r.urgent_total}':>9}{r.generous_pct:>11.1f}"
                      f"{r.goodput:>11.3f}{r.wasted_pct:>9.2f}{r.cuts:>6}{r.pauses:>8}"
                      f"{r.memory:>9}{r.urgent_missed:>8}{r.missed_behind_urgent:>10}")
     return "\n".join(lines)
@@ -432,13 +481,26 @@ def main() -> None:
     p.add_argument("--hardware", default="cpu-epyc-2c")
     p.add_argument("--profile", help="simulate with this `tokenweir calibrate` profile (fitted "
                    "step-time model) instead of the roofline model")
+    p.add_argument("--slo-tolerance", type=float, default=None,
+                   help="slo_hopeless_tolerance of the slo policies (default: 0 in the "
+                        "simulator, whose predictor is fitted to the latency model itself; on "
+                        "the real engine the solo probes' spread, at most 0.3)")
     p.add_argument("--sim-prompt-range", type=int, nargs=2, default=(256, 8000))
     p.add_argument("--sim-budget", type=int, default=2048)
     p.add_argument("--sim-blocks", type=int, default=20000)
+    p.add_argument("--sim-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="multiply each simulated step time by a log-normal factor of mean 1 "
+                        "and this log-space deviation (a real CPU's step jitter is ~0.1)")
     p.add_argument("--real-requests", type=int, default=32)
     p.add_argument("--real-loads", type=float, nargs="+", default=(0.6,),
                    help="the simulator puts fcfs-chunked's urgent attainment in the 40-60%% "
                         "band near 0.6")
+    p.add_argument("--real-seeds", type=int, default=1,
+                   help="workloads per load (seeds --seed, --seed + 1, ...): more urgent "
+                        "requests per policy; the target is checked on the pooled counts")
+    p.add_argument("--real-policies", nargs="+", default=POLICY_NAMES, choices=POLICY_NAMES)
+    p.add_argument("--solo-repeats", type=int, default=3,
+                   help="solo TTFT probes per prompt length (their median sets the targets)")
     p.add_argument("--real-prompt-range", type=int, nargs=2, default=(256, 2048))
     p.add_argument("--real-budget", type=int, default=512)
     p.add_argument("--real-blocks", type=int, default=2048)
@@ -470,8 +532,9 @@ def main() -> None:
               f"per run, prompts {args.real_prompt_range[0]}-{args.real_prompt_range[1]}, "
               f"budget {args.real_budget} ==")
         rows = run_real(args)
-        print(format_rows(rows))
-        print(target_check(rows, "real engine"))
+        pooled = pool_rows(rows) if args.real_seeds > 1 else rows
+        print(format_rows(rows + (pooled if pooled is not rows else [])))
+        print(target_check(pooled, "real engine"))
 
 
 if __name__ == "__main__":

@@ -98,6 +98,10 @@ class SchedulerConfig:
         "boundary (off: only between steps)")
     slo_cut_layer_fraction: float = _f(
         0.9, "slo policy: a forward pass past this fraction of its layers refuses to be cut")
+    slo_hopeless_tolerance: float = _f(
+        0.0, "slo policy: a request counts as hopeless (sinks in the EDF order, never "
+        "preempts) only if it would miss its deadline even running this fraction faster "
+        "than its predicted TTFT; 0: the sign of the slack")
     slo_ttft_a_ms_per_token: Optional[float] = _f(
         None, "slo policy: TTFT predictor slope, ms per uncached prompt token "
         "(default: the profile, else measured at start-up)")
@@ -142,6 +146,9 @@ class SchedulerConfig:
                              f"got {self.slo_preempt_gate!r}")
         if self.slo_margin_ms < 0:
             raise ValueError(f"slo_margin_ms must be >= 0, got {self.slo_margin_ms}")
+        if not 0 <= self.slo_hopeless_tolerance < 1:
+            raise ValueError(f"slo_hopeless_tolerance must be in [0, 1), "
+                             f"got {self.slo_hopeless_tolerance}")
         if self.slo_max_preemptions < 0:
             raise ValueError(f"slo_max_preemptions must be >= 0, got {self.slo_max_preemptions}")
         if not 0 <= self.slo_cut_layer_fraction <= 1:

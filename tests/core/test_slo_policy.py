@@ -44,6 +44,40 @@ def test_edf_rescuable_first_most_urgent_first_hopeless_sink():
     assert order == ["near", "far", "none", "hopeless_late", "hopeless_soon"]
 
 
+def test_tolerance_keeps_a_near_miss_rescuable_in_the_edf_order():
+    now, predicted = 100.0, 1.0
+    near_miss = slo.slack(100.95, now, predicted)  # -0.05: 5% short of its prediction
+    assert slo.edf_key(near_miss, 100.95, now) < 0  # tolerance 0: hopeless, sinks
+    floor = slo.hopeless_below(predicted, tolerance=0.1)
+    assert floor == pytest.approx(-0.1)
+    assert slo.edf_key(near_miss, 100.95, now, floor) > slo.edf_key(math.inf, None, now)
+    far_miss = slo.slack(100.5, now, predicted)  # -0.5: half its prediction short
+    assert slo.edf_key(far_miss, 100.5, now, floor) < 0  # still hopeless
+
+
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_tolerance_lets_a_near_miss_waiter_preempt(mode):
+    near_miss = slo.Waiter("w", slack_if_served_now=-0.05, slack_if_it_waits=-2.0)
+    assert slo.gate(near_miss, cands(5.0), mode, MARGIN, 1).case == slo.WAITER_HOPELESS
+    tolerant = slo.Waiter("w", -0.05, -2.0, hopeless_below=-0.1)
+    d = slo.gate(tolerant, cands(5.0), mode, MARGIN, 1)
+    assert d.fire and d.case == slo.MARGIN_BEATEN
+    # the running side's tolerance decides whether it yields outright
+    running = [slo.Candidate("r0", -0.05, 0, hopeless_below=-0.1)]
+    assert slo.gate(waiter(0.5), running, mode, MARGIN, 1).case == slo.MARGIN_NOT_BEATEN
+
+
+def test_evaluate_applies_the_tolerance_to_the_waiter_and_the_candidates():
+    predictor = slo.TTFTPredictor(a=0.001, c=0.0)  # 1000 tokens: 1 s
+    waiters = [slo.WaiterView("u", deadline=10.95, owed_tokens=1000)]  # 5% short at now=10
+    prefills = [slo.PrefillView("long", deadline=None, owed_tokens=4000, num_slo_preemptions=0)]
+    held, _ = slo.evaluate(waiters, prefills, 10.0, predictor, 4.0, slo.CONSERVATIVE, MARGIN, 1)
+    assert not held.fire and held.case == slo.WAITER_HOPELESS
+    fired, who = slo.evaluate(waiters, prefills, 10.0, predictor, 4.0, slo.CONSERVATIVE,
+                              MARGIN, 1, tolerance=0.1)
+    assert fired.fire and fired.victim_id == "long" and who == "u"
+
+
 def test_edf_key_is_finite_at_the_deadline():
     assert math.isfinite(slo.edf_key(0.0, 5.0, 5.0))
 

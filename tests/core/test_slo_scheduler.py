@@ -107,6 +107,23 @@ def test_no_pause_for_a_hopeless_waiter_or_one_that_can_wait():
         assert scheduler.stats.preemptions_by_cause[SLO_BETWEEN_STEPS] == 0
 
 
+def test_hopeless_tolerance_serves_a_near_miss_before_the_long_prefill():
+    """256 tokens need 256 ms: a 240 ms target is 6% short of the prediction. Sign of the
+    slack: hopeless, it waits for the whole 4000-token prefill. A 10% tolerance: rescuable,
+    the long prefill is paused and the near miss is served at once."""
+    urgent_first_token = {}
+    for tolerance in (0.0, 0.1):
+        scheduler = slo_scheduler(slo_hopeless_tolerance=tolerance)
+        long, urgent = long_and_urgent(urgent_slo_ms=240.0, urgent_arrival=1.024)
+        drive(scheduler, FakeRunner(), [(0.0, long), (1.024, urgent)])  # at a step's end
+        pauses = scheduler.stats.preemptions_by_cause[SLO_BETWEEN_STEPS]
+        assert pauses == (1 if tolerance else 0)  # probe: the tolerance changed the decision
+        urgent_first_token[tolerance] = urgent.first_token_time - urgent.arrival_time
+        assert long.first_token_time is not None
+    assert urgent_first_token[0.0] > 3.0  # behind the rest of the long prefill
+    assert urgent_first_token[0.1] < 0.6  # at most one 512-token step late, then its own
+
+
 def test_conservative_gate_spares_an_urgent_prefill_that_aggressive_pauses():
     # Two prefills share the budget (256 tokens each per step): "mid" has a tight target
     # (slack ~0.1 s when the urgent one arrives at t=1.024), "long" none. The urgent waiter

@@ -34,8 +34,8 @@ def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLat
 
 
 def block_size_bytes(config: EngineConfig, model: RooflineLatencyModel) -> int:
-    if isinstance(model, FittedLatencyModel):
-        if not model.kv_bytes_per_token:
+    if getattr(model, "shape", None) is None:  # a fitted profile carries its own figure
+        if not getattr(model, "kv_bytes_per_token", 0):
             raise ValueError("the fitted profile has no kv_bytes_per_token: give "
                              "num_gpu_blocks_override")
         return config.cache.block_size * model.kv_bytes_per_token

@@ -14,6 +14,8 @@ the same float for the same step.
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol
 
@@ -138,6 +140,38 @@ class ConstantLatencyModel:
 
     def predict_totals(self, totals: StepTotals) -> float:
         return self.seconds if totals.num_tokens else 0.0
+
+
+class NoisyLatencyModel:
+    """A model's step times times a seeded log-normal factor of mean 1 (`sigma` is the
+    log-space standard deviation): a real machine's step-to-step jitter, for asking whether a
+    policy's gain survives predictions that are right only on average.
+
+    Only `predict_totals` draws; it is what the SimRunner times each step with, once per step,
+    so a run stays deterministic for a given seed. `predict` and `step_time` return the
+    noise-free mean: what a scheduler forecasting a step, or a fit of solo TTFTs, sees.
+    """
+
+    def __init__(self, base, sigma: float, seed: int = 0) -> None:
+        if sigma < 0:
+            raise ValueError(f"sigma must be >= 0, got {sigma}")
+        self.base = base
+        self.sigma = sigma
+        self._rng = random.Random(seed)
+        self._mu = -sigma * sigma / 2  # E[exp(N(mu, sigma))] = 1
+
+    def __getattr__(self, name):  # shape, kv_bytes_per_token, ... of the wrapped model
+        return getattr(self.base, name)
+
+    def predict_totals(self, totals: StepTotals) -> float:
+        return self.base.predict_totals(totals) * math.exp(self._rng.gauss(self._mu, self.sigma))
+
+    def predict(self, scheduler_output: SchedulerOutput,
+                context_lens: Mapping[str, int]) -> float:
+        return self.base.predict(scheduler_output, context_lens)
+
+    def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
+        return self.base.step_time(chunks)
 
 
 # ---- fitted (tokenweir calibrate) -----------------------------------------------------------

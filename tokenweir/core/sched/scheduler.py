@@ -605,8 +605,9 @@ class Scheduler:
     def _edf_key(self, request: Request, now: float) -> float:
         deadline = self._ttft_deadline(request)
         owed = request.num_tokens - request.num_computed_tokens
-        return slo.edf_key(slo.slack(deadline, now, self.ttft_predictor.predict(owed)),
-                           deadline, now)
+        predicted = self.ttft_predictor.predict(owed)
+        return slo.edf_key(slo.slack(deadline, now, predicted), deadline, now,
+                           slo.hopeless_below(predicted, self.config.slo_hopeless_tolerance))
 
     def _slo_active_holds(self) -> set[str]:
         """Victims still held back; a hold ends when its urgent request has its first token,
@@ -648,7 +649,8 @@ class Scheduler:
         """The configured gate (also called by the SLO monitor thread: reads config only)."""
         c = self.config
         return slo.evaluate(waiters, prefills, now, self.ttft_predictor, wait_seconds,
-                            c.slo_preempt_gate, c.slo_margin_ms / 1000, c.slo_max_preemptions)
+                            c.slo_preempt_gate, c.slo_margin_ms / 1000, c.slo_max_preemptions,
+                            c.slo_hopeless_tolerance)
 
     def _slo_between_steps(self, plan: _StepPlan) -> None:
         """Pause the running prefill the gate names for this step, so the urgent waiter can be

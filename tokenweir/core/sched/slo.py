@@ -5,7 +5,11 @@ Vocabulary (all times in seconds on the caller's clock; `now` is always an argum
 - A request's TTFT deadline is absolute (`Request.ttft_deadline`): an explicit deadline, or
   arrival + ttft_slo_ms. A request without one is infinitely patient (slack = +inf).
 - `TTFTPredictor`: predicted_ttft = a * (uncached prompt tokens + tokens queued ahead) + c.
-- slack = (deadline - now) - predicted_ttft. slack >= 0: rescuable; slack < 0: hopeless.
+- slack = (deadline - now) - predicted_ttft. A request is hopeless when its slack is below
+  -tolerance * predicted_ttft (`hopeless_below`): it would miss even running `tolerance`
+  faster than predicted. tolerance 0 is the plain sign of the slack; a positive one keeps a
+  near miss rescuable when the predictor's error (on a real machine, +-10%) is as large as the
+  deadline's headroom, instead of sinking it behind every request that has time to spare.
 - EDF waiting order: descending sign(slack) / |deadline - now|, i.e. rescuable requests first,
   most urgent (nearest deadline) first; no-deadline requests next; hopeless ones sink.
 - The preempt gate compares the best waiter with the running prefills that could be paused
@@ -64,12 +68,19 @@ def slack(deadline: Optional[float], now: float, predicted_ttft: float) -> float
     return (deadline - now) - predicted_ttft
 
 
-def edf_key(request_slack: float, deadline: Optional[float], now: float) -> float:
-    """Larger = admit first: sign(slack) / |deadline - now|. No deadline -> 0 (after every
-    rescuable request, before every hopeless one)."""
+def hopeless_below(predicted_ttft: float, tolerance: float) -> float:
+    """The slack under which a request is hopeless: -tolerance * predicted_ttft."""
+    return -tolerance * predicted_ttft
+
+
+def edf_key(request_slack: float, deadline: Optional[float], now: float,
+            hopeless_below: float = 0.0) -> float:
+    """Larger = admit first: sign / |deadline - now|, the sign -1 for a hopeless request
+    (slack < hopeless_below). No deadline -> 0 (after every rescuable request, before every
+    hopeless one)."""
     if deadline is None:
         return 0.0
-    sign = 1.0 if request_slack >= 0 else -1.0
+    sign = 1.0 if request_slack >= hopeless_below else -1.0
     return sign / max(abs(deadline - now), _EPSILON)
 
 
@@ -80,6 +91,7 @@ class Candidate:
     request_id: str
     slack: float  # if it keeps running
     num_slo_preemptions: int = 0
+    hopeless_below: float = 0.0  # hopeless when slack < this
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +101,7 @@ class Waiter:
     request_id: str
     slack_if_served_now: float
     slack_if_it_waits: float
+    hopeless_below: float = 0.0  # hopeless when slack_if_served_now < this
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +134,8 @@ def gate(waiter: Optional[Waiter], candidates: Sequence[Candidate], mode: str,
       reference hopeless                     -> yield: the reference is the victim
       both rescuable                         -> fire iff waiter slack + margin < reference
                                                 slack; the victim is the least urgent candidate.
-    "Hopeless" is slack < 0; the waiter's is its slack if served now.
+    "Hopeless" is slack < hopeless_below (0 unless a tolerance is set); the waiter's slack
+    is its slack if served now.
     """
     if waiter is None:
         return GateDecision(False, NO_WAITER)
@@ -138,8 +152,8 @@ def gate(waiter: Optional[Waiter], candidates: Sequence[Candidate], mode: str,
         reference = max(eligible, key=lambda c: c.slack)
     else:
         raise ValueError(f"unknown SLO gate {mode!r}; known: {SLO_GATES}")
-    waiter_hopeless = waiter.slack_if_served_now < 0
-    running_hopeless = reference.slack < 0
+    waiter_hopeless = waiter.slack_if_served_now < waiter.hopeless_below
+    running_hopeless = reference.slack < reference.hopeless_below
     if waiter_hopeless and running_hopeless:
         return GateDecision(False, BOTH_HOPELESS)
     if waiter_hopeless:
@@ -191,32 +205,38 @@ class StepSnapshot:
 
 def evaluate(waiters: Sequence[WaiterView], prefills: Sequence[PrefillView], now: float,
              predictor: TTFTPredictor, wait_seconds: float, mode: str, margin: float,
-             max_slo_preemptions: int) -> tuple[GateDecision, Optional[str]]:
+             max_slo_preemptions: int,
+             tolerance: float = 0.0) -> tuple[GateDecision, Optional[str]]:
     """Run the gate for the most urgent waiter with a deadline. Served now, its TTFT is
     predict(its own tokens); if the gate holds it first waits `wait_seconds` (between steps:
     the running prefills' backlog; inside a step: the rest of the step, after which the
-    between-steps pause can still admit it). Returns the decision and the waiter's id."""
-    best = most_urgent_waiter(waiters, now, predictor)
+    between-steps pause can still admit it). `tolerance` sets who is hopeless (see the module
+    docstring). Returns the decision and the waiter's id."""
+    best = most_urgent_waiter(waiters, now, predictor, tolerance)
     if best is None:
         return gate(None, (), mode, margin, max_slo_preemptions), None
     served_now = predictor.predict(best.owed_tokens)
     if_waits = wait_seconds + served_now
     waiter = Waiter(best.request_id, slack(best.deadline, now, served_now),
-                    slack(best.deadline, now, if_waits))
-    candidates = [Candidate(p.request_id,
-                            slack(p.deadline, now, predictor.predict(p.owed_tokens)),
-                            p.num_slo_preemptions) for p in prefills]
+                    slack(best.deadline, now, if_waits), hopeless_below(served_now, tolerance))
+    candidates = []
+    for p in prefills:
+        predicted = predictor.predict(p.owed_tokens)
+        candidates.append(Candidate(p.request_id, slack(p.deadline, now, predicted),
+                                    p.num_slo_preemptions, hopeless_below(predicted, tolerance)))
     return gate(waiter, candidates, mode, margin, max_slo_preemptions), best.request_id
 
 
-def most_urgent_waiter(waiters: Sequence[WaiterView], now: float,
-                       predictor: TTFTPredictor) -> Optional[WaiterView]:
+def most_urgent_waiter(waiters: Sequence[WaiterView], now: float, predictor: TTFTPredictor,
+                       tolerance: float = 0.0) -> Optional[WaiterView]:
     """The waiter with a deadline that EDF puts first (largest key), or None."""
     best, best_key = None, -math.inf
     for w in waiters:
         if w.deadline is None:
             continue
-        key = edf_key(slack(w.deadline, now, predictor.predict(w.owed_tokens)), w.deadline, now)
+        predicted = predictor.predict(w.owed_tokens)
+        key = edf_key(slack(w.deadline, now, predicted), w.deadline, now,
+                      hopeless_below(predicted, tolerance))
         if key > best_key:
             best, best_key = w, key
     return best
