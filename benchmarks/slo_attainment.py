@@ -18,14 +18,18 @@ attains >= 20 points more while the generous tier loses <= 5 points. The report 
 it was met and, if not, why, with the numbers.
 
 Part 1, the simulator: the real scheduler on a virtual clock (SimRunner + a latency model:
-the CPU roofline profile for smollm2-135m unless --hardware / --model-shape say otherwise;
-prompts 256-8,000, budget 2,048). Part 2, the real engine on this CPU (smollm2-135m, float32,
-prompts 256-2,048 scaled from 8,000 to the model's speed here, budget 512; requests arrive
-from a feeder thread so the SLO monitor sees them mid-step; the load is set from the TTFT line
-and decode step measured at start-up; each run stops --real-drain-seconds after its last
-arrival, so 4 runs of 32 requests at load 0.6 take ~16 minutes on a quiet 2-core machine). The
-real run is small: ~6 urgent requests per policy, so its attainment moves in steps of ~15
-points.
+the CPU roofline profile for smollm2-135m unless --hardware / --model-shape / --profile say
+otherwise; prompts 256-8,000, budget 2,048; --sim-noise adds a real machine's step jitter).
+Part 2, the real engine on this CPU (smollm2-135m, float32, prompts 256-2,048 scaled from 8,000
+to the model's speed here, budget 512; requests arrive from a feeder thread so the SLO monitor
+sees them mid-step). Solo TTFTs are the median of --solo-repeats probes per length; the
+urgent/generous targets and the slo policies' TTFT predictor come from them, and the policies'
+hopeless tolerance from their spread (a predictor off by x% should not give up a request that
+misses by less). The load is set from those TTFTs and the decode step measured at start-up; each
+run stops --real-drain-seconds after its last arrival, so one run of 32 requests at load 0.6
+takes ~4 minutes on a quiet 2-core machine. One run has ~6-9 urgent requests, so attainment moves
+in steps of 11-15 points: --real-seeds N runs N workloads per policy and checks the target on
+the pooled counts.
 
     .venv/bin/python benchmarks/slo_attainment.py            # both parts, quick sizes
     .venv/bin/python benchmarks/slo_attainment.py --sim-only --requests 2000

@@ -192,3 +192,26 @@ def test_predictor_quadratic_term_applies_to_the_requests_own_tokens():
     p = slo.TTFTPredictor(a=0.001, c=0.02, b=1e-7)
     assert p.predict(1000) == pytest.approx(0.001 * 1000 + 1e-7 * 1000 ** 2 + 0.02)
     assert p.predict(1000, tokens_ahead=500) == pytest.approx(1.5 + 0.1 + 0.02)
+
+
+def test_predictor_charges_the_rest_of_a_prompt_its_attention_over_the_computed_part():
+    p = slo.TTFTPredictor(a=0.001, c=0.02, b=1e-7)
+    # the last 350 tokens of an 1883-token prompt attend to all 1883, not to 350
+    rest = p.predict(350, computed_tokens=1533)
+    assert rest == pytest.approx(0.001 * 350 + 1e-7 * (1883 ** 2 - 1533 ** 2) + 0.02)
+    assert rest > p.predict(350) + 0.1
+    # chunk by chunk the attention terms add up to the whole prompt's
+    first, second = p.predict(1000) - 0.02, p.predict(883, computed_tokens=1000) - 0.02
+    assert first + second == pytest.approx(p.predict(1883) - 0.02)
+
+
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_margin_beaten_holds_when_the_victim_would_then_miss(mode):
+    """A waiter with 0.5 s of slack needing 1 s of service beats a prefill with 0.8 s of
+    slack on the margin, but pausing it would make that prefill miss by 0.2 s."""
+    needy = slo.Waiter("w", slack_if_served_now=0.5, slack_if_it_waits=-1.0, service_seconds=1.0)
+    d = slo.gate(needy, cands(0.8), mode, MARGIN, 1)
+    assert not d.fire and d.case == slo.VICTIM_WOULD_MISS
+    assert slo.gate(needy, cands(1.2), mode, MARGIN, 1).case == slo.MARGIN_BEATEN  # can wait
+    no_deadline = [slo.Candidate("r0", math.inf)]
+    assert slo.gate(needy, no_deadline, mode, MARGIN, 1).case == slo.MARGIN_BEATEN

@@ -605,7 +605,7 @@ class Scheduler:
     def _edf_key(self, request: Request, now: float) -> float:
         deadline = self._ttft_deadline(request)
         owed = request.num_tokens - request.num_computed_tokens
-        predicted = self.ttft_predictor.predict(owed)
+        predicted = self.ttft_predictor.predict(owed, computed_tokens=request.num_computed_tokens)
         return slo.edf_key(slo.slack(deadline, now, predicted), deadline, now,
                            slo.hopeless_below(predicted, self.config.slo_hopeless_tolerance))
 
@@ -631,7 +631,7 @@ class Scheduler:
     def _prefill_view(self, request: Request) -> slo.PrefillView:
         return slo.PrefillView(request.request_id, self._ttft_deadline(request),
                                request.num_tokens - request.num_computed_tokens,
-                               request.num_slo_preemptions)
+                               request.num_slo_preemptions, request.num_computed_tokens)
 
     def _waiter_views(self) -> tuple[slo.WaiterView, ...]:
         views = []
@@ -641,7 +641,8 @@ class Scheduler:
             if request.request_id in self._slo_holds:
                 continue  # held back: it cannot be admitted, so it cannot be the urgent one
             views.append(slo.WaiterView(request.request_id, self._ttft_deadline(request),
-                                        request.num_tokens - request.num_computed_tokens))
+                                        request.num_tokens - request.num_computed_tokens,
+                                        request.num_computed_tokens))
         return tuple(views)
 
     def slo_decide(self, prefills, waiters, now: float,
@@ -659,9 +660,10 @@ class Scheduler:
                     if policy.is_prefilling(r) and r.request_id not in plan.paused]
         if not prefills or not self.waiting:
             return
-        backlog = sum(p.owed_tokens for p in prefills)
-        decision, waiter_id = self.slo_decide(prefills, self._waiter_views(), plan.now,
-                                              self.ttft_predictor.a * backlog)
+        predictor = self.ttft_predictor  # the running prefills' backlog, without fixed costs
+        backlog = sum(predictor.predict(p.owed_tokens, computed_tokens=p.computed_tokens)
+                      - predictor.c for p in prefills)
+        decision, waiter_id = self.slo_decide(prefills, self._waiter_views(), plan.now, backlog)
         if not decision.fire:
             return
         victim = self.requests[decision.victim_id]

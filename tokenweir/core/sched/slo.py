@@ -4,7 +4,8 @@ Vocabulary (all times in seconds on the caller's clock; `now` is always an argum
 
 - A request's TTFT deadline is absolute (`Request.ttft_deadline`): an explicit deadline, or
   arrival + ttft_slo_ms. A request without one is infinitely patient (slack = +inf).
-- `TTFTPredictor`: predicted_ttft = a * (uncached prompt tokens + tokens queued ahead) + c.
+- `TTFTPredictor`: predicted_ttft = a * (uncached prompt tokens + tokens queued ahead)
+  + b * (attention over the prompt still to prefill, which sees the tokens already computed) + c.
 - slack = (deadline - now) - predicted_ttft. A request is hopeless when its slack is below
   -tolerance * predicted_ttft (`hopeless_below`): it would miss even running `tolerance`
   faster than predicted. tolerance 0 is the plain sign of the slack; a positive one keeps a
@@ -37,6 +38,7 @@ WAITER_HOPELESS = "waiter-hopeless"
 RUNNING_HOPELESS = "running-hopeless-yields"
 MARGIN_BEATEN = "margin-beaten"
 MARGIN_NOT_BEATEN = "margin-not-beaten"
+VICTIM_WOULD_MISS = "victim-would-miss"
 
 _EPSILON = 1e-9  # seconds: keeps sign(slack) / |deadline - now| finite at the deadline
 
@@ -46,19 +48,25 @@ class TTFTPredictor:
     """predicted_ttft = a * tokens + c, with `a` seconds per uncached prompt token and `c`
     seconds of fixed cost (fitted by `tokenweir calibrate`, measured at start-up, or given).
 
-    Optional `b` adds b * uncached_tokens^2: attention makes a long prompt's TTFT convex in
-    its length (each chunk attends to everything before it), which a line cannot follow over
-    a wide range of lengths (the simulator fits b; 0 keeps the plain line)."""
+    Optional `b` adds the attention term: a long prompt's TTFT is convex in its length (each
+    chunk attends to everything before it), which a line cannot follow over a wide range of
+    lengths. Fitted to solo TTFTs it is b * n^2 for a prompt of n tokens; the last n tokens of
+    a prompt whose first `computed_tokens` are already in the cache pay
+    b * ((computed + n)^2 - computed^2), which is what their chunks attend to. (The simulator
+    fits b; 0 keeps the plain line.)"""
 
     a: float
     c: float
     b: float = 0.0
 
-    def predict(self, uncached_tokens: int, tokens_ahead: int = 0) -> float:
-        """TTFT of a request that still has `uncached_tokens` to prefill, behind
-        `tokens_ahead` tokens of work that will run before it."""
-        return (self.a * (uncached_tokens + tokens_ahead) + self.b * uncached_tokens ** 2
-                + self.c)
+    def predict(self, uncached_tokens: int, tokens_ahead: int = 0,
+                computed_tokens: int = 0) -> float:
+        """TTFT of a request that still has `uncached_tokens` to prefill on top of
+        `computed_tokens` already computed, behind `tokens_ahead` tokens of work that will run
+        before it."""
+        total = computed_tokens + uncached_tokens
+        return (self.a * (uncached_tokens + tokens_ahead)
+                + self.b * (total * total - computed_tokens * computed_tokens) + self.c)
 
 
 def slack(deadline: Optional[float], now: float, predicted_ttft: float) -> float:
@@ -102,6 +110,7 @@ class Waiter:
     slack_if_served_now: float
     slack_if_it_waits: float
     hopeless_below: float = 0.0  # hopeless when slack_if_served_now < this
+    service_seconds: float = 0.0  # predicted TTFT if served now: what a victim waits for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +142,10 @@ def gate(waiter: Optional[Waiter], candidates: Sequence[Candidate], mode: str,
       waiter hopeless                        -> never (WAITER_HOPELESS)
       reference hopeless                     -> yield: the reference is the victim
       both rescuable                         -> fire iff waiter slack + margin < reference
-                                                slack; the victim is the least urgent candidate.
+                                                slack, and the victim (the least urgent
+                                                candidate) stays rescuable after waiting the
+                                                waiter's service time: trading one miss for
+                                                another buys nothing and wastes the cut work.
     "Hopeless" is slack < hopeless_below (0 unless a tolerance is set); the waiter's slack
     is its slack if served now.
     """
@@ -160,10 +172,12 @@ def gate(waiter: Optional[Waiter], candidates: Sequence[Candidate], mode: str,
         return GateDecision(False, WAITER_HOPELESS)
     if running_hopeless:
         return GateDecision(True, RUNNING_HOPELESS, reference.request_id)
-    if waiter.slack_if_served_now + margin < reference.slack:
-        victim = max(eligible, key=lambda c: c.slack)
-        return GateDecision(True, MARGIN_BEATEN, victim.request_id)
-    return GateDecision(False, MARGIN_NOT_BEATEN)
+    if waiter.slack_if_served_now + margin >= reference.slack:
+        return GateDecision(False, MARGIN_NOT_BEATEN)
+    victim = max(eligible, key=lambda c: c.slack)
+    if victim.slack - waiter.service_seconds < victim.hopeless_below:
+        return GateDecision(False, VICTIM_WOULD_MISS)
+    return GateDecision(True, MARGIN_BEATEN, victim.request_id)
 
 
 def met_deadline(first_token_time: Optional[float], deadline: Optional[float]) -> Optional[bool]:
@@ -182,6 +196,7 @@ class PrefillView:
     deadline: Optional[float]  # None: no TTFT target, or its first token already came
     owed_tokens: int  # still to prefill (before the step in flight, for a snapshot)
     num_slo_preemptions: int
+    computed_tokens: int = 0  # already in the cache (the owed tokens attend to them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +204,7 @@ class WaiterView:
     request_id: str
     deadline: Optional[float]
     owed_tokens: int
+    computed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,13 +231,14 @@ def evaluate(waiters: Sequence[WaiterView], prefills: Sequence[PrefillView], now
     best = most_urgent_waiter(waiters, now, predictor, tolerance)
     if best is None:
         return gate(None, (), mode, margin, max_slo_preemptions), None
-    served_now = predictor.predict(best.owed_tokens)
+    served_now = predictor.predict(best.owed_tokens, computed_tokens=best.computed_tokens)
     if_waits = wait_seconds + served_now
     waiter = Waiter(best.request_id, slack(best.deadline, now, served_now),
-                    slack(best.deadline, now, if_waits), hopeless_below(served_now, tolerance))
+                    slack(best.deadline, now, if_waits), hopeless_below(served_now, tolerance),
+                    served_now)
     candidates = []
     for p in prefills:
-        predicted = predictor.predict(p.owed_tokens)
+        predicted = predictor.predict(p.owed_tokens, computed_tokens=p.computed_tokens)
         candidates.append(Candidate(p.request_id, slack(p.deadline, now, predicted),
                                     p.num_slo_preemptions, hopeless_below(predicted, tolerance)))
     return gate(waiter, candidates, mode, margin, max_slo_preemptions), best.request_id
@@ -234,7 +251,7 @@ def most_urgent_waiter(waiters: Sequence[WaiterView], now: float, predictor: TTF
     for w in waiters:
         if w.deadline is None:
             continue
-        predicted = predictor.predict(w.owed_tokens)
+        predicted = predictor.predict(w.owed_tokens, computed_tokens=w.computed_tokens)
         key = edf_key(slack(w.deadline, now, predicted), w.deadline, now,
                       hopeless_below(predicted, tolerance))
         if key > best_key:
