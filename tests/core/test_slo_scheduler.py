@@ -131,7 +131,8 @@ def test_conservative_gate_spares_an_urgent_prefill_that_aggressive_pauses():
     results = {}
     for gate in slo.SLO_GATES:
         scheduler = slo_scheduler(slo_preempt_gate=gate, slo_margin_ms=100.0,
-                                  max_num_partial_prefills=2, long_prefill_token_threshold=256)
+                                  max_num_partial_prefills=2, long_prefill_token_threshold=256,
+                                  slo_isolate_at_risk_prefill=False)  # "mid" would run alone
         long, urgent = long_and_urgent()
         mid = make_request("mid", 2000, 4, arrival=0.0)
         mid.ttft_slo_ms = 2612.0
@@ -139,6 +140,28 @@ def test_conservative_gate_spares_an_urgent_prefill_that_aggressive_pauses():
         results[gate] = (scheduler.stats.preemptions_by_cause[SLO_BETWEEN_STEPS],
                          long.num_slo_preemptions, mid.num_slo_preemptions)
     assert results == {"conservative": (0, 0, 0), "aggressive": (1, 1, 0)}
+
+
+def test_a_prefill_at_risk_runs_with_decodes_only():
+    """Two prefills may share the budget (256 tokens each). "tight" needs ~2 s and has 2.5 s:
+    with isolation on it runs alone (decodes allowed), "roomy" (no deadline) waits; off, they
+    share every step and "tight" misses."""
+    outcome = {}
+    for isolate in (True, False):
+        scheduler = slo_scheduler(max_num_partial_prefills=2, long_prefill_token_threshold=256,
+                                  slo_isolate_at_risk_prefill=isolate)
+        tight = make_request("tight", 2000, 4, arrival=0.0)
+        tight.ttft_slo_ms = 2500.0
+        roomy = make_request("roomy", 2000, 4, arrival=0.0)
+        decoder = make_request("decoder", 16, 40, arrival=0.0)
+        _, log = drive(scheduler, FakeRunner(), [(0.0, decoder), (0.01, tight), (0.01, roomy)])
+        tight_steps = [c for _, c in log if c.get("tight", 0) > 1]
+        # probe: whether the other prefill ever shared a step with "tight"'s chunks
+        shared = sum(1 for c in tight_steps if c.get("roomy", 0) > 1)
+        with_decode = sum(1 for c in tight_steps if c.get("decoder") == 1)
+        outcome[isolate] = (shared, with_decode > 0, tight.first_token_time <= tight.ttft_deadline)
+    assert outcome[True] == (0, True, True)
+    assert outcome[False][0] > 0 and outcome[False][2] is False
 
 
 def test_memory_blocked_waiter_gets_the_victims_blocks():

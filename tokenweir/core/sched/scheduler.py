@@ -92,6 +92,9 @@ class _StepPlan:
     paused: set[str] = field(default_factory=set)  # running prefills skipped for an urgent waiter
     slo_waiter: Optional[str] = None  # the urgent waiter a victim was paused for this step
     slo_victim: Optional[str] = None
+    # slo policy: a prefill at risk of missing its deadline is in this step, so no other
+    # prefill joins it (its chunk would lengthen the step the deadline waits on)
+    prefills_closed: bool = False
 
     def add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
         rid = request.request_id
@@ -294,8 +297,8 @@ class Scheduler:
             owed = len(request.all_token_ids) - computed
             rid = request.request_id
             if not (prefills if owed > 1 else decodes) or (check_scheduled and rid in scheduled) \
-                    or (paused and rid in paused):  # owed > 1: policy.is_prefilling
-                i += 1
+                    or (paused and rid in paused) or (owed > 1 and plan.prefills_closed):
+                i += 1  # owed > 1: policy.is_prefilling
                 continue
             if owed == 1 and computed % block_size:
                 # The hot case: a decode (1 token, as the budget is > 0) whose computed tokens
@@ -321,6 +324,8 @@ class Scheduler:
                 while i >= len(running) or running[i] is not request:
                     i -= 1
             plan.add(request, num_tokens, block_ids, is_new=False)
+            if owed > 1 and self.slo_enabled:
+                self._slo_close_prefills_if_at_risk(request, plan)
             i += 1
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int,
@@ -375,7 +380,7 @@ class Scheduler:
         if plan.preempted or not self.waiting:
             return
         num_partial = _PartialPrefills(self.running, plan.paused)
-        while self.waiting and plan.token_budget > 0:
+        while self.waiting and plan.token_budget > 0 and not plan.prefills_closed:
             if 0 < self.config.max_num_seqs <= len(self.running):
                 break
             request = self.waiting.peek()
@@ -390,6 +395,8 @@ class Scheduler:
                 num_partial.add_one()
             self._admit(request, plan.now)
             plan.add(request, num_tokens, block_ids, is_new=True)
+            if self.slo_enabled:
+                self._slo_close_prefills_if_at_risk(request, plan)
 
     def _try_admit(self, request: Request, plan: _StepPlan,
                    num_partial: _PartialPrefills) -> Optional[tuple[int, list[int]]]:
@@ -608,6 +615,20 @@ class Scheduler:
         predicted = self.ttft_predictor.predict(owed, computed_tokens=request.num_computed_tokens)
         return slo.edf_key(slo.slack(deadline, now, predicted), deadline, now,
                            slo.hopeless_below(predicted, self.config.slo_hopeless_tolerance))
+
+    def _slo_close_prefills_if_at_risk(self, request: Request, plan: _StepPlan) -> None:
+        """A prefill at risk runs with decodes only: another prefill's chunk in the same step
+        would add its cost, attention over its whole context included, to the time the deadline
+        waits on. At risk: a deadline, and less slack than the larger of its own predicted TTFT
+        and one full token budget's prefill (what a co-scheduled chunk can cost)."""
+        deadline = self._ttft_deadline(request)
+        if deadline is None or not self.config.slo_isolate_at_risk_prefill:
+            return
+        computed, predictor = request.num_computed_tokens, self.ttft_predictor
+        predicted = predictor.predict(request.num_tokens - computed, computed_tokens=computed)
+        one_budget = predictor.predict(self.config.max_num_batched_tokens)
+        if slo.slack(deadline, plan.now, predicted) < max(predicted, one_budget):
+            plan.prefills_closed = True
 
     def _slo_active_holds(self) -> set[str]:
         """Victims still held back; a hold ends when its urgent request has its first token,
