@@ -215,3 +215,19 @@ def test_margin_beaten_holds_when_the_victim_would_then_miss(mode):
     assert slo.gate(needy, cands(1.2), mode, MARGIN, 1).case == slo.MARGIN_BEATEN  # can wait
     no_deadline = [slo.Candidate("r0", math.inf)]
     assert slo.gate(needy, no_deadline, mode, MARGIN, 1).case == slo.MARGIN_BEATEN
+
+
+@pytest.mark.parametrize("mode", slo.SLO_GATES)
+def test_tolerance_makes_can_wait_pessimistic(mode):
+    """Waiting its turn leaves 0.05 s of slack on a 2 s prediction: enough at tolerance 0,
+    not when the prediction may be 10% (0.2 s) short."""
+    plain = slo.Waiter("w", slack_if_served_now=1.0, slack_if_it_waits=0.05)
+    assert slo.gate(plain, cands(5.0), mode, MARGIN, 1).case == slo.NO_NEED
+    wary = slo.Waiter("w", 1.0, 0.05, can_wait_above=0.2)
+    assert slo.gate(wary, cands(5.0), mode, MARGIN, 1).fire
+    predictor = slo.TTFTPredictor(a=0.001, c=0.0)
+    waiters = [slo.WaiterView("u", deadline=12.05, owed_tokens=1000)]  # 1 s + 1 s of wait
+    prefills = [slo.PrefillView("long", deadline=None, owed_tokens=4000, num_slo_preemptions=0)]
+    args = (waiters, prefills, 10.0, predictor, 1.0, mode, MARGIN, 1)
+    assert slo.evaluate(*args)[0].case == slo.NO_NEED
+    assert slo.evaluate(*args, tolerance=0.1)[0].case == slo.MARGIN_BEATEN

@@ -11,6 +11,8 @@ Vocabulary (all times in seconds on the caller's clock; `now` is always an argum
   faster than predicted. tolerance 0 is the plain sign of the slack; a positive one keeps a
   near miss rescuable when the predictor's error (on a real machine, +-10%) is as large as the
   deadline's headroom, instead of sinking it behind every request that has time to spare.
+  The same tolerance makes the gate's "it can wait its turn" pessimistic: only if it would
+  still make it running `tolerance` slower than predicted.
 - EDF waiting order: descending sign(slack) / |deadline - now|, i.e. rescuable requests first,
   most urgent (nearest deadline) first; no-deadline requests next; hopeless ones sink.
 - The preempt gate compares the best waiter with the running prefills that could be paused
@@ -111,6 +113,7 @@ class Waiter:
     slack_if_it_waits: float
     hopeless_below: float = 0.0  # hopeless when slack_if_served_now < this
     service_seconds: float = 0.0  # predicted TTFT if served now: what a victim waits for it
+    can_wait_above: float = 0.0  # it can wait its turn when slack_if_it_waits >= this
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +139,8 @@ def gate(waiter: Optional[Waiter], candidates: Sequence[Candidate], mode: str,
     """Should `waiter` take the place of a running prefill? Returns the victim when it should.
 
     Preconditions checked first: a waiter, a non-immune candidate, and a waiter that would
-    miss its deadline by waiting (otherwise preempting buys nothing). Then the reference is
+    miss its deadline by waiting (otherwise preempting buys nothing; with a tolerance, "would
+    miss" includes running that fraction slower than predicted: `can_wait_above`). Then the reference is
     the MOST urgent candidate (conservative) or the LEAST urgent one (aggressive), and:
       waiter hopeless and reference hopeless -> never (BOTH_HOPELESS)
       waiter hopeless                        -> never (WAITER_HOPELESS)
@@ -156,7 +160,7 @@ def gate(waiter: Optional[Waiter], candidates: Sequence[Candidate], mode: str,
     eligible = [c for c in candidates if not is_immune(c.num_slo_preemptions, max_slo_preemptions)]
     if not eligible:
         return GateDecision(False, ALL_IMMUNE)
-    if waiter.slack_if_it_waits >= 0:
+    if waiter.slack_if_it_waits >= waiter.can_wait_above:
         return GateDecision(False, NO_NEED)
     if mode == CONSERVATIVE:
         reference = min(eligible, key=lambda c: c.slack)
@@ -235,7 +239,7 @@ def evaluate(waiters: Sequence[WaiterView], prefills: Sequence[PrefillView], now
     if_waits = wait_seconds + served_now
     waiter = Waiter(best.request_id, slack(best.deadline, now, served_now),
                     slack(best.deadline, now, if_waits), hopeless_below(served_now, tolerance),
-                    served_now)
+                    served_now, can_wait_above=tolerance * if_waits)
     candidates = []
     for p in prefills:
         predicted = predictor.predict(p.owed_tokens, computed_tokens=p.computed_tokens)
