@@ -5,6 +5,8 @@ really fired."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.core.harness import FakeRunner, expected_output, make_request, make_scheduler
 from tokenweir.core.sched import slo
 from tokenweir.core.sched.scheduler import SLO_BETWEEN_STEPS, SLO_MID_STEP
@@ -229,6 +231,34 @@ def test_roll_back_cut_step_is_as_if_the_step_never_ran():
     assert long.num_cached_tokens >= 0
     # prefix caching gave the victim back the full blocks it had computed before the cut
     assert scheduler.kv.prefix_stats.hits >= computed["long"] // 16 * 16
+
+
+def test_a_cut_victim_is_predicted_from_what_it_left_in_the_prefix_cache():
+    """A victim cut after 1024 of its 1938 tokens re-queues with 0 computed, but its 64 full
+    blocks stay in the prefix cache: its predicted TTFT is the rest's, not the whole prompt's
+    (which would call it hopeless and sink it behind every generous request)."""
+    predicted = {}
+    for caching in (True, False):
+        scheduler = make_scheduler(scheduling_policy="slo", max_num_batched_tokens=512,
+                                   enable_prefix_caching=caching)
+        scheduler.ttft_predictor = slo.TTFTPredictor(a=0.001, c=0.0, b=1e-7)
+        runner = FakeRunner()
+        victim = make_request("victim", 1938, 4)
+        scheduler.add_request(victim)
+        for _ in range(2):
+            out = scheduler.schedule()
+            scheduler.update_from_output(out, runner.execute(out))
+        out = scheduler.schedule()
+        cut_execute(runner, out)
+        scheduler.roll_back_cut_step(out, "victim", layers_run=10, num_layers=30)
+        assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+        predicted[caching] = scheduler._slo_predicted_ttft(victim)
+        if caching:  # probe: admission really finds those 1024 tokens again
+            out = scheduler.schedule()
+            assert victim.num_computed_tokens == 1024 and out.num_scheduled_tokens["victim"] == 512
+    p = scheduler.ttft_predictor
+    assert predicted[True] == pytest.approx(p.predict(914, computed_tokens=1024))
+    assert predicted[False] == pytest.approx(p.predict(1938))
 
 
 def test_attainment_is_counted_per_class():

@@ -611,8 +611,7 @@ class Scheduler:
 
     def _edf_key(self, request: Request, now: float) -> float:
         deadline = self._ttft_deadline(request)
-        owed = request.num_tokens - request.num_computed_tokens
-        predicted = self.ttft_predictor.predict(owed, computed_tokens=request.num_computed_tokens)
+        predicted = self._slo_predicted_ttft(request)
         return slo.edf_key(slo.slack(deadline, now, predicted), deadline, now,
                            slo.hopeless_below(predicted, self.config.slo_hopeless_tolerance))
 
@@ -624,9 +623,8 @@ class Scheduler:
         deadline = self._ttft_deadline(request)
         if deadline is None or not self.config.slo_isolate_at_risk_prefill:
             return
-        computed, predictor = request.num_computed_tokens, self.ttft_predictor
-        predicted = predictor.predict(request.num_tokens - computed, computed_tokens=computed)
-        one_budget = predictor.predict(self.config.max_num_batched_tokens)
+        predicted = self._slo_predicted_ttft(request)
+        one_budget = self.ttft_predictor.predict(self.config.max_num_batched_tokens)
         if slo.slack(deadline, plan.now, predicted) < max(predicted, one_budget):
             plan.prefills_closed = True
 
@@ -654,6 +652,21 @@ class Scheduler:
                                request.num_tokens - request.num_computed_tokens,
                                request.num_slo_preemptions, request.num_computed_tokens)
 
+    def _slo_done_tokens(self, request: Request) -> int:
+        """Tokens a TTFT prediction may count as done: the computed ones, or for a request
+        waiting after a preemption the full blocks it left in the prefix cache (admission
+        finds them again unless they were evicted meanwhile)."""
+        done = request.num_computed_tokens
+        if request.status != RequestStatus.RUNNING and self.kv.enable_prefix_caching:
+            block_size = self.kv.block_size
+            left = min(request.max_computed_tokens, request.num_tokens - 1)
+            done = max(done, left // block_size * block_size)
+        return done
+
+    def _slo_predicted_ttft(self, request: Request) -> float:
+        done = self._slo_done_tokens(request)
+        return self.ttft_predictor.predict(request.num_tokens - done, computed_tokens=done)
+
     def _waiter_views(self) -> tuple[slo.WaiterView, ...]:
         views = []
         for request in self.waiting:
@@ -661,9 +674,9 @@ class Scheduler:
                 break
             if request.request_id in self._slo_holds:
                 continue  # held back: it cannot be admitted, so it cannot be the urgent one
+            done = self._slo_done_tokens(request)
             views.append(slo.WaiterView(request.request_id, self._ttft_deadline(request),
-                                        request.num_tokens - request.num_computed_tokens,
-                                        request.num_computed_tokens))
+                                        request.num_tokens - done, done))
         return tuple(views)
 
     def slo_decide(self, prefills, waiters, now: float,
