@@ -259,7 +259,8 @@ def run_real(args) -> list[Row]:
     # convex), which would set urgent targets no policy can meet.
     lo, hi = args.real_prompt_range
     lengths = sorted({lo + (hi - lo) * k // 3 for k in range(4)})
-    probes = {n: measure_solo_ttfts(probe, SamplingParams, n, args.solo_repeats)
+    chunks: list[tuple[int, int, float]] = []
+    probes = {n: measure_solo_ttfts(probe, SamplingParams, n, args.solo_repeats, chunks)
               for n in lengths}
     if probe.scheduler.kv.prefix_stats.hits:
         raise RuntimeError(f"solo TTFT probes hit the prefix cache "
@@ -267,7 +268,8 @@ def run_real(args) -> list[Row]:
     measured = [(n, statistics.median(times)) for n, times in probes.items()]
     spread = max((max(times) - min(times)) / statistics.median(times)
                  for times in probes.values())
-    a, b, c, r2 = fit_quadratic(measured)
+    a, b, c = fit_ttft_from_chunks(chunks, args.real_budget)
+    r2 = r_squared(measured, lambda n: a * n + b * n * n + c)
     decode = measure_decode_seconds(probe, SamplingParams)
     # The predictor is only as good as the solo times it was fitted to: a request is given up
     # as hopeless only if it would miss even running that much faster than predicted.
@@ -281,7 +283,8 @@ def run_real(args) -> list[Row]:
           ", ".join(f"{n} tok {t * 1e3:.0f} ms" for n, t in measured) +
           f"; probe spread up to {spread:.0%} of the median")
     print(f"real engine: TTFT predictor a={a * 1e3:.3f} ms/token b={b * 1e6:.4f} us/token^2 "
-          f"c={c * 1e3:.1f} ms (R^2 {r2:.4f}), decode step ~{decode * 1e3:.0f} ms; "
+          f"c={c * 1e3:.1f} ms, fitted to {len(chunks)} probe chunk steps (R^2 {r2:.4f} on the "
+          f"median TTFTs), decode step ~{decode * 1e3:.0f} ms; "
           f"slo_hopeless_tolerance {tolerance:.2f}")
     mean_prompt = sum(args.real_prompt_range) / 2
     service = solo(int(mean_prompt)) + decode * sum(args.output_range) / 2
@@ -305,10 +308,12 @@ def run_real(args) -> list[Row]:
     return rows
 
 
-def measure_solo_ttfts(engine, SamplingParams, prompt_len: int, repeats: int) -> list[float]:
-    """Seconds from add_request to the first token of one request alone, `repeats` times.
-    Every prompt is fresh (random tokens): a prompt that shared a prefix with an earlier
-    measurement would hit the prefix cache and time only its uncached tail."""
+def measure_solo_ttfts(engine, SamplingParams, prompt_len: int, repeats: int,
+                       chunks: list[tuple[int, int, float]]) -> list[float]:
+    """Seconds from add_request to the first token of one request alone, `repeats` times;
+    appends each step's (first token, end token, seconds) to `chunks`. Every prompt is fresh
+    (random tokens): a prompt that shared a prefix with an earlier measurement would hit the
+    prefix cache and time only its uncached tail."""
     times = []
     rng = random.Random(f"solo-{prompt_len}")
     for _ in range(repeats):
@@ -318,31 +323,60 @@ def measure_solo_ttfts(engine, SamplingParams, prompt_len: int, repeats: int) ->
         started = time.perf_counter()
         engine.add_request(request, None)
         while engine.has_unfinished_requests():
+            first, step_started = request.num_computed_tokens, time.perf_counter()
             engine.step()
+            chunks.append((first, max(first, request.num_computed_tokens),
+                           time.perf_counter() - step_started))
         times.append(time.perf_counter() - started)
     return times
 
 
-def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float, float, float]:
-    """Least-squares ttft = a * n + b * n^2 + c through (n, seconds) points: (a, b, c, R^2).
-    A chunked prefill's TTFT is convex in n (each chunk attends to all before it); a fit that
-    comes out concave or with a negative slope falls back to the line (b = 0, a, c >= 0)."""
+def nonnegative_lstsq(columns: list, y) -> list[float]:
+    """argmin |X coef - y| with coef >= 0, X's columns given: the best least-squares fit
+    over the subsets of columns whose unconstrained fit is non-negative (exact for a few
+    columns)."""
+    import itertools
+
     import numpy as np
 
-    x = np.array([n for n, _ in points], dtype=float)
-    y = np.array([t for _, t in points], dtype=float)
-    b, a, c = np.polyfit(x, y, 2)
-    if c < 0:  # no negative fixed cost: refit through the origin
-        (a, b), *_ = np.linalg.lstsq(np.stack([x, x * x], axis=1), y, rcond=None)
-        c = 0.0
-    if b < 0 or a < 0:
-        b = 0.0
-        a, c = np.polyfit(x, y, 1)
-        a, c = max(0.0, a), max(0.0, c)
-    predicted = a * x + b * x * x + c
-    total = float(((y - y.mean()) ** 2).sum())
-    r2 = 1 - float(((y - predicted) ** 2).sum()) / total if total else 1.0
-    return float(a), float(b), float(c), r2
+    best, best_residual = [0.0] * len(columns), float((y ** 2).sum())
+    for k in range(len(columns), 0, -1):
+        for subset in itertools.combinations(range(len(columns)), k):
+            matrix = np.stack([columns[i] for i in subset], axis=1)
+            coef, *_ = np.linalg.lstsq(matrix, y, rcond=None)
+            residual = float(((y - matrix @ coef) ** 2).sum())
+            if (coef >= 0).all() and residual < best_residual:
+                best = [0.0] * len(columns)
+                for i, value in zip(subset, coef):
+                    best[i] = float(value)
+                best_residual = residual
+    return best
+
+
+def fit_ttft_from_chunks(chunks: list[tuple[int, int, float]], budget: int
+                         ) -> tuple[float, float, float]:
+    """The TTFT predictor (a, b, c) from the solo probes' steps, each (first token, end token,
+    seconds) of one prefill chunk: a step costs a0 * tokens + b * (end^2 - start^2) (its
+    attention over everything before it) + d, so n tokens in chunks of `budget` cost
+    a0 * n + b * n^2 + d * ceil(n / budget) ~ (a0 + d / budget) * n + b * n^2 + d / 2.
+    Fitted on the chunks, not on a handful of TTFTs: a 2-core machine's +-15% noise on four
+    TTFT medians can make them concave and hide the attention term (b) altogether."""
+    import numpy as np
+
+    start = np.array([c[0] for c in chunks], dtype=float)
+    end = np.array([c[1] for c in chunks], dtype=float)
+    seconds = np.array([c[2] for c in chunks], dtype=float)
+    a0, b, d = nonnegative_lstsq([end - start, end * end - start * start,
+                                  np.ones_like(start)], seconds)
+    return a0 + d / budget, b, d / 2
+
+
+def r_squared(points: list[tuple[int, float]], predict) -> float:
+    ys = [t for _, t in points]
+    mean = sum(ys) / len(ys)
+    total = sum((t - mean) ** 2 for t in ys)
+    residual = sum((t - predict(n)) ** 2 for n, t in points)
+    return 1 - residual / total if total else 1.0
 
 
 def interpolate(points: list[tuple[int, float]], n: int) -> float:

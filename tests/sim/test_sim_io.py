@@ -56,7 +56,7 @@ def test_bad_trace_lines_name_their_line(tmp_path, line, message):
     path.write_text('{"arrival": 0, "prompt_len": 5, "output_len": 3}\n\n' + line + "\n")
     with pytest.raises(TraceError, match=message) as info:
         load_trace(str(path))
-    assert f"bad.jsonl:3:" in str(info.value)
+    assert "bad.jsonl:3:" in str(info.value)
 
 
 def test_chrome_trace_is_valid_json_with_steps_and_request_spans(tmp_path):
