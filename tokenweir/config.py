@@ -103,8 +103,9 @@ class SchedulerConfig:
         "preempts) only if it would miss its deadline even running this fraction faster "
         "than its predicted TTFT; 0: the sign of the slack")
     slo_isolate_at_risk_prefill: bool = _f(
-        True, "slo policy: a prefill with less slack than its predicted TTFT runs with decodes "
-        "only (no other prefill's chunk lengthens its step)")
+        True, "slo policy: a prefill with less slack than the larger of its predicted TTFT and "
+        "one token budget's prefill runs with decodes only (no other prefill's chunk lengthens "
+        "its step)")
     slo_ttft_a_ms_per_token: Optional[float] = _f(
         None, "slo policy: TTFT predictor slope, ms per uncached prompt token "
         "(default: the profile, else measured at start-up)")

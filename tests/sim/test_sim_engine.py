@@ -12,7 +12,8 @@ from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.runner.sim_runner import DEFAULT_EOS
 from tokenweir.sim.build import build_simulation
 from tokenweir.sim.hardware import get_hardware, get_shape
-from tokenweir.sim.latency import RooflineLatencyModel
+from tokenweir.sim.latency import (FittedLatencyModel, NoisyLatencyModel,
+                                   RooflineLatencyModel, StepTotals)
 from tokenweir.sim.metrics import summarize
 from tokenweir.sim.workload import RequestSpec, synthetic
 
@@ -150,3 +151,32 @@ def test_tensor_parallel_speeds_up_a_big_prefill_and_costs_all_reduce():
     # decode is bandwidth-bound: about the time to stream the weights once
     weights = shape.num_matmul_params * hw.dtype_bytes / hw.effective_bandwidth
     assert one.step_time([(1, 100)]) == pytest.approx(weights + hw.step_overhead_s, rel=0.05)
+
+
+def test_noisy_latency_model_jitters_the_runner_not_the_forecast():
+    base = RooflineLatencyModel(get_shape(SMALL), get_hardware("h100"))
+    totals = StepTotals.of_chunks([(256, 0), (1, 300)])
+    draws = [NoisyLatencyModel(base, 0.1, seed=7).predict_totals(totals) for _ in range(2)]
+    assert draws[0] == draws[1]  # seeded: a run is repeatable
+    noisy = NoisyLatencyModel(base, 0.1, seed=7)
+    samples = [noisy.predict_totals(totals) / base.predict_totals(totals) for _ in range(4000)]
+    assert len(set(samples)) == 4000  # probe: every step really draws
+    assert sum(samples) / len(samples) == pytest.approx(1.0, abs=0.01)  # mean 1
+    assert noisy.step_time([(256, 0)]) == base.step_time([(256, 0)])  # forecasts: noise-free
+    assert NoisyLatencyModel(base, 0.0).predict_totals(totals) == base.predict_totals(totals)
+    with pytest.raises(ValueError):
+        NoisyLatencyModel(base, -0.1)
+
+
+def test_a_noisy_fitted_profile_runs_a_simulation():
+    """The wrapper passes the fitted profile's KV size through to the pool sizing."""
+    fitted = FittedLatencyModel({"const": 0.01, "prefill_tokens": 1e-4, "decode_rows": 1e-3},
+                                kv_bytes_per_token=1024, max_model_len=1024)
+    specs = _mixed_workload(n=40)
+    results = []
+    for model in (fitted, NoisyLatencyModel(fitted, 0.2, seed=1)):
+        sim = build_simulation({"max_model_len": 1024}, specs, SMALL, "h100",
+                               latency_model=model)
+        results.append(sim.run())
+    assert all(len(r.requests) == 40 for r in results)
+    assert results[0].end_time != results[1].end_time  # probe: the jitter changed the run

@@ -15,6 +15,12 @@ PCIE_BYTES_PER_S = 25e9  # host <-> device copies for swap
 GPU_MEMORY_UTILIZATION = 0.9
 
 
+def is_fitted(model) -> bool:
+    """A `tokenweir calibrate` profile, bare or wrapped (NoisyLatencyModel keeps it in
+    `base`): it carries its own KV size and context length instead of a shape and hardware."""
+    return isinstance(getattr(model, "base", model), FittedLatencyModel)
+
+
 def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLatencyModel) -> int:
     """KV pool size, null block included: the explicit override, else an explicit
     kv_cache_space, else what the devices hold after the weights (90% utilisation). A fitted
@@ -23,7 +29,7 @@ def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLat
     if config.cache.num_gpu_blocks_override is not None:
         return config.cache.num_gpu_blocks_override
     block_bytes = block_size_bytes(config, model)
-    if "kv_cache_space" in kwargs or isinstance(model, FittedLatencyModel):
+    if "kv_cache_space" in kwargs or is_fitted(model):
         return int(config.cache.kv_cache_space * GiB // block_bytes) + 1
     hw, shape = model.hardware, model.shape
     free = (hw.memory_bytes * model.tp * GPU_MEMORY_UTILIZATION
@@ -34,8 +40,8 @@ def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLat
 
 
 def block_size_bytes(config: EngineConfig, model: RooflineLatencyModel) -> int:
-    if getattr(model, "shape", None) is None:  # a fitted profile carries its own figure
-        if not getattr(model, "kv_bytes_per_token", 0):
+    if is_fitted(model):
+        if not model.kv_bytes_per_token:
             raise ValueError("the fitted profile has no kv_bytes_per_token: give "
                              "num_gpu_blocks_override")
         return config.cache.block_size * model.kv_bytes_per_token
@@ -63,7 +69,7 @@ def build_simulation(kwargs: dict[str, Any], specs: list[RequestSpec],
     shape = get_shape(model_shape)
     model = latency_model or RooflineLatencyModel(shape, get_hardware(hardware), tp)
     max_model_len = (config.model.max_model_len
-                     or (isinstance(model, FittedLatencyModel) and model.max_model_len)
+                     or (is_fitted(model) and model.max_model_len)
                      or shape.max_position_embeddings)
     num_host_blocks, costs = host_pool_and_costs(config, model)
     return Simulation(config, model, specs, num_blocks=pool_blocks(config, kwargs, model),

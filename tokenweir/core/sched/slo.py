@@ -140,8 +140,8 @@ def gate(waiter: Optional[Waiter], candidates: Sequence[Candidate], mode: str,
 
     Preconditions checked first: a waiter, a non-immune candidate, and a waiter that would
     miss its deadline by waiting (otherwise preempting buys nothing; with a tolerance, "would
-    miss" includes running that fraction slower than predicted: `can_wait_above`). Then the reference is
-    the MOST urgent candidate (conservative) or the LEAST urgent one (aggressive), and:
+    miss" includes running that fraction slower than predicted: `can_wait_above`). Then the
+    reference is the MOST urgent candidate (conservative) or the LEAST urgent one (aggressive), and:
       waiter hopeless and reference hopeless -> never (BOTH_HOPELESS)
       waiter hopeless                        -> never (WAITER_HOPELESS)
       reference hopeless                     -> yield: the reference is the victim
