@@ -140,6 +140,18 @@ def fail_result(res: dict, exc: BaseException) -> None:
 
 # ----------------------------------------------------------------------------- tokenweir
 
+def single_stream_decode(llm, sampling_params_cls, wl: _workload.Workload) -> float:
+    """Decode tokens/s of ONE request alone (the first prompt's first 128 tokens): output_len
+    tokens over the time difference between generating output_len + 1 tokens and 1 token
+    (so prefill and first-token costs cancel). The same recipe runs in the vLLM subprocess."""
+    def timed(n: int) -> float:
+        params = sampling_params_cls(temperature=0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": list(wl.prompts[0][:128])}], params, use_tqdm=False)
+        return time.perf_counter() - t0
+    return wl.output_len / (timed(wl.output_len + 1) - timed(1))
+
+
 def run_tokenweir(args: argparse.Namespace, wl: _workload.Workload) -> dict:
     res = new_result("tokenweir")
     if args.skip_tokenweir:
@@ -163,6 +175,7 @@ def run_tokenweir(args: argparse.Namespace, wl: _workload.Workload) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         finish_result(res, wl, [list(o.outputs[0].token_ids) for o in outs], seconds)
+        res["single_stream_decode_tok_s"] = single_stream_decode(llm, SamplingParams, wl)
     except Exception as exc:  # the engine is work in progress: report it, run the rest
         fail_result(res, exc)
     finally:
@@ -268,9 +281,18 @@ def main():
     n_out = sum(len(t) for t in token_ids)
     with open(cfg["tokens_out"], "w") as f:
         json.dump(token_ids, f)
+
+    def timed(n):  # one request alone: the first prompt's first 128 tokens, n output tokens
+        one = [{"prompt_token_ids": cfg["prompts"][0][:128]}]
+        t = time.perf_counter()
+        llm.generate(one, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                     use_tqdm=False)
+        return time.perf_counter() - t
+    single = cfg["output_len"] / (timed(cfg["output_len"] + 1) - timed(1))
     print(cfg["marker"] + json.dumps({
         "vllm_version": vllm.__version__, "load_s": load_s, "seconds": seconds,
-        "output_tokens": n_out, "output_tok_s": n_out / seconds}), flush=True)
+        "output_tokens": n_out, "output_tok_s": n_out / seconds,
+        "single_stream_decode_tok_s": single}), flush=True)
 
 
 if __name__ == "__main__":
@@ -319,6 +341,7 @@ def run_vllm(args: argparse.Namespace, wl: _workload.Workload) -> dict:
                 token_ids = json.load(f)
         finish_result(res, wl, token_ids, out["seconds"])
         res["load_s"] = out["load_s"]
+        res["single_stream_decode_tok_s"] = out.get("single_stream_decode_tok_s")
         res["version"] = out.get("vllm_version")
     except subprocess.TimeoutExpired as exc:
         res["status"] = "failed"
@@ -367,6 +390,60 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+# SmolLM2-135M (the default model): 30 layers, hidden 576 (9 x 64 query, 3 x 64 kv), MLP 1536,
+# vocabulary 49,152. Matmul FLOPs per token through the decoder, per sampled token in the LM
+# head, and attention FLOPs per (query token, context token) pair summed over the layers.
+_DECODER_FLOP_PER_TOKEN = 2 * 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
+_LM_HEAD_FLOP_PER_SAMPLE = 2 * 576 * 49152
+_ATTENTION_FLOP_PER_PAIR = 4 * 30 * 576
+
+
+def workload_flops(wl: _workload.Workload) -> float:
+    """FLOPs the workload needs at least (no recompute): every prompt and output token through
+    the decoder, attention over its causal context, the LM head for every sampled token."""
+    total = 0.0
+    for prompt in wl.prompts:
+        n = len(prompt) + wl.output_len
+        total += _DECODER_FLOP_PER_TOKEN * n + _ATTENTION_FLOP_PER_PAIR * n * (n + 1) / 2
+        total += _LM_HEAD_FLOP_PER_SAMPLE * wl.output_len
+    return total
+
+
+def matmul_peak_gflops(dtype_name: str, repeats: int = 10) -> float:
+    """GFLOP/s of a 1024^3 torch matmul in `dtype_name`, best of `repeats`, in this process."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(1024, 1024).to(dtype), torch.randn(1024, 1024).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024 ** 3 / best / 1e9
+
+
+def _print_physical_limit(args: argparse.Namespace, wl: _workload.Workload,
+                          results: list[dict]) -> Optional[dict]:
+    """The workload's FLOPs over the matmul peak measured now: the fastest any system could go
+    on this machine, and each system's share of it."""
+    if args.model != _workload.DEFAULT_MODEL:
+        return None
+    flops, peak = workload_flops(wl), matmul_peak_gflops(args.dtype)
+    limit_s = flops / (peak * 1e9)
+    out_tokens = wl.output_len * wl.num_requests
+    print(f"physical limit: {flops / 1e12:.2f} TFLOP / {peak:.0f} GFLOP/s ({args.dtype} matmul "
+          f"peak, measured now) = {limit_s:.2f} s = {out_tokens / limit_s:.0f} output tok/s")
+    shares = {}
+    for r in results:
+        if r["status"] == "ok":
+            shares[r["system"]] = limit_s / r["seconds"]
+            print(f"  {r['system']}: {100 * shares[r['system']]:.0f}% of the limit")
+    return {"workload_tflop": flops / 1e12, "matmul_peak_gflops": peak, "limit_s": limit_s,
+            "share_of_limit": shares}
 
 
 def _fmt(v: Optional[float], spec: str) -> str:
@@ -419,11 +496,22 @@ def report(args: argparse.Namespace, wl: _workload.Workload, results: list[dict]
         if name == "tokenweir/transformers":
             met = "met" if value >= TARGET_VS_TRANSFORMERS else "NOT met"
             extra = f"   (target >= {TARGET_VS_TRANSFORMERS:g}x: {met})"
+        if name == "tokenweir/vLLM-CPU":
+            extra = f"   (target >= 1.0x: {'met' if value >= 1.0 else 'NOT met'})"
         print(f"{name}: {value:.2f}x{extra}")
+    singles = {r["system"]: r.get("single_stream_decode_tok_s") for r in results
+               if r["status"] == "ok" and r.get("single_stream_decode_tok_s")}
+    for system, rate in singles.items():
+        print(f"single-stream decode {system}: {rate:.1f} tok/s")
+    if "tokenweir" in singles and "vLLM-CPU" in singles:
+        value = singles["tokenweir"] / singles["vLLM-CPU"]
+        print(f"single-stream decode tokenweir/vLLM-CPU: {value:.2f}x   (target >= 1.0x: "
+              f"{'met' if value >= 1.0 else 'NOT met'})")
     for name, a in agree.items():
         if a is not None:
             print(f"greedy agreement {name}: {a['identical']}/{a['requests']} requests identical, "
                   f"mean common prefix {a['mean_common_prefix']:.1f}/{wl.output_len} tokens")
+    limit = _print_physical_limit(args, wl, results)
 
     return {
         "benchmark": "offline_throughput",
@@ -437,6 +525,7 @@ def report(args: argparse.Namespace, wl: _workload.Workload, results: list[dict]
         "results": [{k: v for k, v in r.items() if k != "token_ids"} for r in results],
         "ratios": ratios,
         "greedy_agreement": agree,
+        "physical_limit": limit,
     }
 
 

@@ -74,7 +74,7 @@ def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5,
         out2 = A.paged_attention(q, k_new, v_new, cache, meta, scale)  # plan reused (layer 2)
     ref = _reference(q, k_all, v_all, query_lens, seq_lens, scale)
     if expect_kernel is not None:
-        assert (meta.plan(cache).decode_kernel is not None) == expect_kernel
+        assert (meta.plan(cache).kernel is not None) == expect_kernel
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - ref).abs().max().item() < atol
     assert torch.equal(out, out2)
@@ -91,11 +91,22 @@ CASES = {
 }
 
 
-@pytest.fixture
-def cpu_kernel():
-    """The C++ decode kernel is built (it needs a C++ compiler; this machine kind has g++)."""
-    if kernels.decode_kernel() is None:
-        pytest.skip("C++ decode kernel could not be built here (no compiler?)")
+ISAS = ("avx2", "avx512")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Forces one instruction-set variant of the C++ kernels; skips, saying why, where this
+    CPU (or this build) cannot run it."""
+    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
+    if kernels.paged_attention_kernel() is None:
+        pytest.skip("C++ kernels could not be built here (no compiler?)")
+    monkeypatch.setenv("TOKENWEIR_CPU_ISA", request.param)
+    if kernels.cpu_isa() != request.param:
+        pytest.skip(f"this CPU cannot run the {request.param} variant "
+                    f"(widest here: {kernels.cpu_isa() or 'none'}; needs "
+                    f"{'AVX-512 F/BW/VL/DQ' if request.param == 'avx512' else 'AVX2 + FMA'})")
+    return request.param
 
 
 @pytest.mark.parametrize("group_bytes", [A.DECODE_GROUP_BYTES, 1], ids=["one_group", "groups"])
@@ -109,33 +120,52 @@ def test_paged_attention_matches_reference(case, heads, kv_heads, group_bytes, m
     _run_case(*CASES[case], heads, kv_heads, torch.float32, expect_kernel=False)
 
 
-# (heads, kv_heads, head_dim): the templated path (group <= 8, head_dim % 32 == 0) and the
-# generic one (group 10; head_dim 40)
+# (heads, kv_heads, head_dim): GQA groups that fill a tile (3 x 2 rows), span tiles (10),
+# MHA, MQA; head_dim 128 and 32 (one AVX-512 vector pair), 40 (not a multiple of 16: torch path
+# on AVX-512, kernel on AVX2)
 KERNEL_SHAPES = [(4, 2, 64), (3, 3, 64), (6, 1, 64), (9, 3, 64), (8, 1, 128), (10, 1, 64),
-                 (4, 2, 40)]
+                 (4, 2, 32), (4, 2, 40)]
+KERNEL_ATOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
-@pytest.mark.usefixtures("cpu_kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads,kv_heads,head_dim", KERNEL_SHAPES,
                          ids=[f"h{h}kv{k}d{d}" for h, k, d in KERNEL_SHAPES])
-def test_cpu_decode_kernel_matches_reference(case, heads, kv_heads, head_dim, monkeypatch):
-    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
-    has_decodes = CASES[case][0][0] == 1
-    _run_case(*CASES[case], heads, kv_heads, torch.float32, head_dim=head_dim,
-              expect_kernel=has_decodes)
+def test_cpu_kernel_matches_reference(case, heads, kv_heads, head_dim, dtype, isa):
+    """Decodes and prefill chunks with a cached prefix, read in place by the kernel."""
+    applies = head_dim % (16 if isa == "avx512" else 8) == 0
+    _run_case(*CASES[case], heads, kv_heads, dtype, head_dim=head_dim, atol=KERNEL_ATOL[dtype],
+              expect_kernel=applies)
 
 
-@pytest.mark.usefixtures("cpu_kernel")
-def test_cpu_decode_kernel_long_contexts_and_odd_blocks(monkeypatch):
-    """Contexts of hundreds of tokens, ending mid-block, through the kernel."""
-    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
-    _run_case([1] * 6, [300, 1, 257, 63, 64, 511], 9, 3, torch.float32, atol=2e-5,
-              expect_kernel=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cpu_kernel_long_contexts_and_odd_blocks(dtype, isa):
+    """Contexts of hundreds of tokens, ending mid-block; a 40-row chunk over a 300-token
+    prefix (several row runs of one request)."""
+    _run_case([1] * 6 + [40], [300, 1, 257, 63, 64, 511, 300], 9, 3, dtype,
+              atol=KERNEL_ATOL[dtype], expect_kernel=True)
 
 
-def test_paged_attention_bfloat16():
-    _run_case(*CASES["mixed"], 4, 2, torch.bfloat16, atol=3e-2)
+def test_in_place_prefill_is_taken_and_can_be_turned_off(isa, monkeypatch):
+    """Probe for the tests above: chunks with a cached prefix really go in place (and none
+    without one); above PREFILL_IN_PLACE_MAX_ROWS they gather + SDPA, with the same result."""
+    meta = A.build_attention_metadata([1, 5, 3, 7], [9, 0, 6, 13],
+                                      [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10, 11, 12, 13]], BS,
+                                      "cpu")
+    (cache,) = A.allocate_kv_caches(_arch(4, 2), 16, BS, torch.float32, torch.device("cpu"))
+    plan = A._build_plan(meta, cache)
+    assert plan.in_place_prefill_reqs.tolist() == [2, 3]
+    assert [p.in_place for p in plan.prefills] == [False, True, True]
+    monkeypatch.setattr(A, "PREFILL_IN_PLACE_MAX_ROWS", 4)
+    plan = A._build_plan(meta, cache)
+    assert plan.in_place_prefill_reqs.tolist() == [2]
+    _run_case(*CASES["mixed"], 4, 2, torch.float32, expect_kernel=True)
+
+
+def test_paged_attention_bfloat16_torch_path(monkeypatch):
+    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "0")
+    _run_case(*CASES["mixed"], 4, 2, torch.bfloat16, atol=3e-2, expect_kernel=False)
 
 
 def test_build_attention_metadata():

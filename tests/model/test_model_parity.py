@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernel_paths import PATHS, force_path
 from paged_driver import PagedDriver, run_greedy
 from tiny_models import KINDS, LLAMA3_ROPE, VOCAB, make_tiny_model
 from tokenweir.model.layers import rope_inv_freq
@@ -52,8 +53,12 @@ def tiny(request, tmp_path_factory):
     return request.param, hf, loaded
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode", ["one_chunk", "chunked_interleaved"])
-def test_paged_matches_transformers(tiny, mode):
+def test_paged_matches_transformers(tiny, mode, path, monkeypatch):
+    """On every kernel path (torch; the C++ kernels' AVX2 and AVX-512 variants where this CPU
+    runs them), with a probe that the path's kernels really ran."""
+    calls = force_path(path, monkeypatch)
     kind, hf, loaded = tiny
     assert loaded.arch.architecture in kind or kind.startswith("llama")
     assert loaded.tokenizer is None  # no tokenizer files saved: weights-only load works
@@ -65,6 +70,10 @@ def test_paged_matches_transformers(tiny, mode):
         out, records = run_greedy(driver, prompts, MAX_NEW, chunk=5, stagger=True)
     assert len(records) == MAX_NEW * len(prompts)
     _check_against_hf(hf, prompts, out, records)
+    if path != "torch":
+        assert calls["paged_attention"] > 0 and calls["silu_mul"] > 0
+        assert calls["add_rmsnorm"] > 0
+        assert (calls["rotary_inplace"] > 0) == (kind != "qwen3")  # qk-norm: torch rotary
 
 
 def test_arch_flags(tiny):

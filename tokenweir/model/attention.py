@@ -13,9 +13,11 @@ Cache contract (shared with the runner):
 Per layer `paged_attention` writes this step's K/V into the cache (`index_copy_` on the flat
 slot view), then
 
-* decodes on CPU in float32: the C++ kernel in `tokenweir/model/kernels` attends each request's
-  blocks in place (no gather), all decodes in one call per layer. Elsewhere, or when the kernel
-  cannot be built (no compiler, `TOKENWEIR_CPU_KERNELS=0`), the torch path below;
+* on CPU in float32 or bfloat16 (AVX2 or AVX-512, picked at run time): the C++ kernel in
+  `tokenweir/model/kernels` attends each request's blocks in place (no gather): all decodes in
+  one call per layer, and all prefill chunks that have a cached prefix (chunked prefill, prefix
+  cache hits) in another. Elsewhere, or when the kernel cannot be built (no compiler,
+  `TOKENWEIR_CPU_KERNELS=0`), the torch path below;
 * decodes, torch path: batched. They are sorted by context length and cut into groups whose gathered K/V
   fit a few MiB; each group is gathered (`index_select` of whole blocks into a reused
   workspace, which stays cache-resident) and runs ONE SDPA call, padded to the group's longest
@@ -44,6 +46,10 @@ from tokenweir.model.arch import ArchConfig
 # Gathered K+V bytes per decode SDPA call: small enough to stay in the last-level cache between
 # the gather and the attention that reads it, large enough to keep the number of calls low.
 DECODE_GROUP_BYTES = 4 << 20
+
+# A prefill chunk with a cached prefix takes the in-place kernel up to this many query rows;
+# longer ones gather and run SDPA (see benchmarks/kernels.py for the measured crossing).
+PREFILL_IN_PLACE_MAX_ROWS = 1 << 30
 
 
 def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int,
@@ -78,6 +84,7 @@ class _PrefillPlan:
     start: int
     end: int
     ctx_before: int  # tokens cached before this chunk
+    in_place: bool = False  # attended by the C++ kernel (with the decodes' or its own call)
     block_ids: Optional[torch.Tensor] = None  # [nblk] blocks covering the context (prefix only)
     mask: Optional[torch.Tensor] = None  # [q_len, nblk * block_size] additive, prefix only
 
@@ -88,10 +95,13 @@ class _StepPlan:
 
     block_size: int
     num_decodes: int = 0
-    # C++ kernel path (CPU, float32): the decodes' block tables and context lengths, read in place
-    decode_kernel: Optional[object] = None
-    decode_tables: Optional[torch.Tensor] = None
-    decode_seq_lens: Optional[torch.Tensor] = None
+    # C++ kernel path (CPU, float32/bfloat16): the whole step's int64 tables, read in place
+    kernel: Optional[object] = None
+    tables: Optional[torch.Tensor] = None
+    query_start_loc: Optional[torch.Tensor] = None
+    seq_lens: Optional[torch.Tensor] = None
+    decode_reqs: Optional[torch.Tensor] = None  # arange(num_decodes)
+    in_place_prefill_reqs: Optional[torch.Tensor] = None  # request indices, None: none
     decode_order: Optional[torch.Tensor] = None  # decodes sorted by length (None: already are)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     prefills: list[_PrefillPlan] = field(default_factory=list)
@@ -180,18 +190,23 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     device = meta.slot_mapping.device
     tables = meta.block_tables.to(torch.long)
     nd = meta.num_decodes
-    kernel = _decode_kernel_for(kv_cache) if nd else None
-    if kernel is not None:
-        plan.decode_kernel = kernel
-        plan.decode_tables = tables[:nd].contiguous()
-        plan.decode_seq_lens = meta.seq_lens[:nd].to(torch.long).contiguous()
+    plan.kernel = paged_kernel_for(kv_cache)
+    if plan.kernel is not None:
+        plan.tables = tables.contiguous()
+        plan.query_start_loc = meta.query_start_loc.to(torch.long).contiguous()
+        plan.seq_lens = meta.seq_lens.to(torch.long).contiguous()
+        plan.decode_reqs = torch.arange(nd, dtype=torch.long, device=device)
     elif nd:
         _plan_decodes(plan, meta.seq_lens_cpu[:nd], tables[:nd], bytes_per_token, dtype)
+    in_place: list[int] = []
     start = nd
     for i in range(nd, len(meta.query_lens_cpu)):
         q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         p = _PrefillPlan(start=start, end=start + q_len, ctx_before=seq_len - q_len)
-        if p.ctx_before > 0:
+        if p.ctx_before > 0 and plan.kernel is not None and q_len <= PREFILL_IN_PLACE_MAX_ROWS:
+            p.in_place = True
+            in_place.append(i)
+        elif p.ctx_before > 0:
             nblk = _blocks_for(seq_len, block_size)
             p.block_ids = tables[i, :nblk]
             keys = torch.arange(nblk * block_size, device=device)
@@ -199,16 +214,22 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
             p.mask = _additive(keys[None, :] <= rows[:, None], dtype)
         plan.prefills.append(p)
         start += q_len
+    if in_place:
+        plan.in_place_prefill_reqs = torch.tensor(in_place, dtype=torch.long, device=device)
     return plan
 
 
-def _decode_kernel_for(kv_cache: torch.Tensor):
-    """The C++ paged decode kernel when it applies to this cache (CPU, float32, contiguous,
-    head_dim a multiple of 8), else None."""
-    if (kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32
+def paged_kernel_for(kv_cache: torch.Tensor):
+    """The C++ in-place paged attention when it applies to this cache (CPU, float32 or
+    bfloat16, contiguous, head_dim a multiple of the vector width, kernels available on this
+    CPU), else None."""
+    if (kv_cache.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16)
             or not kv_cache.is_contiguous() or kv_cache.shape[-1] % 8):
         return None
-    return kernels.decode_kernel()
+    kernel = kernels.paged_attention_kernel()
+    if kernel is None or kv_cache.shape[-1] % (16 if kernel.isa == "avx512" else 8):
+        return None
+    return kernel
 
 
 def _plan_decodes(plan: _StepPlan, seq_lens: list[int], tables: torch.Tensor,
@@ -267,13 +288,13 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
                       scale: float, out: torch.Tensor) -> None:
     """q [T, H, D]: attend the first plan.num_decodes rows (one query per request), writing
-    into out [T, H, D]."""
+    into out [T, H, D] (both contiguous on the kernel path)."""
     nd = plan.num_decodes
     if not nd:
         return
-    if plan.decode_kernel is not None:  # reads K/V in place: out rows [0, nd) are contiguous
-        plan.decode_kernel(q[:nd].contiguous(), kv_cache, plan.decode_tables,
-                           plan.decode_seq_lens, scale, out[:nd])
+    if plan.kernel is not None:  # reads K/V in place
+        plan.kernel(q, kv_cache, plan.tables, plan.query_start_loc, plan.seq_lens,
+                    plan.decode_reqs, scale, out)
         return
     _, num_heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
@@ -318,9 +339,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Writes k, v at meta.slot_mapping first. Returns [T, H, D] in q's dtype."""
     write_kv(kv_cache, meta.slot_mapping, k, v)
     plan = meta.plan(kv_cache)
+    if plan.kernel is not None:
+        q = q.contiguous()
     out = torch.empty_like(q)
     _decode_attention(q, kv_cache, plan, scale, out)
+    if plan.in_place_prefill_reqs is not None:
+        plan.kernel(q, kv_cache, plan.tables, plan.query_start_loc, plan.seq_lens,
+                    plan.in_place_prefill_reqs, scale, out)
     for p in plan.prefills:
-        out[p.start:p.end] = _prefill_attention(q[p.start:p.end], k[p.start:p.end],
-                                                v[p.start:p.end], kv_cache, p, scale)
+        if not p.in_place:
+            out[p.start:p.end] = _prefill_attention(q[p.start:p.end], k[p.start:p.end],
+                                                    v[p.start:p.end], kv_cache, p, scale)
     return out

@@ -56,6 +56,24 @@ class Embedding(nn.Embedding):
         pass
 
 
+def fused_ops_for(x: torch.Tensor):
+    """The compiled module with `add_rmsnorm`, `silu_mul` and `rotary_inplace` when they apply
+    to x (CPU, float32 or bfloat16, kernels available), else None: callers keep a torch path.
+    The fused ops reproduce the unfused torch ops' roundings (see cpu_kernels.cpp)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return kernels.fused_ops()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate_up[:, :I]) * gate_up[:, I:] for gate_up [T, 2I]."""
+    ops = fused_ops_for(gate_up) if gate_up.dim() == 2 and gate_up.is_contiguous() else None
+    if ops is not None:
+        return ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), statistics in float32, output in x's dtype."""
 
@@ -71,6 +89,19 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place, when x is given), then return norm(residual): the residual
+        add and the norm of a pre-norm block in one pass where the fused op applies.
+        residual must be a [T, dim] tensor the caller owns."""
+        ops = fused_ops_for(residual)
+        if (ops is not None and residual.dim() == 2 and residual.is_contiguous()
+                and (x is None or (x.is_contiguous() and x.dtype == residual.dtype))
+                and self.weight.dtype == residual.dtype):
+            return ops.add_rmsnorm(x, residual, self.weight, self.eps)
+        if x is not None:
+            residual.add_(x)
+        return self(residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -153,6 +184,40 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cached.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
+        return RotaryStep(self, positions, dtype)
+
+
+class RotaryStep:
+    """The rotation of one step's positions, shared by every layer: the fused in-place kernel
+    where it applies (it reads the float32 tables at the positions), else cos/sin gathered once
+    (lazily) and the torch ops."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor,
+                 dtype: torch.dtype) -> None:
+        self.rope, self.positions, self.dtype = rope, positions, dtype
+        self._cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin is None:
+            self._cos_sin = self.rope(self.positions, self.dtype)
+        return self._cos_sin
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> rotated copy."""
+        return apply_rotary(x, *self.cos_sin())
+
+    def rotate_leading_heads_(self, x: torch.Tensor, heads: int) -> None:
+        """Rotate x[:, :heads] in place; x is [T, heads_total, head_dim] with contiguous rows
+        (the fused qkv output: q and k heads first)."""
+        ops = fused_ops_for(x)
+        if (ops is not None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and self.positions.dtype == torch.long and self.positions.is_contiguous()):
+            ops.rotary_inplace(x, heads, x.shape[2], self.positions, self.rope.cos_cached,
+                               self.rope.sin_cached)
+            return
+        x[:, :heads] = self.rotate(x[:, :heads])
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] by (cos, sin) [T, 1, head_dim // 2]; returns a new tensor."""
@@ -174,5 +239,4 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))

@@ -20,7 +20,7 @@ from torch import nn
 from tokenweir.model.arch import ArchConfig
 from tokenweir.model.attention import AttentionMetadata, paged_attention
 from tokenweir.model.layers import (SKINNY_MAX_ROWS_LM_HEAD, Embedding, GatedMLP, Linear,
-                                    RMSNorm, RotaryEmbedding, apply_rotary, skinny_matmul_kernel)
+                                    RMSNorm, RotaryEmbedding, RotaryStep, skinny_matmul_kernel)
 
 
 # Called with the layer index before each decoder layer (an attention-layer boundary). It may
@@ -49,25 +49,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryStep, attn: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes this step's K/V into kv_cache."""
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, d)
         v = qkv[:, h + kvh:]
         if self.qk_norm:
-            q = apply_rotary(self.q_norm(qkv[:, :h]), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, h:h + kvh]), cos, sin)
-        else:  # rotate q and k together: one set of elementwise ops
-            qk = apply_rotary(qkv[:, :h + kvh], cos, sin)
-            q, k = qk[:, :h], qk[:, h:]
+            q = rope.rotate(self.q_norm(qkv[:, :h]))
+            k = rope.rotate(self.k_norm(qkv[:, h:h + kvh]))
+        else:  # rotate q and k together, in place: one op
+            rope.rotate_leading_heads_(qkv, h + kvh)
+            q, k = qkv[:, :h], qkv[:, h:h + kvh]
         out = paged_attention(q, k, v, kv_cache, attn, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), written (as in vLLM) as
+    `forward(delta, residual) -> (delta', residual)`: the running sum lives in `residual`
+    (updated in place) and each residual add is fused with the norm that follows it."""
 
     def __init__(self, arch: ArchConfig, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
@@ -78,10 +80,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **kw)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, delta: Optional[torch.Tensor], residual: torch.Tensor, rope: RotaryStep,
+                attn: AttentionMetadata, kv_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's input is residual + delta (delta None: residual alone); returns the
+        MLP output as the next delta, and residual holding the sum before it."""
+        h = self.input_layernorm.add_forward(delta, residual)
+        h = self.post_attention_layernorm.add_forward(
+            self.self_attn(h, rope, attn, kv_cache), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -100,13 +107,14 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionMetadata, kv_caches: list[torch.Tensor],
                 layer_hook: Optional[LayerHook] = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
+        rope = self.rotary_emb.for_step(positions, residual.dtype)
+        delta: Optional[torch.Tensor] = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer_hook is not None:
                 layer_hook(index)
-            x = layer(x, cos, sin, attn, kv_cache)
-        return self.norm(x)
+            delta, residual = layer(delta, residual, rope, attn, kv_cache)
+        return self.norm.add_forward(delta, residual)
 
 
 # HF name suffix -> (our parameter suffix, shard index into the fused parameter or None)

@@ -55,8 +55,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.seed = seed
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
-        if device.type == "cpu" and dtype == torch.float32:
-            kernels.decode_kernel()  # build (or load) the C++ decode kernel now, not mid-step
+        if device.type == "cpu":
+            kernels.paged_attention_kernel()  # build (or load) the C++ kernels now, not mid-step
         # The swap pool lives in host memory; on a CPU-only machine it is a second CPU pool.
         self.host_caches = (allocate_kv_caches(arch, num_host_blocks, block_size, dtype,
                                                torch.device("cpu"))

@@ -1,23 +1,31 @@
 """Optional C++ CPU kernels, compiled on first use with the machine's C++ compiler.
 
-`decode_kernel()` returns the paged decode attention kernel and `skinny_linear_kernel()` the
-few-rows matmul (see cpu_kernels.cpp for their contracts), or None when they cannot be used:
-not built yet and no compiler, the build failed, or `TOKENWEIR_CPU_KERNELS=0`. Callers must keep
-a pure-torch path for None. A failed build is
-reported once (a warning) and not retried in this process.
+`paged_attention_kernel()` returns the in-place paged attention for decodes and prefill chunks
+(float32 and bfloat16, one variant per instruction set picked at run time: `cpu_isa()`),
+`skinny_linear_kernel()` the few-rows matmul and `fused_ops()` the module with the fused layer
+ops (see cpu_kernels.cpp for their contracts), or None when they cannot be used: not built yet
+and no compiler, the build failed, or `TOKENWEIR_CPU_KERNELS=0`. Callers must keep a pure-torch
+path for None. A failed build is reported once (a warning) and not retried in this process.
 
 The build lands in torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
-~/.cache/torch_extensions); torch rebuilds it when the source or flags change.
+~/.cache/torch_extensions) under a name carrying a hash of every kernel source (the .cpp and the
+headers it includes), so an edited header is never served from a stale build.
+
+`TOKENWEIR_CPU_ISA=avx2` forces the AVX2 variant on an AVX-512 machine (tests use it to run
+both); `TOKENWEIR_CPU_KERNELS=0` forces the torch path everywhere.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 import threading
 import warnings
 from typing import Any, Optional
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_SOURCE = os.path.join(_DIR, "cpu_kernels.cpp")
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}
 
@@ -26,10 +34,34 @@ def kernels_enabled() -> bool:
     return os.environ.get("TOKENWEIR_CPU_KERNELS", "1") != "0"
 
 
-def decode_kernel() -> Optional[Any]:
-    """The compiled module's `paged_decode_attention`, or None (see module docstring)."""
+def cpu_isa() -> str:
+    """The instruction-set variant the in-place attention runs here: "avx512", "avx2", or ""
+    (no kernels, or a CPU with neither: the torch path). Honours TOKENWEIR_CPU_ISA=avx2."""
     module = _module()
-    return None if module is None else module.paged_decode_attention
+    return "" if module is None else module.cpu_isa()
+
+
+def paged_attention_kernel() -> Optional[Any]:
+    """`f(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale, out)`: the
+    in-place paged attention of the listed requests on this CPU's widest variant, or None."""
+    isa = cpu_isa()
+    if not isa:
+        return None
+    run = _module().paged_attention
+
+    def paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale,
+                        out) -> None:
+        run(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale, out, isa)
+
+    paged_attention.isa = isa  # type: ignore[attr-defined]
+    return paged_attention
+
+
+def fused_ops() -> Optional[Any]:
+    """The compiled module, for its fused layer ops (`add_rmsnorm`, `silu_mul`,
+    `rotary_inplace`; contracts in cpu_kernels.cpp), or None."""
+    module = _module()
+    return module if module is not None and hasattr(module, "add_rmsnorm") else None
 
 
 def skinny_linear_kernel() -> Optional[Any]:
@@ -52,10 +84,20 @@ def _build() -> Optional[Any]:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="tokenweir_cpu_kernels", sources=[_SOURCE],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-ffast-math"],
+        return load(name=f"tokenweir_cpu_kernels_{_source_hash()}", sources=[_SOURCE],
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-ffast-math",
+                                  "-Wno-psabi"],
                     extra_ldflags=["-lmvec"], verbose=False)
     except Exception as exc:  # no compiler, no headers, ...: fall back to the torch path
         warnings.warn(f"tokenweir: C++ CPU kernels unavailable, using the torch path ({exc})",
                       RuntimeWarning, stacklevel=3)
         return None
+
+
+def _source_hash() -> str:
+    """12 hex digits over the .cpp and every header beside it."""
+    digest = hashlib.sha1()
+    for path in [_SOURCE, *sorted(glob.glob(os.path.join(_DIR, "*.h")))]:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]

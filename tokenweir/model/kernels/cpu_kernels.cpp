@@ -1,15 +1,9 @@
-// CPU float32 kernels for tokenweir (built on first use as a torch extension):
+// CPU kernels for tokenweir (built on first use as a torch extension):
 //
-// 1. paged_decode_attention: one query token per request, attending its context directly in
-//    the block-paged KV cache (no gather into a contiguous buffer).
-//
-//    Contract (checked by the Python caller, tokenweir/model/attention.py):
-//      q            float32 [n, H, D], contiguous
-//      kv_cache     float32 [2, num_blocks, block_size, KVH, D], contiguous (0 = K, 1 = V)
-//      block_tables int64   [n, max_blocks], contiguous; row i covers seq_lens[i] tokens
-//      seq_lens     int64   [n], >= 1
-//      out          float32 [n, H, D], contiguous, written
-//    Query head h reads kv head h / (H / KVH) (GQA). Softmax in float32 over the whole context.
+// 1. paged_attention: causal attention of decodes and prefill chunks over the block-paged KV
+//    cache, read in place (no gather); float32 or bfloat16, one variant per instruction set
+//    (AVX2, AVX-512) chosen at run time. The body is paged_attention_impl.h; the contract is
+//    at paged_attention() below.
 //
 // 2. skinny_linear: x [M, K] @ w[N, K]^T for a FEW rows M (decode batches), on the weight as
 //    nn.Linear stores it (no packed copy). Each weight row is read from memory once and
@@ -21,7 +15,32 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+// The in-place paged attention (paged_attention_impl.h), compiled once per instruction set and
+// picked at run time (cpu_isa()): the same build runs on AVX2-only and AVX-512 machines.
+namespace isa_avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define TW_W 8
+#include "paged_attention_impl.h"
+#undef TW_W
+#pragma GCC pop_options
+}  // namespace isa_avx2
+
+namespace isa_avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#define TW_W 16
+#include "paged_attention_impl.h"
+#undef TW_W
+#pragma GCC pop_options
+}  // namespace isa_avx512
 
 namespace {
 
@@ -34,191 +53,7 @@ inline float hsum(vec8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-constexpr int64_t kHeadTile = 8;  // query heads scored together (independent accumulators)
-
-// scores[h * stride + t] = dot(q_h, k_{h / group}) for query heads [h0, h0 + hn).
-// q is already scaled. head_dim must be a multiple of 8.
-inline void score_token(const float* q, const float* k_tok, int64_t h0, int64_t hn, int64_t group,
-                        int64_t head_dim, float* scores, int64_t stride, int64_t t) {
-  vec8 acc[kHeadTile] = {};
-  for (int64_t i = 0; i < head_dim; i += 8)
-    for (int64_t j = 0; j < hn; ++j)
-      acc[j] += load8(q + (h0 + j) * head_dim + i) * load8(k_tok + ((h0 + j) / group) * head_dim + i);
-  for (int64_t j = 0; j < hn; ++j) scores[(h0 + j) * stride + t] = hsum(acc[j]);
-}
-
-// In place: s[0..n) -> softmax(s).
-inline void softmax(float* s, int64_t n) {
-  float m = s[0];
-  for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
-  const float inv = 1.f / sum;
-  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-}
-
-// Fast path for a GQA group of G query heads sharing one kv head and head_dim % 32 == 0: K and V
-// rows are loaded once for the G heads and the accumulators stay in registers.
-template <int G>
-void score_group(const float* q, const float* k_blk, int64_t nt, int64_t row, int64_t head_dim,
-                 float* scores, int64_t stride) {
-  for (int64_t j = 0; j < nt; ++j) {
-    const float* k = k_blk + j * row;
-    vec8 acc[G] = {};
-    for (int64_t i = 0; i < head_dim; i += 8) {
-      const vec8 kv = load8(k + i);
-      for (int g = 0; g < G; ++g) acc[g] += load8(q + g * head_dim + i) * kv;
-    }
-    for (int g = 0; g < G; ++g) scores[g * stride + j] = hsum(acc[g]);
-  }
-}
-
-// V pass of one block for one kv head: out[g, c:c+32] += sum_j p[g, j] * v[j, c:c+32].
-template <int G>
-void accumulate_block(const float* v_blk, int64_t nt, int64_t row, int64_t head_dim,
-                      const float* scores, int64_t stride, float* out) {
-  for (int64_t c = 0; c < head_dim; c += 32) {
-    vec8 acc[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int u = 0; u < 4; ++u) acc[g][u] = load8(out + g * head_dim + c + 8 * u);
-    for (int64_t j = 0; j < nt; ++j) {
-      const float* v = v_blk + j * row + c;
-      const vec8 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
-      for (int g = 0; g < G; ++g) {
-        const float p = scores[g * stride + j];
-        acc[g][0] += p * v0;
-        acc[g][1] += p * v1;
-        acc[g][2] += p * v2;
-        acc[g][3] += p * v3;
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int u = 0; u < 4; ++u) store8(out + g * head_dim + c + 8 * u, acc[g][u]);
-  }
-}
-
-// All kv heads of one request, walking its blocks in order (each block's rows are read while
-// they are cache-hot for every kv head). q is scaled, [H, D]; out is [H, D].
-// Ask for the start of the next block early: blocks sit at unrelated addresses, so the hardware
-// prefetcher cannot see the jump coming.
-inline void prefetch_block(const float* base, const int64_t* table, int64_t t_next,
-                           int64_t seq_len, int64_t block_size, int64_t row) {
-  if (t_next >= seq_len) return;
-  const char* p = reinterpret_cast<const char*>(base + table[t_next / block_size] * block_size * row);
-  for (int i = 0; i < 16; ++i) __builtin_prefetch(p + 64 * i);
-}
-
-template <int G>
-void attend_groups(const float* q, const float* k_base, const float* v_base, const int64_t* table,
-                   int64_t seq_len, int64_t block_size, int64_t kv_heads, int64_t head_dim,
-                   float* scores, float* out) {
-  const int64_t row = kv_heads * head_dim;
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const float* k_blk = k_base + table[t0 / block_size] * block_size * row;
-    const int64_t nt = std::min(block_size, seq_len - t0);
-    prefetch_block(k_base, table, t0 + block_size, seq_len, block_size, row);
-    for (int64_t kh = 0; kh < kv_heads; ++kh)
-      score_group<G>(q + kh * G * head_dim, k_blk + kh * head_dim, nt, row, head_dim,
-                     scores + kh * G * seq_len + t0, seq_len);
-  }
-  for (int64_t h = 0; h < kv_heads * G; ++h) softmax(scores + h * seq_len, seq_len);
-  std::fill(out, out + kv_heads * G * head_dim, 0.f);
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const float* v_blk = v_base + table[t0 / block_size] * block_size * row;
-    const int64_t nt = std::min(block_size, seq_len - t0);
-    prefetch_block(v_base, table, t0 + block_size, seq_len, block_size, row);
-    for (int64_t kh = 0; kh < kv_heads; ++kh)
-      accumulate_block<G>(v_blk + kh * head_dim, nt, row, head_dim,
-                          scores + kh * G * seq_len + t0, seq_len, out + kh * G * head_dim);
-  }
-}
-
-using GroupFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                         int64_t, int64_t, int64_t, float*, float*);  // see attend_groups
-
-GroupFn group_fn(int64_t group, int64_t head_dim) {
-  if (head_dim % 32 != 0) return nullptr;
-  switch (group) {
-    case 1: return attend_groups<1>;
-    case 2: return attend_groups<2>;
-    case 3: return attend_groups<3>;
-    case 4: return attend_groups<4>;
-    case 5: return attend_groups<5>;
-    case 6: return attend_groups<6>;
-    case 7: return attend_groups<7>;
-    case 8: return attend_groups<8>;
-    default: return nullptr;
-  }
-}
-
-// One request: all heads, scores for every context token, softmax, weighted sum of V.
-void attend_one(const float* q_in, const float* k_base, const float* v_base, const int64_t* table,
-                int64_t seq_len, int64_t block_size, int64_t num_heads, int64_t kv_heads,
-                int64_t head_dim, float scale, float* out, std::vector<float>& q,
-                std::vector<float>& scores) {
-  const int64_t group = num_heads / kv_heads;
-  const int64_t row = kv_heads * head_dim;  // floats per token in one block slot
-  q.resize(num_heads * head_dim);
-  for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = q_in[i] * scale;
-  scores.resize(num_heads * seq_len);
-  if (GroupFn fn = group_fn(group, head_dim)) {
-    fn(q.data(), k_base, v_base, table, seq_len, block_size, kv_heads, head_dim, scores.data(),
-       out);
-    return;
-  }
-  // Walk the context block by block: token t lives at slot t % block_size of block
-  // table[t / block_size].
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const float* k_blk = k_base + table[t0 / block_size] * block_size * row;
-    const int64_t nt = std::min(block_size, seq_len - t0);
-    for (int64_t j = 0; j < nt; ++j)
-      for (int64_t h0 = 0; h0 < num_heads; h0 += kHeadTile)
-        score_token(q.data(), k_blk + j * row, h0, std::min(kHeadTile, num_heads - h0), group,
-                    head_dim, scores.data(), seq_len, t0 + j);
-  }
-  for (int64_t h = 0; h < num_heads; ++h) softmax(scores.data() + h * seq_len, seq_len);
-  std::fill(out, out + num_heads * head_dim, 0.f);
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const float* v_blk = v_base + table[t0 / block_size] * block_size * row;
-    const int64_t nt = std::min(block_size, seq_len - t0);
-    for (int64_t j = 0; j < nt; ++j) {
-      const float* v_tok = v_blk + j * row;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const float p = scores[h * seq_len + t0 + j];
-        const float* v = v_tok + (h / group) * head_dim;
-        float* o = out + h * head_dim;
-        for (int64_t i = 0; i < head_dim; i += 8) store8(o + i, load8(o + i) + p * load8(v + i));
-      }
-    }
-  }
-}
-
 }  // namespace
-
-void paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale, torch::Tensor out) {
-  const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
-  const int64_t kv_heads = kv_cache.size(3);
-  const int64_t max_blocks = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const float* k_base = kv_cache.data_ptr<float>();
-  const float* v_base = k_base + num_blocks * block_size * kv_heads * head_dim;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  TORCH_CHECK(head_dim % 8 == 0, "paged_decode_attention: head_dim must be a multiple of 8");
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_scaled, scores;
-    for (int64_t i = begin; i < end; ++i)
-      attend_one(qp + i * num_heads * head_dim, k_base, v_base, tables + i * max_blocks, lens[i],
-                 block_size, num_heads, kv_heads, head_dim, static_cast<float>(scale),
-                 op + i * num_heads * head_dim, q_scaled, scores);
-  });
-}
 
 namespace {
 
@@ -288,8 +123,267 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
   return out;
 }
 
+// ---- fused elementwise ops of a decoder layer (float32 or bfloat16; compute in float32) ------
+//
+// Contracts (checked by tokenweir/model/layers.py): every tensor contiguous, on CPU, float32 or
+// bfloat16, all of one dtype; norm weight [hidden].
+namespace {
+
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float x) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Elements of one row as float32, whatever the storage.
+template <typename T>
+struct Row;
+template <>
+struct Row<float> {
+  static void load(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+  static void store(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+};
+template <>
+struct Row<uint16_t> {
+  static void load(const uint16_t* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+  }
+  static void store(const float* src, uint16_t* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  }
+};
+
+constexpr int64_t kRowsPerTask = 16;
+
+// Rounds like one elementwise op in storage type T would (identity for float32): the fused ops
+// match the unfused torch ops bit for bit in float32 and nearly so in bfloat16.
+template <typename T>
+inline float rd(float x) {
+  if constexpr (std::is_same<T, float>::value) return x;
+  else return bf16_to_float(float_to_bf16(x));
+}
+
+// out[t] = silu(gate_up[t, :I]) * gate_up[t, I:].
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t b, int64_t e) {
+    std::vector<float> g(inter), u(inter);
+    for (int64_t t = b; t < e; ++t) {
+      Row<T>::load(gu + t * 2 * inter, g.data(), inter);
+      Row<T>::load(gu + t * 2 * inter + inter, u.data(), inter);
+      for (int64_t i = 0; i < inter; ++i) g[i] = rd<T>(g[i] / (1.f + std::exp(-g[i]))) * u[i];
+      Row<T>::store(g.data(), out + t * inter, inter);
+    }
+  });
+}
+
+// residual[t] += x[t] (when x is given); out[t] = rmsnorm(residual[t]) * weight, statistics in
+// float32. With bfloat16 storage the sum is rounded to bfloat16 before the norm, as the unfused
+// `x + residual` then `norm` would.
+template <typename T>
+void add_rmsnorm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows,
+                      int64_t hidden, float eps) {
+  std::vector<float> w(hidden);
+  Row<T>::load(weight, w.data(), hidden);
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t b, int64_t e) {
+    std::vector<float> r(hidden), a(hidden);
+    for (int64_t t = b; t < e; ++t) {
+      Row<T>::load(residual + t * hidden, r.data(), hidden);
+      if (x != nullptr) {
+        Row<T>::load(x + t * hidden, a.data(), hidden);
+        for (int64_t i = 0; i < hidden; ++i) r[i] += a[i];
+        Row<T>::store(r.data(), residual + t * hidden, hidden);
+        Row<T>::load(residual + t * hidden, r.data(), hidden);  // the stored (rounded) sum
+      }
+      float ss = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) ss += r[i] * r[i];
+      const float inv = 1.f / std::sqrt(ss / float(hidden) + eps);
+      // transformers: weight * (normed, rounded to the activation dtype)
+      for (int64_t i = 0; i < hidden; ++i) a[i] = rd<T>(r[i] * inv) * w[i];
+      Row<T>::store(a.data(), out + t * hidden, hidden);
+    }
+  });
+}
+
+// In place on x [T, heads, D] (a row stride of `stride` elements between tokens): rotate-half
+// RoPE with cos/sin [max_pos, D/2] float32 tables at positions[t].
+template <typename T>
+void rotary_rows(T* x, int64_t rows, int64_t stride, int64_t heads, int64_t d,
+                 const int64_t* positions, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t b, int64_t e) {
+    std::vector<float> v(d);
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cos + positions[t] * half;
+      const float* s = sin + positions[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* p = x + t * stride + h * d;
+        Row<T>::load(p, v.data(), d);
+        float o[512];
+        for (int64_t i = 0; i < half; ++i) {
+          const float ci = rd<T>(c[i]), si = rd<T>(s[i]);
+          o[i] = rd<T>(v[i] * ci) - rd<T>(v[i + half] * si);
+          o[i + half] = rd<T>(v[i + half] * ci) + rd<T>(v[i] * si);
+        }
+        Row<T>::store(o, p, d);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16)
+    silu_mul_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr()),
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), rows, inter);
+  else
+    silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+  return out;
+}
+
+// Returns the normed rows; `residual` is updated in place (+= x) when x is defined.
+torch::Tensor add_rmsnorm(c10::optional<torch::Tensor> x, torch::Tensor residual,
+                          torch::Tensor weight, double eps) {
+  auto out = torch::empty_like(residual);
+  const int64_t rows = residual.size(0), hidden = residual.size(1);
+  if (residual.scalar_type() == at::kBFloat16) {
+    auto p = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    add_rmsnorm_rows<uint16_t>(x ? p(*x) : nullptr, p(residual), p(weight), p(out), rows,
+                               hidden, float(eps));
+  } else {
+    add_rmsnorm_rows<float>(x ? x->data_ptr<float>() : nullptr, residual.data_ptr<float>(),
+                            weight.data_ptr<float>(), out.data_ptr<float>(), rows, hidden,
+                            float(eps));
+  }
+  return out;
+}
+
+// x: a [T, >= heads * D] view whose rows are `x.stride(0)` apart (q and k of the fused qkv).
+void rotary_inplace(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Tensor positions,
+                    torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(head_dim <= 512 && head_dim % 2 == 0, "rotary_inplace: head_dim");
+  const int64_t rows = x.size(0), stride = x.stride(0);
+  if (x.scalar_type() == at::kBFloat16)
+    rotary_rows(reinterpret_cast<uint16_t*>(x.data_ptr()), rows, stride, heads, head_dim,
+                positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
+  else
+    rotary_rows(x.data_ptr<float>(), rows, stride, heads, head_dim,
+                positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+namespace {
+
+// The widest instruction set this CPU runs among those compiled: "avx512", "avx2" or "" (none:
+// the caller uses the torch path). TOKENWEIR_CPU_ISA=avx2 forces the narrower one.
+std::string cpu_isa() {
+  __builtin_cpu_init();
+  const char* forced = std::getenv("TOKENWEIR_CPU_ISA");
+  const std::string want = forced ? forced : "";
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
+  if (want == "avx2") return avx2 ? "avx2" : "";
+  if (want == "avx512" || want.empty()) return avx512 ? "avx512" : (avx2 ? "avx2" : "");
+  return "";
+}
+
+struct WorkItem {
+  int64_t req, row_begin, row_end;
+};
+
+// Query rows per work item of a prefill chunk: each K/V block is read from memory once per item
+// and reused, from L2, by its rows' tiles; the scores of 16 rows x 9 heads x 1k keys ~ 0.6 MB.
+constexpr int64_t kPrefillRowsPerItem = 16;
+
+// Runs of query rows of every listed request: decodes are one item each; a prefill chunk is cut
+// into runs of `rows` rows.
+std::vector<WorkItem> work_items(const int64_t* reqs, int64_t n_reqs, const int64_t* starts,
+                                 int64_t rows) {
+  std::vector<WorkItem> items;
+  for (int64_t i = 0; i < n_reqs; ++i) {
+    const int64_t r = reqs[i], q_len = starts[r + 1] - starts[r];
+    for (int64_t b = 0; b < q_len; b += rows) items.push_back({r, b, std::min(q_len, b + rows)});
+  }
+  return items;
+}
+
+// Runs every work item, in parallel; `attend` is one ISA's attend_item<T>, Scratch its scratch.
+template <typename Scratch, typename G, typename T, typename Fn>
+void run_paged(const G& g, const T* q, T* out, torch::Tensor& block_tables,
+               const int64_t* starts, const int64_t* seq_lens,
+               const std::vector<WorkItem>& items, Fn attend) {
+  const int64_t per_row = g.num_heads * g.head_dim, max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t b, int64_t e) {
+    Scratch scratch;
+    for (int64_t i = b; i < e; ++i) {
+      const WorkItem& it = items[i];
+      const int64_t q_len = starts[it.req + 1] - starts[it.req];
+      attend(g, tables + it.req * max_blocks, q + starts[it.req] * per_row,
+             out + starts[it.req] * per_row, seq_lens[it.req] - q_len, it.row_begin,
+             it.row_end, scratch);
+    }
+  });
+}
+
+// One ISA namespace's kernel (NS::Paged, NS::Scratch, NS::attend_item, NS::kMaxTile) on the
+// tensors of paged_attention, element type T.
+#define TW_RUN_PAGED(NS, T)                                                                    \
+  do {                                                                                         \
+    const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);       \
+    const int64_t d = kv_cache.size(4);                                                        \
+    const T* k_base = reinterpret_cast<const T*>(kv_cache.data_ptr());                         \
+    NS::Paged<T> g{k_base, k_base + nb * bs * kvh * d, bs, q.size(1), kvh, d,                  \
+                   static_cast<float>(scale)};                                                 \
+    const int64_t* starts = query_start_loc.data_ptr<int64_t>();                               \
+    const auto items = work_items(req_ids.data_ptr<int64_t>(), req_ids.numel(), starts,       \
+                                  kPrefillRowsPerItem);                                        \
+    run_paged<NS::Scratch>(g, reinterpret_cast<const T*>(q.data_ptr()),                        \
+                           reinterpret_cast<T*>(out.data_ptr()), block_tables, starts,         \
+                           seq_lens.data_ptr<int64_t>(), items, &NS::attend_item<T>);          \
+  } while (0)
+
+}  // namespace
+
+// Causal attention of the listed requests' query rows over their paged context, in place.
+// Contract (checked by tokenweir/model/attention.py): q, out [T, H, D] and kv_cache
+// [2, num_blocks, block_size, KVH, D] contiguous, all float32 or all bfloat16, D % 8 == 0 (16
+// on AVX-512); block_tables int64 [B, max_blocks]; query_start_loc int64 [B + 1]; seq_lens int64
+// [B] (context after this step); req_ids int64 [n], the requests to attend. Rows of other
+// requests in out are left untouched. `isa` is cpu_isa()'s answer (or a narrower one).
+void paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor req_ids,
+                     double scale, torch::Tensor out, std::string isa) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_attention: float32 or bfloat16");
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "paged_attention: q, kv_cache and out must share a dtype");
+  TORCH_CHECK(kv_cache.size(4) % (isa == "avx512" ? 16 : 8) == 0,
+              "paged_attention: head_dim must be a multiple of the vector width");
+  if (isa == "avx512" && bf16) TW_RUN_PAGED(isa_avx512, uint16_t);
+  else if (isa == "avx512") TW_RUN_PAGED(isa_avx512, float);
+  else if (isa == "avx2" && bf16) TW_RUN_PAGED(isa_avx2, uint16_t);
+  else if (isa == "avx2") TW_RUN_PAGED(isa_avx2, float);
+  else TORCH_CHECK(false, "paged_attention: unsupported isa '", isa, "'");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cpu_isa", &cpu_isa, "widest compiled instruction set this CPU runs ('' = none)");
+  m.def("paged_attention", &paged_attention,
+        "causal attention over a block-paged KV cache, read in place (float32/bfloat16, CPU)");
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (float32, CPU)");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a block-paged KV cache (float32, CPU)");
+  m.def("silu_mul", &silu_mul, "silu(x[:, :I]) * x[:, I:] (float32/bfloat16, CPU)");
+  m.def("add_rmsnorm", &add_rmsnorm, "residual += x; return rmsnorm(residual) * weight",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rotary_inplace", &rotary_inplace, "rotate-half RoPE of the leading heads, in place");
 }

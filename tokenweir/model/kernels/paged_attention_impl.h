@@ -1,0 +1,226 @@
+// Paged attention that reads K/V blocks in place (no gather), for decodes AND prefill chunks
+// with a cached prefix. Torch-free: included by cpu_kernels.cpp once per instruction set, inside
+// a namespace and a `#pragma GCC target` region, with TW_W = floats per vector (8: AVX2,
+// 16: AVX-512). No include guard on purpose.
+//
+// Element type T of q, the cache and out: float, or uint16_t holding bfloat16 bits. Compute is
+// float32 throughout (bf16 is widened by a 16-bit shift, rounded to nearest-even on store).
+//
+// Work item = (request, a run of its query rows), every head. Its query vectors ((row, head)
+// pairs) are grouped by kv head (GQA) into tiles of up to kMaxTile that share each K/V row
+// load. Row r of a request with `ctx` tokens cached before the chunk attends keys [0, ctx + r]
+// (causal). Both passes walk the blocks in order and run every tile on a block while it is
+// cache-hot, so each block is read from memory once per pass.
+
+constexpr int kMaxTile = 6;  // query vectors per tile: accumulators + loads fit 16 registers
+
+typedef float vf __attribute__((vector_size(TW_W * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(TW_W * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(TW_W * 4), aligned(4)));
+
+inline vf load_vec(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline vf load_vec(const uint16_t* p) {
+  const vu wide = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu) << 16;
+  vf out;
+  __builtin_memcpy(&out, &wide, sizeof out);
+  return out;
+}
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < TW_W; ++i) s += v[i];
+  return s;
+}
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+inline void store_elem(float* p, float x) { *p = x; }
+inline void store_elem(uint16_t* p, float x) {  // round to nearest even (no NaN inputs here)
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, 4);
+  *p = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Geometry of one call, shared by every work item.
+template <typename T>
+struct Paged {
+  const T* k_base;  // cache[0]: [num_blocks, block_size, kv_heads, head_dim]
+  const T* v_base;  // cache[1]
+  int64_t block_size, num_heads, kv_heads, head_dim;
+  float scale;
+  int64_t row() const { return kv_heads * head_dim; }  // elements per token in a block
+};
+
+// A tile: N query vectors sharing one kv head. q (scaled) and out are [N, head_dim] float32;
+// scores [N, stride].
+struct Tile {
+  int64_t kv_head;
+  const float* q;
+  float* out;
+  float* scores;
+};
+
+// scores[n, t0 + j] = q_n . k_j for the nt tokens of one block (k_blk at the tile's kv head).
+template <int N, typename T>
+void score_block(const T* k_blk, int64_t nt, int64_t row, int64_t d, const float* q,
+                 float* scores, int64_t stride) {
+  for (int64_t j = 0; j < nt; ++j) {
+    const T* k = k_blk + j * row;
+    vf acc[N] = {};
+    for (int64_t i = 0; i < d; i += TW_W) {
+      const vf kv = load_vec(k + i);
+      for (int n = 0; n < N; ++n) acc[n] += load_vec(q + n * d + i) * kv;
+    }
+    for (int n = 0; n < N; ++n) scores[n * stride + j] = hsum(acc[n]);
+  }
+}
+
+// out[n, :] += sum_j p[n, j] * v_j over one block, CH vectors of head_dim at a time.
+template <int N, int CH, typename T>
+void value_block(const T* v_blk, int64_t nt, int64_t row, int64_t d, const float* p,
+                 int64_t stride, float* out) {
+  for (int64_t c = 0; c < d; c += CH * TW_W) {
+    vf acc[N][CH];
+    for (int n = 0; n < N; ++n)
+      for (int u = 0; u < CH; ++u) acc[n][u] = load_vec(out + n * d + c + u * TW_W);
+    for (int64_t j = 0; j < nt; ++j) {
+      vf v[CH];
+      for (int u = 0; u < CH; ++u) v[u] = load_vec(v_blk + j * row + c + u * TW_W);
+      for (int n = 0; n < N; ++n) {
+        const float w = p[n * stride + j];
+        for (int u = 0; u < CH; ++u) acc[n][u] += w * v[u];
+      }
+    }
+    for (int n = 0; n < N; ++n)
+      for (int u = 0; u < CH; ++u)
+        *reinterpret_cast<vf*>(out + n * d + c + u * TW_W) = acc[n][u];
+  }
+}
+
+// In place: s[0, len) -> softmax, s[len, max_len) -> 0.
+inline void masked_softmax(float* s, int64_t len, int64_t max_len) {
+  float m = s[0];
+  for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = __builtin_expf(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  for (int64_t t = len; t < max_len; ++t) s[t] = 0.f;
+}
+
+// Blocks sit at unrelated addresses: ask for the next one's first lines early.
+template <typename T>
+inline void prefetch_block(const T* base, const int64_t* table, int64_t t_next, int64_t max_len,
+                           int64_t block_size, int64_t row) {
+  if (t_next >= max_len) return;
+  const char* p = reinterpret_cast<const char*>(base + table[t_next / block_size] * block_size * row);
+  for (int i = 0; i < 16; ++i) __builtin_prefetch(p + 64 * i);
+}
+
+// Both passes over the blocks, every tile per block (a block is read once while cache-hot).
+template <int N, typename T>
+void tile_scores(const Paged<T>& g, const T* k_blk, int64_t nt, const Tile& tile, int64_t stride) {
+  score_block<N>(k_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.q,
+                 tile.scores, stride);
+}
+
+template <int N, typename T>
+void tile_values(const Paged<T>& g, const T* v_blk, int64_t nt, const Tile& tile, int64_t stride) {
+  if (g.head_dim % (4 * TW_W) == 0 && N <= 3)
+    value_block<N, 4>(v_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.scores,
+                      stride, tile.out);
+  else if (g.head_dim % (2 * TW_W) == 0)
+    value_block<N, 2>(v_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.scores,
+                      stride, tile.out);
+  else
+    value_block<N, 1>(v_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.scores,
+                      stride, tile.out);
+}
+
+template <typename T, bool kScores>
+void tile_pass(const Paged<T>& g, const T* blk, int64_t nt, const Tile& tile, int n,
+               int64_t stride) {
+  switch (n) {
+#define TW_CASE(K) \
+    case K: kScores ? tile_scores<K>(g, blk, nt, tile, stride) : tile_values<K>(g, blk, nt, tile, stride); break;
+    TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6)
+#undef TW_CASE
+  }
+}
+
+// Scratch of one thread: the item's scaled queries, scores and float32 outputs.
+struct Scratch {
+  std::vector<float> q, scores, out;
+  std::vector<Tile> tiles;
+  std::vector<int> sizes;
+  std::vector<int64_t> lens, dest;  // per vector: keys attended, element offset in out
+};
+
+// Lays out the item's vectors kv head by kv head, (row, member) pairs in order, cut into tiles
+// of <= kMaxTile; fills s.lens / s.dest and the scaled float32 queries.
+template <typename T>
+void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64_t r1,
+               int64_t stride, Scratch& s) {
+  const int64_t d = g.head_dim, group = g.num_heads / g.kv_heads;
+  const int64_t nv = (r1 - r0) * g.num_heads;
+  s.q.resize(nv * d);
+  s.out.assign(nv * d, 0.f);
+  s.scores.resize(nv * stride);
+  s.lens.resize(nv);
+  s.dest.resize(nv);
+  s.tiles.clear();
+  s.sizes.clear();
+  int64_t v = 0;
+  for (int64_t kh = 0; kh < g.kv_heads; ++kh) {
+    const int64_t first = v;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t m = 0; m < group; ++m, ++v) {
+        s.lens[v] = ctx + r + 1;
+        s.dest[v] = (r * g.num_heads + kh * group + m) * d;
+        for (int64_t i = 0; i < d; ++i) s.q[v * d + i] = to_float(q_req[s.dest[v] + i]) * g.scale;
+      }
+    for (int64_t t = first; t < v; t += kMaxTile) {
+      s.tiles.push_back({kh, s.q.data() + t * d, s.out.data() + t * d, s.scores.data() + t * stride});
+      s.sizes.push_back(int(std::min<int64_t>(kMaxTile, v - t)));
+    }
+  }
+}
+
+// One work item: query rows [r0, r1) of one request (q_req / out_req point at its row 0),
+// `ctx` tokens cached before its row 0, every head.
+template <typename T>
+void attend_item(const Paged<T>& g, const int64_t* table, const T* q_req, T* out_req,
+                 int64_t ctx, int64_t r0, int64_t r1, Scratch& s) {
+  const int64_t max_len = ctx + r1, bs = g.block_size, row = g.row();
+  plan_item(g, q_req, ctx, r0, r1, max_len, s);
+  const size_t nt_tiles = s.tiles.size();
+  for (int64_t t0 = 0; t0 < max_len; t0 += bs) {
+    const T* blk = g.k_base + table[t0 / bs] * bs * row;
+    prefetch_block(g.k_base, table, t0 + bs, max_len, bs, row);
+    for (size_t i = 0; i < nt_tiles; ++i) {
+      Tile tile = s.tiles[i];
+      tile.scores += t0;
+      tile_pass<T, true>(g, blk, std::min(bs, max_len - t0), tile, s.sizes[i], max_len);
+    }
+  }
+  for (size_t v = 0; v < s.lens.size(); ++v)
+    masked_softmax(s.scores.data() + v * max_len, s.lens[v], max_len);
+  for (int64_t t0 = 0; t0 < max_len; t0 += bs) {
+    const T* blk = g.v_base + table[t0 / bs] * bs * row;
+    prefetch_block(g.v_base, table, t0 + bs, max_len, bs, row);
+    for (size_t i = 0; i < nt_tiles; ++i) {
+      Tile tile = s.tiles[i];
+      tile.scores += t0;
+      tile_pass<T, false>(g, blk, std::min(bs, max_len - t0), tile, s.sizes[i], max_len);
+    }
+  }
+  const int64_t d = g.head_dim;
+  for (size_t v = 0; v < s.dest.size(); ++v)
+    for (int64_t i = 0; i < d; ++i) store_elem(out_req + s.dest[v] + i, s.out[v * d + i]);
+}
