@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tokenweir.model import attention as A  # noqa: E402
 from tokenweir.model import kernels  # noqa: E402
@@ -192,12 +193,28 @@ def bench_overhead(dtype: torch.dtype, repeats: int) -> None:
             with torch.inference_mode():
                 h = model(torch.tensor([5]), torch.tensor([500]), meta, caches)
                 model.compute_logits(h)
-        return best_of({"step": step}, repeats)["step"]
+        counter = _OpCounter()
+        with counter:
+            step()
+        return best_of({"step": step}, repeats)["step"], counter.ops
 
-    real = step_time(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB)
-    floor = step_time(16, 2, 1, 16, 16, 64)
+    real, ops = step_time(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB)
+    floor, _ = step_time(16, 2, 1, 16, 16, 64)
+    print(f"{ops} aten ops per step (a load-independent count; C++ kernel calls not included)")
     print(f"real step {real * 1e3:.2f} ms; same graph at width 16 {floor * 1e3:.2f} ms "
           f"-> Python/dispatch ~{100 * floor / real:.0f}% of a batch-1 decode step")
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
