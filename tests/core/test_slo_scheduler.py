@@ -9,7 +9,7 @@ import pytest
 
 from tests.core.harness import FakeRunner, expected_output, make_request, make_scheduler
 from tokenweir.core.sched import slo
-from tokenweir.core.sched.scheduler import SLO_BETWEEN_STEPS, SLO_MID_STEP
+from tokenweir.core.outputs import SLO_BETWEEN_STEPS, SLO_MID_STEP
 from tokenweir.request import RequestStatus
 
 SECONDS_PER_TOKEN = 0.001  # the scripted clock: a step takes 1 ms per scheduled token

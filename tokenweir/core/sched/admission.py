@@ -9,16 +9,16 @@ stops admission for the step.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from tokenweir.config import SchedulerConfig
 from tokenweir.core.kv_cache_manager import KVCacheManager
-from tokenweir.core.outputs import SchedulerStats
-from tokenweir.core.sched.policies import SchedulingPolicy
 from tokenweir.core.sched.policy import full_sequence_fits, num_tokens_to_schedule
-from tokenweir.core.sched.queues import RequestQueue
 from tokenweir.core.sched.step_plan import PartialPrefills, StepPlan
 from tokenweir.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tokenweir.core.sched.scheduler import Scheduler
 
 
 def check_pool_fits_one_sequence(kv: KVCacheManager, max_model_len: int) -> None:
@@ -43,42 +43,42 @@ def check_budget_fits_one_sequence(config: SchedulerConfig, max_model_len: int) 
 
 
 class Admission:
-    """Shares the scheduler's `running` list (appends admissions) and waiting queue."""
+    """Moves requests from the scheduler's waiting queue to its `running` list (read from the
+    scheduler on each call: the simulator may rebind `running` and `config` around a step)."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
-                 running: list[Request], waiting: RequestQueue, stats: SchedulerStats,
-                 max_model_len: int) -> None:
-        self.config, self.kv, self.policy, self.stats = config, kv, policy, stats
-        self.running, self.waiting, self.max_model_len = running, waiting, max_model_len
-        self.watermark_blocks = int(config.watermark * kv.num_usable_blocks)
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched, self.kv = sched, sched.kv
+        self.watermark_blocks = int(sched.config.watermark * sched.kv.num_usable_blocks)
 
-    def admit_waiting(self, sched, plan: StepPlan) -> None:
+    def admit_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in queue order until one does not fit."""
-        if plan.preempted or not self.waiting:
+        sched = self.sched
+        waiting, running, max_num_seqs = sched.waiting, sched.running, sched.config.max_num_seqs
+        if plan.preempted or not waiting:
             return
-        num_partial = PartialPrefills(self.running, plan.paused)
-        max_num_seqs = self.config.max_num_seqs
-        while self.waiting and plan.token_budget > 0 and not plan.prefills_closed:
-            if 0 < max_num_seqs <= len(self.running):
+        num_partial = PartialPrefills(running, plan.paused)
+        while waiting and plan.token_budget > 0 and not plan.prefills_closed:
+            if 0 < max_num_seqs <= len(running):
                 break
-            request = self.waiting.peek()
+            request = waiting.peek()
             if request.request_id in plan.paused:
                 break  # vetoed by the policy: it and what sorts after it wait
             admitted = self._try_admit(request, plan, num_partial)
             if admitted is None:
                 break
             num_tokens, block_ids = admitted
-            self.waiting.pop()
+            waiting.pop()
             if num_tokens < request.num_tokens - request.num_computed_tokens:
                 num_partial.add_one()
-            self._admit(request, plan.now)
+            _admit(request, plan.now, running)
             plan.add(request, num_tokens, block_ids, is_new=True)
-            self.policy.on_scheduled(sched, request, plan)
+            sched.policy.on_scheduled(sched, request, plan)
 
     def _try_admit(self, request: Request, plan: StepPlan,
                    num_partial: PartialPrefills) -> Optional[tuple[int, list[int]]]:
         """(tokens this step, new block ids) for the queue head, or None with nothing changed."""
-        reserved = self.watermark_blocks if self.running else 0
+        config = self.sched.config
+        reserved = self.watermark_blocks if self.sched.running else 0
         if self.kv.is_swapped(request.request_id):
             return self._try_swap_in(request, plan, num_partial, reserved)
         hits = self.kv.get_computed_blocks(request)
@@ -87,8 +87,8 @@ class Admission:
                                  num_partial)
         if num_tokens == 0:
             return None
-        if self.config.scheduler_reserve_full_isl:
-            full_len = min(request.max_num_tokens, self.max_model_len)
+        if config.scheduler_reserve_full_isl:
+            full_len = min(request.max_num_tokens, self.sched.max_model_len)
             needed = self.kv.num_blocks_to_admit(full_len, hits)
             if not full_sequence_fits(needed, self.kv.num_free_blocks, reserved):
                 return None
@@ -111,24 +111,26 @@ class Admission:
         if swap_in is None:
             return None
         plan.swap_in.extend(swap_in.copies)
-        self.stats.num_swapped_in += 1
-        self.stats.blocks_swapped_in += len(swap_in.copies)
+        self.sched.stats.num_swapped_in += 1
+        self.sched.stats.blocks_swapped_in += len(swap_in.copies)
         return num_tokens, swap_in.block_ids
 
     def _chunk(self, owed: int, token_budget: int, num_partial: PartialPrefills) -> int:
         """Tokens the queue head gets this step out of `owed`, or 0 if it must keep waiting."""
-        if not self.config.enable_chunked_prefill:
+        config = self.sched.config
+        if not config.enable_chunked_prefill:
             return owed if owed <= token_budget else 0  # whole or not at all: no threshold
-        num_tokens = num_tokens_to_schedule(
-            owed, token_budget, self.config.long_prefill_token_threshold)
-        if num_tokens < owed and num_partial.value() >= self.config.max_num_partial_prefills:
+        num_tokens = num_tokens_to_schedule(owed, token_budget,
+                                            config.long_prefill_token_threshold)
+        if num_tokens < owed and num_partial.value() >= config.max_num_partial_prefills:
             return 0
         return num_tokens
 
-    def _admit(self, request: Request, now: float) -> None:
-        request.status = RequestStatus.RUNNING
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = now
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = request.num_computed_tokens
-        self.running.append(request)
+
+def _admit(request: Request, now: float, running: list[Request]) -> None:
+    request.status = RequestStatus.RUNNING
+    if request.first_scheduled_time is None:
+        request.first_scheduled_time = now
+    if request.num_cached_tokens < 0:
+        request.num_cached_tokens = request.num_computed_tokens
+    running.append(request)

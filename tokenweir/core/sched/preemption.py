@@ -9,27 +9,24 @@ and stop admissions for the step; a policy's pause or cut (SLO_* causes) always 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from tokenweir.config import SchedulerConfig
-from tokenweir.core.kv_cache_manager import KVCacheManager
-from tokenweir.core.outputs import MEMORY, SchedulerStats
-from tokenweir.core.sched.policies import VictimPolicy
-from tokenweir.core.sched.policy import SWAP, PreemptionCosts, PreemptionPlan, plan_preemption
-from tokenweir.core.sched.queues import RequestQueue
+from tokenweir.core.outputs import MEMORY
+from tokenweir.core.sched.policy import SWAP, PreemptionPlan, plan_preemption
 from tokenweir.core.sched.step_plan import StepPlan
 from tokenweir.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from tokenweir.core.sched.scheduler import Scheduler
+
 
 class Preemption:
-    """Shares the scheduler's `running` list and waiting queue (mutating them in place) and its
-    stats; `costs` may be replaced once measured."""
+    """Moves requests from the scheduler's `running` list back to its waiting queue (both
+    read from the scheduler on each call: the simulator may rebind `running` and `config`
+    around a step), as are the costs (measured ones may replace the defaults)."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, costs: PreemptionCosts,
-                 victim_policy: VictimPolicy, running: list[Request], waiting: RequestQueue,
-                 stats: SchedulerStats) -> None:
-        self.config, self.kv, self.costs, self.victim_policy = config, kv, costs, victim_policy
-        self.running, self.waiting, self.stats = running, waiting, stats
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched, self.kv = sched, sched.kv
         self.preempted_ids: set[str] = set()  # since the last step's output
 
     def allocate_or_preempt(self, request: Request, num_tokens: int,
@@ -40,8 +37,8 @@ class Preemption:
             block_ids = self.kv.allocate_slots(request, num_tokens)
             if block_ids is not None:
                 return block_ids
-            victim = self.victim_policy.choose(self.running, request,
-                                               lambda r: self.plan_for(r).seconds)
+            victim = self.sched.victim_policy.choose(self.sched.running, request,
+                                                     lambda r: self.plan_for(r).seconds)
             self.preempt(victim, plan)
             if victim is request:
                 return None
@@ -50,28 +47,29 @@ class Preemption:
         """Swap or recompute, and what it costs; prefix-cache blocks shared with other holders
         survive a recompute and are not counted as lost."""
         footprint = self.kv.preemption_footprint(request)
-        return plan_preemption(self.config.preemption_mode, footprint.lost_tokens,
-                               footprint.swappable_blocks, footprint.can_swap, self.costs)
+        return plan_preemption(self.sched.config.preemption_mode, footprint.lost_tokens,
+                               footprint.swappable_blocks, footprint.can_swap, self.sched.costs)
 
     def preempt(self, request: Request, plan: StepPlan, cause: str = MEMORY,
                 count_cause: bool = True) -> None:
         """Send a running request back to the waiting queue."""
-        self.running.remove(request)
+        stats = self.sched.stats
+        self.sched.running.remove(request)
         plan.drop(request)
         if cause == MEMORY and self.plan_for(request).action == SWAP:
             pairs = self.kv.swap_out(request)
             plan.swap_out.extend(pairs)
-            self.stats.num_swapped_out += 1
-            self.stats.blocks_swapped_out += len(pairs)
+            stats.num_swapped_out += 1
+            stats.blocks_swapped_out += len(pairs)
         else:
             self.kv.free(request)
             request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.stats.num_preemptions += 1
+        stats.num_preemptions += 1
         if count_cause:
-            self.stats.preemptions_by_cause[cause] += 1
-        self.waiting.prepend(request)
+            stats.preemptions_by_cause[cause] += 1
+        self.sched.waiting.prepend(request)
         if cause == MEMORY:
             plan.preempted.append(request)
         self.preempted_ids.add(request.request_id)

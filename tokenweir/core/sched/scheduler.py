@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from tokenweir.config import SchedulerConfig
-from tokenweir.core import outputs
 from tokenweir.core.kv_cache_manager import KVCacheManager
+# EngineCoreOutput, SchedulerStats and the causes are also imported from here (older paths).
 from tokenweir.core.outputs import (PREEMPTION_CAUSES, SLO_BETWEEN_STEPS, SLO_MID_STEP,  # noqa: F401
-                                    EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                    SchedulerOutput, SchedulerStats)
+                                    EngineCoreOutput, ModelRunnerOutput, SchedulerOutput,
+                                    SchedulerStats)
 from tokenweir.core.sched import admission, stats as count
 from tokenweir.core.sched.integrity import check_integrity
 from tokenweir.core.sched.policies import Pause, SchedulingPolicy, VictimPolicy, make_policies
@@ -32,8 +32,6 @@ from tokenweir.core.sched.step_plan import StepPlan
 from tokenweir.core.sched.stop import fast_length_cap, stop_status
 from tokenweir.request import Request, RequestStatus
 
-MEMORY = outputs.MEMORY
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
@@ -42,54 +40,26 @@ class Scheduler:
                  victim_policy: Optional[VictimPolicy] = None) -> None:
         """`policy` / `victim_policy`: objects to use; by default those the config names."""
         config.validate()
-        self._config, self.kv, self.max_model_len = config, kv_cache_manager, max_model_len
+        self.config, self.kv, self.max_model_len = config, kv_cache_manager, max_model_len
         admission.check_pool_fits_one_sequence(self.kv, max_model_len)
         admission.check_budget_fits_one_sequence(config, max_model_len)
-        costs = costs or PreemptionCosts()
+        self.costs = costs = costs or PreemptionCosts()  # the engine may set measured ones
         if policy is None or victim_policy is None:
             default_policy, default_victim = make_policies(config, costs)
             policy, victim_policy = policy or default_policy, victim_policy or default_victim
         self.policy, self.victim_policy = policy, victim_policy
         self.waiting = policy.make_waiting_queue()
-        self._running: list[Request] = []  # in the order the running pass serves them
+        # In the order the running pass serves them. `running` and `config` may be rebound
+        # (the simulator hides a pipeline's in-flight requests around one schedule()).
+        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Request id -> the length the decode fast path of update_from_output stays below
         # (stop.fast_length_cap); read per token instead of the request's own params.
         self._fast_length_cap: dict[str, int] = {}
         self._finished_since_last_step: set[str] = set()
         self.stats = SchedulerStats()
-        self.admission = admission.Admission(config, self.kv, policy, self._running,
-                                             self.waiting, self.stats, max_model_len)
+        self.admission, self.preemption = admission.Admission(self), Preemption(self)
         self.watermark_blocks = self.admission.watermark_blocks
-        self.preemption = Preemption(config, self.kv, costs, victim_policy, self._running,
-                                     self.waiting, self.stats)
-
-    # `running` and `config` may be rebound (the simulator hides a pipeline's in-flight
-    # requests, and lowers max_num_seqs, around one schedule()): the phases follow.
-    @property
-    def running(self) -> list[Request]:
-        return self._running
-
-    @running.setter
-    def running(self, running: list[Request]) -> None:
-        self._running = self.admission.running = self.preemption.running = running
-
-    @property
-    def config(self) -> SchedulerConfig:
-        return self._config
-
-    @config.setter
-    def config(self, config: SchedulerConfig) -> None:
-        self._config = self.admission.config = self.preemption.config = config
-
-    @property
-    def costs(self) -> PreemptionCosts:
-        return self.preemption.costs
-
-    @costs.setter
-    def costs(self, costs: PreemptionCosts) -> None:
-        """Measured rates replace the defaults (the engine measures after building)."""
-        self.preemption.costs = costs
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -144,15 +114,15 @@ class Scheduler:
             self._pause(pause, plan)
         if self.config.prioritize_prefill:
             self._schedule_running(plan, prefills=True, decodes=False)
-            self.admission.admit_waiting(self, plan)
+            self.admission.admit_waiting(plan)
             self._schedule_running(plan, prefills=False, decodes=True)
         else:
             self._schedule_running(plan, prefills=True, decodes=True)
-            self.admission.admit_waiting(self, plan)
+            self.admission.admit_waiting(plan)
         victim = self.policy.victim_to_free(self, plan)
         if victim is not None:
             self.preemption.preempt(victim, plan, SLO_BETWEEN_STEPS, count_cause=False)
-            self.admission.admit_waiting(self, plan)
+            self.admission.admit_waiting(plan)
         output = self._make_output(plan)
         self.policy.end_step(self, output, now)
         return output
@@ -210,23 +180,12 @@ class Scheduler:
             i += 1
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
-        new_reqs = [NewRequestData(
-            req_id=r.request_id, token_ids=list(r.all_token_ids),
-            num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
-            block_ids=self.kv.block_ids(r.request_id), num_computed_tokens=r.num_computed_tokens,
-        ) for r in plan.new_reqs]
         total = sum(plan.num_scheduled.values())
         assert total <= self.config.max_num_batched_tokens
         count.count_step(self.stats, plan.num_chunked, total)
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        return SchedulerOutput(  # the running requests' CachedRequestData is built when read
-            scheduled_new_reqs=new_reqs, num_scheduled_tokens=plan.num_scheduled,
-            total_num_scheduled_tokens=total, cached_req_ids=plan.cached_req_ids,
-            cached_num_computed_tokens=plan.cached_num_computed,
-            new_block_ids=plan.new_block_ids,
-            preempted_req_ids=self.preemption.take_preempted_ids(),
-            finished_req_ids=finished, step_id=self.stats.num_steps,
-            blocks_to_swap_in=plan.swap_in, blocks_to_swap_out=plan.swap_out)
+        return plan.to_output(self.kv, total, self.stats.num_steps,
+                              self.preemption.take_preempted_ids(), finished)
 
     # ---- update ------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,

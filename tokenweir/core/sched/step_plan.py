@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.outputs import NewRequestData, SchedulerOutput
 from tokenweir.core.sched.policy import is_prefilling
 from tokenweir.request import Request
 
@@ -49,6 +51,23 @@ class StepPlan:
         if stops_short_of_prompt(request, num_tokens):
             self.num_chunked += 1
         self.token_budget -= num_tokens
+
+    def to_output(self, kv: KVCacheManager, total_tokens: int, step_id: int,
+                  preempted_ids: set[str], finished_ids: set[str]) -> SchedulerOutput:
+        """The step as the runner sees it; new requests in full (every block they hold), the
+        running ones as diffs (their CachedRequestData is built when read)."""
+        new_reqs = [NewRequestData(
+            req_id=r.request_id, token_ids=list(r.all_token_ids),
+            num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
+            block_ids=kv.block_ids(r.request_id), num_computed_tokens=r.num_computed_tokens,
+        ) for r in self.new_reqs]
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs, num_scheduled_tokens=self.num_scheduled,
+            total_num_scheduled_tokens=total_tokens, cached_req_ids=self.cached_req_ids,
+            cached_num_computed_tokens=self.cached_num_computed,
+            new_block_ids=self.new_block_ids, preempted_req_ids=preempted_ids,
+            finished_req_ids=finished_ids, step_id=step_id,
+            blocks_to_swap_in=self.swap_in, blocks_to_swap_out=self.swap_out)
 
     def drop(self, request: Request) -> None:
         """Undo `add` for a request preempted later in the same step."""
