@@ -213,7 +213,7 @@ def sim_one(name, load, items, model, shape, hardware, budget, max_len, args) ->
     sim = build_simulation(kwargs, specs, model_shape=shape.name, hardware=hardware.name,
                            latency_model=model, record_itl=False)
     if name == LINEAR_VARIANT:
-        sim.scheduler.ttft_predictor = fit_ttft(model, budget, max_len, quadratic=False)[0]
+        sim.scheduler.policy.ttft_predictor = fit_ttft(model, budget, max_len, quadratic=False)[0]
     result = sim.run()
     by_id = {f"r{it.index}": it for it in items}
     ttfts = [(by_id[r.request_id],

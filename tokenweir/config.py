@@ -8,6 +8,7 @@ Field names follow vLLM's engine arguments wherever vLLM has one.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -61,6 +62,15 @@ class CacheConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
 
 
+_POLICY_CLASS = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def _is_policy_name(name: str, builtins: tuple[str, ...]) -> bool:
+    """A built-in policy name, or `package.module:Class` (imported when the scheduler is
+    built, core/sched/policies/__init__.py)."""
+    return name in builtins or bool(_POLICY_CLASS.match(name))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "token budget of one step")
@@ -70,8 +80,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = _f(
         0, "most tokens one request may prefill in a step (0 = only the budget caps it)")
     max_num_partial_prefills: int = _f(1, "most requests mid-prefill (chunked) at once")
-    scheduling_policy: str = _f("fcfs", "waiting-queue order and victim choice",
-                                choices=SCHEDULING_POLICIES)
+    scheduling_policy: str = _f(
+        "fcfs", "waiting-queue order, preempt gate and admission veto: fcfs, priority, slo, or "
+        "a policy class of your own as package.module:Class (core/sched/policies/base.py)")
     watermark: float = _f(
         0.01, "fraction of KV blocks new admissions may not take while requests run")
     scheduler_reserve_full_isl: bool = _f(
@@ -82,8 +93,8 @@ class SchedulerConfig:
         "recompute", "what a victim loses: recompute (drop its KV), swap (copy it to host), "
         "or auto (the cheaper, by measured rates)", choices=PREEMPTION_MODES)
     preemption_policy: Optional[str] = _f(
-        None, "victim choice: fcfs, priority, or cost (least work lost); default: the "
-        "scheduling policy", choices=PREEMPTION_POLICIES)
+        None, "victim choice: fcfs, priority, cost (least work lost), or a victim policy class "
+        "of your own as package.module:Class; default: the scheduling policy's (fcfs for slo)")
     max_preemptions: int = _f(
         3, "under the cost policy, a request preempted this many times becomes immune")
     slo_preempt_gate: str = _f(
@@ -129,17 +140,18 @@ class SchedulerConfig:
         if self.max_num_partial_prefills < 1:
             raise ValueError(
                 f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
+        if not _is_policy_name(self.scheduling_policy, SCHEDULING_POLICIES):
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} or "
+                             f"'package.module:Class', got {self.scheduling_policy!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
-        if self.preemption_policy not in (None, *PREEMPTION_POLICIES):
-            raise ValueError(f"preemption_policy must be one of {PREEMPTION_POLICIES}, "
-                             f"got {self.preemption_policy!r}")
+        if self.preemption_policy is not None and \
+                not _is_policy_name(self.preemption_policy, PREEMPTION_POLICIES):
+            raise ValueError(f"preemption_policy must be one of {PREEMPTION_POLICIES} or "
+                             f"'package.module:Class', got {self.preemption_policy!r}")
         if self.max_preemptions < 1:
             raise ValueError(f"max_preemptions must be >= 1, got {self.max_preemptions}")
         self._validate_slo()

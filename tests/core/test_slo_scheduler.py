@@ -9,7 +9,7 @@ import pytest
 
 from tests.core.harness import FakeRunner, expected_output, make_request, make_scheduler
 from tokenweir.core.sched import slo
-from tokenweir.core.sched.scheduler import SLO_BETWEEN_STEPS, SLO_MID_STEP
+from tokenweir.core.outputs import SLO_BETWEEN_STEPS, SLO_MID_STEP
 from tokenweir.request import RequestStatus
 
 SECONDS_PER_TOKEN = 0.001  # the scripted clock: a step takes 1 ms per scheduled token
@@ -18,7 +18,7 @@ SECONDS_PER_TOKEN = 0.001  # the scripted clock: a step takes 1 ms per scheduled
 def slo_scheduler(**config):
     config.setdefault("max_num_batched_tokens", 512)
     scheduler = make_scheduler(scheduling_policy="slo", **config)
-    scheduler.ttft_predictor = slo.TTFTPredictor(a=SECONDS_PER_TOKEN, c=0.0)
+    scheduler.policy.ttft_predictor = slo.TTFTPredictor(a=SECONDS_PER_TOKEN, c=0.0)
     return scheduler
 
 
@@ -241,7 +241,7 @@ def test_a_cut_victim_is_predicted_from_what_it_left_in_the_prefix_cache():
     for caching in (True, False):
         scheduler = make_scheduler(scheduling_policy="slo", max_num_batched_tokens=512,
                                    enable_prefix_caching=caching)
-        scheduler.ttft_predictor = slo.TTFTPredictor(a=0.001, c=0.0, b=1e-7)
+        scheduler.policy.ttft_predictor = slo.TTFTPredictor(a=0.001, c=0.0, b=1e-7)
         runner = FakeRunner()
         victim = make_request("victim", 1938, 4)
         scheduler.add_request(victim)
@@ -252,11 +252,11 @@ def test_a_cut_victim_is_predicted_from_what_it_left_in_the_prefix_cache():
         cut_execute(runner, out)
         scheduler.roll_back_cut_step(out, "victim", layers_run=10, num_layers=30)
         assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
-        predicted[caching] = scheduler._slo_predicted_ttft(victim)
+        predicted[caching] = scheduler.policy.predicted_ttft(scheduler, victim)
         if caching:  # probe: admission really finds those 1024 tokens again
             out = scheduler.schedule()
             assert victim.num_computed_tokens == 1024 and out.num_scheduled_tokens["victim"] == 512
-    p = scheduler.ttft_predictor
+    p = scheduler.policy.ttft_predictor
     assert predicted[True] == pytest.approx(p.predict(914, computed_tokens=1024))
     assert predicted[False] == pytest.approx(p.predict(1938))
 
@@ -315,4 +315,4 @@ def test_configured_quadratic_ttft_term_reaches_the_predictor():
     scheduler = make_scheduler(scheduling_policy="slo", slo_ttft_a_ms_per_token=2.0,
                                slo_ttft_b_us_per_token2=1.0, slo_ttft_c_ms=50.0)
     # 1000 tokens: 2 ms * 1000 + 1 us * 1000^2 + 50 ms = 3.05 s (the line alone: 2.05 s)
-    assert abs(scheduler.ttft_predictor.predict(1000) - 3.05) < 1e-9
+    assert abs(scheduler.policy.ttft_predictor.predict(1000) - 3.05) < 1e-9

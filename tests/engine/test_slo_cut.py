@@ -116,12 +116,12 @@ def test_stale_target_step_never_cuts_a_later_step(tiny_llama):
     runner = engine.core.executor
     signal = CutSignal(num_layers=2, layer_fraction=0.9)
     runner.cut_signal = signal
-    monitor = SLOMonitor(engine.scheduler, signal, engine.core.pending_arrivals,
+    monitor = SLOMonitor(engine.scheduler.policy, signal, engine.core.pending_arrivals,
                          engine.core.clock)
     long_req, text = engine.make_request({"prompt_token_ids": list(range(3, 203))}, PARAMS)
     engine.add_request(long_req, text)
     engine.step()  # step N: a prefill chunk of the long request
-    stale_id = engine.scheduler.slo_snapshot.step_id
+    stale_id = engine.scheduler.policy.slo_snapshot.step_id
     urgent, text = engine.make_request({"prompt_token_ids": list(range(5, 15))}, PARAMS,
                                        ttft_slo_ms=20_000.0)  # 10 s of work, 20 s to go
     engine.submit_request(urgent, text)
@@ -129,7 +129,7 @@ def test_stale_target_step_never_cuts_a_later_step(tiny_llama):
     assert order is not None and order.step_id == stale_id  # probe: the gate did fire
     engine.step()  # step N+1
     assert engine.scheduler.stats.slo_cut_steps == 0
-    assert engine.scheduler.slo_snapshot.step_id == stale_id + 1
+    assert engine.scheduler.policy.slo_snapshot.step_id == stale_id + 1
     # positive control: an order naming the step in flight cuts it
     signal.order(CutOrder(stale_id + 2, long_req.request_id, urgent.request_id, 0.0))
     engine.step()
@@ -164,7 +164,7 @@ def test_monitor_thread_cuts_a_real_model_prefill(make_llm):
     def submit_when_the_prefill_runs() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            snap = engine.scheduler.slo_snapshot
+            snap = engine.scheduler.policy.slo_snapshot
             if snap is not None and snap.prefills:
                 break
             time.sleep(0.001)
@@ -212,12 +212,12 @@ def test_async_engine_arrival_cuts_the_step_in_flight(make_llm):
     async def main() -> tuple[list[int], list[int], int]:
         front.start()
         long_queue = await front.add(long_prompt, params, "long")
-        while not (engine.scheduler.slo_snapshot and engine.scheduler.slo_snapshot.prefills):
+        while not (engine.scheduler.policy.slo_snapshot and engine.scheduler.policy.slo_snapshot.prefills):
             await asyncio.sleep(0.001)
-        in_flight = engine.scheduler.slo_snapshot.step_id
+        in_flight = engine.scheduler.policy.slo_snapshot.step_id
         await asyncio.sleep(0.02)
         short_queue = await front.add(short_prompt, params, "urgent", ttft_slo_ms=1000.0)
-        step_when_added = engine.scheduler.slo_snapshot.step_id
+        step_when_added = engine.scheduler.policy.slo_snapshot.step_id
         waits_in_inbox = [r.request_id for r in engine.core.pending_arrivals()]
         outs = []
         for name, queue in (("long", long_queue), ("urgent", short_queue)):

@@ -9,6 +9,10 @@ once the step that computed them has run (`register_computed_blocks`, called fro
 scheduler's update), so a hit never reads K/V that was planned but not written.
 `get_computed_blocks` finds the longest run of a new request's leading full blocks in the map.
 
+The scheduler reads this manager only through its public methods and the typed answers below
+(`ComputedBlocks`, `PreemptionFootprint`, `SwapIn`), never through blocks' ref counts or the
+manager's bookkeeping (tests/core/test_kv_api.py holds it to that).
+
 Swap: `swap_out` moves a request's blocks to a bounded host pool (ids only: the runner copies
 the bytes) and frees its device blocks; `swap_in` does the reverse.
 """
@@ -30,6 +34,52 @@ def cdiv(a: int, b: int) -> int:
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up at admission
     hits: int = 0  # of those, tokens served from the cache
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """A new request's prefix-cache hit (vLLM's KVCacheBlocks plays this role): pass it back
+    to `allocate_slots` unchanged; the blocks inside are the manager's business."""
+
+    blocks: tuple[KVBlock, ...]
+    block_size: int
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, leading: slice) -> "ComputedBlocks":
+        """The leading hits only (`hits[:n]`)."""
+        return ComputedBlocks(self.blocks[leading], self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    @property
+    def num_evictable(self) -> int:
+        """Hits sitting in the free list: taking them costs free blocks like new ones do."""
+        return sum(1 for b in self.blocks if b.ref_cnt == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionFootprint:
+    """What preempting a running request would lose or move."""
+
+    lost_tokens: int  # computed tokens a recompute loses (shared blocks survive it)
+    swappable_blocks: int  # blocks a swap would move (all but the leading shared run)
+    can_swap: bool  # the host pool has room for them (and there is something to move)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapIn:
+    """A swapped-out request brought back: copies to make, and the block ids it got."""
+
+    copies: list[tuple[int, int]]  # (host block, device block) pairs, before the step
+    block_ids: list[int]  # the copied-in device blocks, then the new ones for its next tokens
 
 
 class HostBlockPool:
@@ -69,6 +119,7 @@ class KVCacheManager:
         self.registration_behind: set[str] = set()
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self.prefix_stats = PrefixCacheStats()
+        self._no_hits = ComputedBlocks((), block_size)
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -104,11 +155,11 @@ class KVCacheManager:
         return min(shared * self.block_size, request.num_computed_tokens)
 
     # ---- prefix cache ------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest run of the request's leading full blocks already cached. At least one
         token is always left to compute (the step must produce logits). Takes no reference."""
         if not self.enable_prefix_caching:
-            return []
+            return self._no_hits
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -119,7 +170,12 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = (block.block_id, block.generation)
-        return hits
+        return ComputedBlocks(tuple(hits), self.block_size)
+
+    def num_blocks_to_admit(self, num_tokens: int, computed: ComputedBlocks) -> int:
+        """Free blocks an admission holding `num_tokens` would take, `computed` included (a
+        hit in the free list takes one; a hit held by another request takes none)."""
+        return self.blocks_for_tokens(num_tokens) - computed.num_blocks + computed.num_evictable
 
     def _key(self, parent: tuple[int, int], tokens: list[int], k: int) -> BlockKey:
         bs = self.block_size
@@ -146,6 +202,13 @@ class KVCacheManager:
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
 
+    def has_lagging_registrations(self) -> bool:
+        """True while some request's published blocks lag its computed full blocks although no
+        step filled a block (after a swap-out). While False, `register_computed_blocks` has
+        work only for a request whose computed tokens crossed a block boundary this step;
+        while True, calling it for any request is safe (it does nothing when nothing lags)."""
+        return bool(self.registration_behind)
+
     def needs_registration(self, request: Request, num_new_tokens: int) -> bool:
         """False only when `register_computed_blocks` would do nothing after a step that added
         `num_new_tokens` to the request's computed tokens: no block filled, none lagging."""
@@ -155,7 +218,7 @@ class KVCacheManager:
 
     # ---- allocation --------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Optional[list[KVBlock]] = None,
+                       computed_blocks: Optional[ComputedBlocks] = None,
                        reserved_blocks: int = 0) -> Optional[list[int]]:
         """Room for `num_new_tokens` after the request's computed ones, or None (nothing changed).
 
@@ -166,7 +229,8 @@ class KVCacheManager:
         """
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
-        if not computed_blocks and held is not None:  # the hot path: a running request grows
+        if held is not None and (computed_blocks is None or not computed_blocks.blocks):
+            # the hot path: a running request grows
             needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) \
                 - len(held)  # cdiv(tokens, block_size) - held, inlined
             if needed <= 0:
@@ -176,7 +240,7 @@ class KVCacheManager:
             new_blocks = self.pool.get_new_blocks(needed)
             held.extend(new_blocks)
             return [b.block_id for b in new_blocks]
-        hits = computed_blocks or []
+        hits = list(computed_blocks.blocks) if computed_blocks is not None else []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
         needed = cdiv(total, self.block_size) - (len(held) if held else 0) - len(hits)
@@ -224,6 +288,12 @@ class KVCacheManager:
     def can_swap_out(self, request: Request) -> bool:
         return 0 < self.num_swappable_blocks(request) <= self.host_pool.num_free_blocks
 
+    def preemption_footprint(self, request: Request) -> PreemptionFootprint:
+        swappable = self.num_swappable_blocks(request)
+        return PreemptionFootprint(
+            request.num_computed_tokens - self.num_shared_tokens(request), swappable,
+            0 < swappable <= self.host_pool.num_free_blocks)
+
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's unshared blocks to host blocks; returns (device id, host id) pairs
         to copy before the device blocks are reused. The shared leading blocks stay held.
@@ -259,6 +329,23 @@ class KVCacheManager:
         self.num_registered.setdefault(rid, 0)
         self.host_pool.free(host_ids)
         return [(h, b.block_id) for h, b in zip(host_ids, blocks)]
+
+    def readmit_swapped(self, request: Request, num_new_tokens: int,
+                        reserved_blocks: int = 0) -> Optional[SwapIn]:
+        """Bring a swapped-out request back and give it room for `num_new_tokens` after its
+        computed ones, or None (nothing changed) when the pool cannot keep `reserved_blocks`
+        free after both."""
+        rid = request.request_id
+        swapped, kept = self.num_swapped_blocks(rid), self.num_held_blocks(rid)
+        total = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
+        if max(swapped, total - kept) > self.num_free_blocks - reserved_blocks:
+            return None
+        copies = self.swap_in(request, reserved_blocks)
+        assert copies is not None
+        new_block_ids = self.allocate_slots(request, num_new_tokens,
+                                            reserved_blocks=reserved_blocks)
+        assert new_block_ids is not None
+        return SwapIn(copies, [device for _, device in copies] + new_block_ids)
 
     # ---- checks ------------------------------------------------------------------------
     def check_integrity(self) -> None:

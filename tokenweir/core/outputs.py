@@ -1,4 +1,9 @@
-"""The only objects that cross the scheduler / runner boundary.
+"""Every object that crosses the scheduler's boundary.
+
+To the runner and back: `SchedulerOutput` goes out each step; `ModelRunnerOutput` comes back.
+To the engine: `EngineCoreOutput` per request per step, `SchedulerStats`, and the
+`StepSnapshot` a deadline-aware policy publishes for a monitor thread (with its
+`PrefillView` / `WaiterView` parts).
 
 `SchedulerOutput` goes out each step; `ModelRunnerOutput` comes back. A runner (the real PyTorch
 one or the simulator's) keeps its own per-request state keyed by request id:
@@ -21,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tokenweir.request import SamplingParams
+from tokenweir.request import Request, SamplingParams
 
 
 @dataclass(slots=True)
@@ -111,3 +116,77 @@ class ModelRunnerOutput:
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
+
+
+# ---- to the engine -------------------------------------------------------------------------
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request (new tokens, and whether it finished)."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: Optional[TokenLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+# Preemption causes: blocks ran out (MEMORY); a policy paused or freed a running prefill for a
+# waiter between steps (SLO_BETWEEN_STEPS); a step was cut at a layer boundary (SLO_MID_STEP).
+MEMORY, SLO_BETWEEN_STEPS, SLO_MID_STEP = "memory", "slo-between-steps", "slo-mid-step"
+PREEMPTION_CAUSES = (MEMORY, SLO_BETWEEN_STEPS, SLO_MID_STEP)
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefill_steps: int = 0  # prefill chunks that stopped short of the prompt's end
+    prompt_tokens: int = 0
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
+    generation_tokens: int = 0
+    last_iteration_tokens: int = 0
+    num_swapped_out: int = 0  # preemptions that swapped (requests)
+    num_swapped_in: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    # Preemption events by cause (PREEMPTION_CAUSES). `num_preemptions` counts the requests
+    # sent back to the waiting queue, whatever the cause.
+    preemptions_by_cause: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(PREEMPTION_CAUSES, 0))
+    slo_cut_steps: int = 0
+    slo_wasted_layer_tokens: int = 0  # sum over cut steps of tokens x layers run, discarded
+    slo_total_layer_tokens: int = 0  # sum over cut steps of tokens x all layers
+    # TTFT attainment per request class (the request's priority, as a string): [met, missed]
+    slo_attainment: dict[str, list[int]] = field(default_factory=dict)
+
+
+# ---- to a monitor thread (deadline-aware policies) -------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    """A running prefill as the gate needs it (immutable: safe to read from another thread)."""
+
+    request_id: str
+    deadline: Optional[float]  # None: no TTFT target, or its first token already came
+    owed_tokens: int  # still to prefill (before the step in flight, for a snapshot)
+    num_slo_preemptions: int
+    computed_tokens: int = 0  # already in the cache (the owed tokens attend to them)
+
+
+@dataclass(frozen=True, slots=True)
+class WaiterView:
+    request_id: str
+    deadline: Optional[float]
+    owed_tokens: int
+    computed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepSnapshot:
+    """What a deadline-aware policy publishes after planning step `step_id` (an atomic
+    reference swap): the step's prefills (the cut candidates) and the waiting requests in EDF
+    order."""
+
+    step_id: int
+    started_at: float
+    predicted_seconds: float
+    prefills: tuple[PrefillView, ...]
+    waiters: tuple[WaiterView, ...]

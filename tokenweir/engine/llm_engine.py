@@ -128,7 +128,7 @@ class LLMEngine:
             logger.info("measured preemption costs: %s", scheduler.costs)
         self.core = EngineCore(scheduler, runner)
         self.slo_monitor: Optional[SLOMonitor] = None
-        if scheduler.slo_enabled:
+        if scheduler.policy.deadline_aware:
             self._start_slo(config, scheduler, runner, loaded.arch.num_layers)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -138,15 +138,15 @@ class LLMEngine:
 
     def _start_slo(self, config: EngineConfig, scheduler: Scheduler, runner,
                    num_layers: int) -> None:
-        """slo policy: the TTFT predictor, and (mid-step cuts on) the cut signal the runner
-        obeys plus the monitor thread that writes it."""
-        scheduler.ttft_predictor = resolve_ttft_predictor(config.scheduler,
-                                                          runner.measure_ttft_line)
-        logger.info("slo TTFT predictor: %s", scheduler.ttft_predictor)
+        """A deadline-aware policy: its TTFT predictor, and (mid-step cuts on) the cut signal
+        the runner obeys plus the monitor thread that writes it."""
+        policy = scheduler.policy
+        policy.ttft_predictor = resolve_ttft_predictor(config.scheduler, runner.measure_ttft_line)
+        logger.info("slo TTFT predictor: %s", policy.ttft_predictor)
         if config.scheduler.slo_mid_step_cut:
             signal = CutSignal(num_layers, config.scheduler.slo_cut_layer_fraction)
             runner.cut_signal = signal
-            self.slo_monitor = SLOMonitor(scheduler, signal, self.core.pending_arrivals,
+            self.slo_monitor = SLOMonitor(policy, signal, self.core.pending_arrivals,
                                           self.core.clock, wake=self.core.arrival_event).start()
 
     def submit_request(self, request: Request, prompt: Optional[str]) -> None:

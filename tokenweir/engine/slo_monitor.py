@@ -1,8 +1,8 @@
 """The SLO monitor: a daemon thread that decides, while a step runs, whether to cut it.
 
-It reads only immutable things: the scheduler's latest `StepSnapshot` (replaced whole after
-each schedule(), an atomic reference read), the requests that arrived since (a copy of the
-engine core's thread-safe inbox), and the scheduler's config and TTFT predictor. When the gate
+It reads only immutable things: the deadline-aware policy's latest `StepSnapshot` (replaced
+whole after each schedule(), an atomic reference read), the requests that arrived since (a copy
+of the engine core's thread-safe inbox), and the policy's config and TTFT predictor. When the gate
 fires for the step in flight it writes one `CutOrder` naming that step's id; the runner obeys at
 its next attention-layer boundary (runner/interrupt.py). It never touches scheduler state:
 the rollback happens on the engine thread, after the runner has unwound.
@@ -29,10 +29,10 @@ class SLOMonitor:
     takes the GIL from the engine thread, and polling every 0.5 ms made CPU steps 10-20%
     slower; a layer boundary is milliseconds apart, a prefill chunk hundreds of them."""
 
-    def __init__(self, scheduler, signal: CutSignal, arrivals: Callable[[], Sequence[Request]],
+    def __init__(self, policy, signal: CutSignal, arrivals: Callable[[], Sequence[Request]],
                  clock: Callable[[], float] = time.monotonic, poll_seconds: float = 0.02,
                  wake: Optional[threading.Event] = None) -> None:
-        self.scheduler = scheduler
+        self.policy = policy  # a deadline-aware scheduling policy (policies/slo.py)
         self.signal = signal
         self.arrivals = arrivals  # requests submitted but not yet handed to the scheduler
         self.clock = clock
@@ -70,7 +70,7 @@ class SLOMonitor:
 
     def check_once(self, now: float) -> Optional[CutOrder]:
         """One look at the step in flight; issues (and returns) at most one order per step."""
-        snapshot = self.scheduler.slo_snapshot
+        snapshot = self.policy.slo_snapshot
         if snapshot is None or not snapshot.prefills or \
                 snapshot.step_id == self._last_ordered_step:
             return None
@@ -78,8 +78,8 @@ class SLOMonitor:
             slo.WaiterView(r.request_id, r.ttft_deadline, r.num_tokens)
             for r in self.arrivals())
         rest_of_step = max(0.0, snapshot.predicted_seconds - (now - snapshot.started_at))
-        decision, waiter_id = self.scheduler.slo_decide(snapshot.prefills, waiters, now,
-                                                        rest_of_step)
+        decision, waiter_id = self.policy.slo_decide(snapshot.prefills, waiters, now,
+                                                     rest_of_step)
         if not decision.fire:
             return None
         order = CutOrder(snapshot.step_id, decision.victim_id, waiter_id, now)

@@ -30,7 +30,7 @@ class SimStepCutter:
         self.num_layers = num_layers
         self.signal = CutSignal(num_layers, layer_fraction)
         self.arrived: list[Request] = []  # arrivals since the step in flight was scheduled
-        self.monitor = SLOMonitor(scheduler, self.signal, lambda: self.arrived)
+        self.monitor = SLOMonitor(scheduler.policy, self.signal, lambda: self.arrived)
         self._step: Optional[tuple[float, float, SchedulerOutput]] = None
         runner.keep_undo = True
 
@@ -104,20 +104,20 @@ def _weighted_least_squares(rows: list[list[float]], ys: list[float],
 
 def setup_slo(config, scheduler, runner: SimRunner, latency_model, max_model_len: int,
               quadratic: bool = True) -> Optional[SimStepCutter]:
-    """slo policy: the TTFT predictor (explicit coefficients or profile, else fitted to the
-    latency model: quadratic unless told otherwise), the step-time model, and, with mid-step
-    cuts on, the cutter; None otherwise."""
-    sched = config.scheduler
-    if sched.scheduling_policy != "slo":
+    """A deadline-aware policy (slo, or a user's that says so): the TTFT predictor (explicit
+    coefficients or profile, else fitted to the latency model: quadratic unless told
+    otherwise), the step-time model, and, with mid-step cuts on, the cutter; None otherwise."""
+    sched, policy = config.scheduler, scheduler.policy
+    if not policy.deadline_aware:
         return None
-    scheduler.step_latency_model = latency_model  # the step in flight: as long as it will be
+    policy.step_latency_model = latency_model  # the step in flight: as long as it will be
     explicit = sched.slo_ttft_profile or (sched.slo_ttft_a_ms_per_token is not None
                                           and sched.slo_ttft_c_ms is not None)
     if hasattr(latency_model, "step_time") and not explicit:
-        scheduler.ttft_predictor = fit_ttft(latency_model, sched.max_num_batched_tokens,
+        policy.ttft_predictor = fit_ttft(latency_model, sched.max_num_batched_tokens,
                                             max_model_len, quadratic)[0]
     elif explicit:
-        scheduler.ttft_predictor = resolve_ttft_predictor(sched, lambda: (0.0, 0.0))
+        policy.ttft_predictor = resolve_ttft_predictor(sched, lambda: (0.0, 0.0))
     if not sched.slo_mid_step_cut:
         return None
     shape = getattr(latency_model, "shape", None)

@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from tokenweir.core.outputs import PrefillView, StepSnapshot, WaiterView  # noqa: F401
+
 CONSERVATIVE, AGGRESSIVE = "conservative", "aggressive"
 SLO_GATES = (CONSERVATIVE, AGGRESSIVE)
 
@@ -192,35 +194,8 @@ def met_deadline(first_token_time: Optional[float], deadline: Optional[float]) -
 
 
 # ---- from requests to the gate's inputs ------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class PrefillView:
-    """A running prefill as the gate needs it (immutable: safe to read from another thread)."""
-
-    request_id: str
-    deadline: Optional[float]  # None: no TTFT target, or its first token already came
-    owed_tokens: int  # still to prefill (before the step in flight, for a snapshot)
-    num_slo_preemptions: int
-    computed_tokens: int = 0  # already in the cache (the owed tokens attend to them)
-
-
-@dataclass(frozen=True, slots=True)
-class WaiterView:
-    request_id: str
-    deadline: Optional[float]
-    owed_tokens: int
-    computed_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class StepSnapshot:
-    """What the scheduler publishes after planning step `step_id` (an atomic reference swap):
-    the step's prefills (the cut candidates) and the waiting requests in EDF order."""
-
-    step_id: int
-    started_at: float
-    predicted_seconds: float
-    prefills: tuple[PrefillView, ...]
-    waiters: tuple[WaiterView, ...]
+# PrefillView, WaiterView and StepSnapshot cross the scheduler boundary (a monitor thread reads
+# them), so they live in core/outputs.py; imported here for the gate's callers.
 
 
 def evaluate(waiters: Sequence[WaiterView], prefills: Sequence[PrefillView], now: float,
