@@ -43,6 +43,8 @@ sys.path.insert(1, os.path.dirname(_HERE))  # the repo root, for `import tokenwe
 import _peers  # noqa: E402
 import _workload  # noqa: E402
 from tokenweir.bench import serve as bench_serve  # noqa: E402
+from tokenweir.cli.flags import default_namespace  # noqa: E402
+from tokenweir.config import BenchServeConfig  # noqa: E402
 
 THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput")
 LATENCY_NAMES = ("ttft", "tpot", "itl", "e2el")
@@ -118,9 +120,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def bench_namespace(args: argparse.Namespace, base_url: str, **overrides) -> argparse.Namespace:
     """`tokenweir bench serve` arguments for this run: its own defaults, then ours."""
-    parser = argparse.ArgumentParser()
-    bench_serve.add_args(parser, require_target=False)
-    ns = parser.parse_args([])
+    ns = default_namespace(BenchServeConfig)
     ns.base_url, ns.model = base_url, args.model
     for name in ("num_prompts", "input_len", "output_len", "length_dist", "range_ratio",
                  "burstiness", "max_concurrency", "seed", "no_progress"):
@@ -172,7 +172,7 @@ def free_port() -> int:
 
 
 def tokenweir_command(args: argparse.Namespace, port: int) -> list[str]:
-    return [sys.executable, "-m", "tokenweir.server.cli", "serve", args.model,
+    return [sys.executable, "-m", "tokenweir", "serve", args.model,
             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),

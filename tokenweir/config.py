@@ -3,11 +3,28 @@
 Every field's `help` metadata doubles as CLI help: `tokenweir.cli` generates `--flag-name`
 options from these classes, so a new field is a new flag with no hand-written mirror.
 Field names follow vLLM's engine arguments wherever vLLM has one.
+
+The engine configs (model, cache, scheduler, parallel) come first; after them, one config per
+group of command-line flags (generate, serve, bench serve, simulate, sweep, study, calibrate).
+Field metadata the flag generator reads (tokenweir/cli/flags.py), all optional but `help`:
+  help        the flag's help text; "(default: X)" is appended unless it already says one
+  choices     the only values accepted (a hard restriction; a plain `str` field without
+              `choices` accepts any text and leaves checking to `validate()`)
+  choices_from  "module:NAME": the accepted values are the keys of that dict (or that tuple),
+              read when the parser is built (the simulator's shape/hardware/router tables)
+  flag        the option's spelling when it is not `--field-name`; aliases: more spellings
+  positional  an optional positional argument instead of an option
+  switch      a bool that is a bare `--flag` setting True (not `--flag/--no-flag`)
+  repeat      the flag may be given many times, each adding one value (a tuple field)
+  nargs       "*": one flag followed by any number of values (a tuple field)
+  parse       a function text -> value used instead of the field type (ValueError: bad text)
+  metavar, required   as in argparse
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -18,6 +35,9 @@ PREEMPTION_POLICIES = ("fcfs", "priority", "cost")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+# The model every command and `LLM()` use when none is named: an alias model/loader.py resolves.
+DEFAULT_MODEL = "smollm2-135m"
+
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
@@ -25,7 +45,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _f("smollm2-135m", "model: alias, Hugging Face directory or .gguf file")
+    model: str = _f(DEFAULT_MODEL, "model: alias, Hugging Face directory or .gguf file")
     dtype: str = _f("auto", "weights and KV dtype; auto = bfloat16 where the hardware runs it fast, else float32", choices=DTYPES)
     max_model_len: Optional[int] = _f(
         None, "longest prompt + output, in tokens (default: the model's context length)")
@@ -199,6 +219,14 @@ class ParallelConfig:
 
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+ENGINE_FIELD_NAMES = frozenset(f.name for c in CONFIG_CLASSES for f in dataclasses.fields(c))
+
+
+def engine_kwargs(args: Any) -> dict[str, Any]:
+    """The engine fields set on `args` (a parsed command line). The command line leaves an
+    engine flag the user did not give unset, so these are exactly the flags given; every other
+    field keeps its dataclass default when `EngineConfig.from_kwargs` builds the config."""
+    return {k: v for k, v in vars(args).items() if k in ENGINE_FIELD_NAMES}
 
 
 @dataclass(frozen=True)
@@ -232,3 +260,201 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
+
+
+# ---- command-line configs: one class per group of flags (tokenweir/cli generates them) ----
+def int_list(text: str) -> list[int]:
+    """"256,1024" -> [256, 1024] (a flag value listing integers)."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """what to ask and how to sample (`tokenweir generate`)"""
+    prompt: Optional[tuple[str, ...]] = _f(
+        None, "a prompt (repeatable) (default: four built-in questions)", repeat=True)
+    no_chat: bool = _f(False, "send prompts raw, no chat template", switch=True)
+    max_tokens: int = _f(64, "most tokens generated per prompt")
+    temperature: float = _f(0.0, "sampling temperature (0: greedy)")
+    top_p: float = _f(1.0, "nucleus sampling: keep the likeliest tokens up to this probability")
+    top_k: int = _f(0, "sample among the k likeliest tokens (0: no limit)")
+    summary: bool = _f(False, "print the engine summary", switch=True)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """the HTTP server (`tokenweir serve`)"""
+    model_tag: Optional[str] = _f(
+        None, "model (alias, HF directory or .gguf); same as --model", positional=True)
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(8000, "port to listen on")
+    api_key: Optional[str] = _f(
+        None, "require `Authorization: Bearer KEY` on /v1/* (default: $TOKENWEIR_API_KEY)")
+    served_model_name: Optional[tuple[str, ...]] = _f(
+        None, "name(s) clients use for the model (default: the model argument)", repeat=True)
+    max_waiting_requests: Optional[int] = _f(
+        None, "answer 503 + Retry-After while this many requests wait (default: no limit)")
+    drain_timeout: float = _f(30.0, "seconds to let running requests finish on SIGTERM")
+    log_level: str = _f("info", "log level of the server and of uvicorn")
+
+
+@dataclass(frozen=True)
+class BenchServeConfig:
+    """the load generator (`tokenweir bench serve`), against any OpenAI-compatible server"""
+    base_url: Optional[str] = _f(None, "e.g. http://127.0.0.1:8000", required=True)
+    model: Optional[str] = _f(None, "model name sent with every request", required=True)
+    endpoint: str = _f("/v1/completions", "API path; one containing 'chat' sends messages")
+    api_key: Optional[str] = _f(None, "sent as `Authorization: Bearer KEY`")
+    num_prompts: int = _f(100, "requests to send")
+    dataset: Optional[str] = _f(None, "JSONL with a 'prompt' field per line")
+    input_len: int = _f(128, "prompt length in tokens (random token ids; no --dataset)")
+    output_len: int = _f(64, "tokens asked of every request (max_tokens, EOS ignored)")
+    length_dist: str = _f("fixed", "how --input-len/--output-len vary",
+                          choices=("fixed", "uniform", "lognormal"))
+    range_ratio: float = _f(0.5, "uniform: lengths in len*(1±ratio); lognormal: sigma")
+    vocab_size: int = _f(30000, "random prompt token ids are drawn below this")
+    request_rate: float = _f(float("inf"), "requests/s (inf: all at once)")
+    burstiness: float = _f(1.0, "gamma shape: 1 = Poisson, < 1 burstier")
+    max_concurrency: Optional[int] = _f(None, "most requests in flight (default: no limit)")
+    seed: int = _f(0, "seed of the workload and the arrivals")
+    percentiles: str = _f("50,90,99", "percentiles reported, comma-separated")
+    goodput: tuple[str, ...] = _f((), "SLOs like ttft:500 tpot:50 (ms)", nargs="*")
+    save_result: Optional[str] = _f(None, "write the result JSON here")
+    timeout: float = _f(600.0, "seconds one request may take")
+    no_progress: bool = _f(False, "no progress bar", switch=True)
+
+
+@dataclass(frozen=True)
+class SimTargetConfig:
+    """what the simulator models: a model shape on a hardware profile (roofline step times)"""
+    model_shape: str = _f("llama-7b", "model shape the roofline prices",
+                          choices_from="tokenweir.sim.hardware:MODEL_SHAPES")
+    hardware: str = _f("h100", "hardware profile the roofline prices",
+                       choices_from="tokenweir.sim.hardware:HARDWARE_PROFILES")
+    tp: int = _f(1, "tensor-parallel degree", flag="--tensor-parallel-size", aliases=("--tp",))
+
+
+@dataclass(frozen=True)
+class SimulationConfig(SimTargetConfig):
+    """simulation: step times and the workload (`tokenweir simulate` and `tokenweir sweep`)"""
+    profile: Optional[str] = _f(
+        None, "step times from a fitted profile (tokenweir calibrate) instead of the roofline "
+        "of --model-shape/--hardware; single instance only", metavar="PATH")
+    num_requests: int = _f(1000, "requests in the synthetic workload")
+    request_rate: float = _f(math.inf, "requests/s (inf: all at 0)")
+    arrival: str = _f("poisson", "inter-arrival distribution", choices=("poisson", "gamma"))
+    cv: float = _f(1.0, "gamma inter-arrival coefficient of variation")
+    prompt_len: str = _f("lognormal:256:0.8", "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA")
+    output_len: str = _f("lognormal:128:0.8", "output tokens, in the forms of --prompt-len")
+    num_prefix_groups: int = _f(0, "groups of requests sharing a prompt prefix (0: none)")
+    prefix_len: int = _f(0, "tokens shared within a group")
+    priority_mix: Optional[str] = _f(None, "PRIO:WEIGHT,... e.g. 0:0.8,1:0.2")
+    trace: Optional[str] = _f(
+        None, "JSONL workload (arrival, prompt_len, output_len, priority, ttft_slo_ms, "
+        "prefix_group); replaces the synthetic one")
+    save_trace: Optional[str] = _f(None, "write the workload as JSONL here")
+    ttft_slo_ms: Optional[float] = _f(None, "TTFT target for goodput and attainment, ms")
+    tpot_slo_ms: Optional[float] = _f(None, "TPOT target for goodput and attainment, ms")
+
+
+@dataclass(frozen=True)
+class SimulateConfig(SimulationConfig):
+    """one simulation and where its results go (`tokenweir simulate`)"""
+    chrome_trace: Optional[str] = _f(
+        None, "write a Chrome/Perfetto trace JSON here (cluster runs: one process per instance)")
+    json_out: Optional[str] = _f(None, "write the metrics as JSON here", flag="--json")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """cluster (any of these runs the cluster simulator)"""
+    num_instances: int = _f(1, "instances behind the router")
+    router: str = _f("round-robin", "how requests are spread over instances",
+                     choices_from="tokenweir.sim.router:ROUTERS")
+    pp_size: int = _f(1, "pipeline stages per instance: at most this many batches in flight")
+    pd: Optional[str] = _f(
+        None, "prefill/decode disaggregation: P prefill and D decode instances "
+        "(replaces --num-instances)", metavar="P:D")
+    link_gbps: float = _f(100.0, "KV-transfer link into each decode instance, Gbit/s")
+    sessions: int = _f(
+        0, "multi-turn agentic sessions (replace the synthetic requests; they start at "
+        "--request-rate, first prompt --prompt-len, outputs --output-len)")
+    turns: str = _f("fixed:4", "turns per session (length distribution)")
+    turn_prompt_len: str = _f("fixed:64", "new user tokens in each later turn")
+    tool_delay_ms: str = _f(
+        "fixed:500", "tool-call delay before each later turn, ms (length distribution)")
+
+
+@dataclass(frozen=True)
+class SweepConfig(SimulationConfig):
+    """a grid of engine-config values, simulated in parallel (`tokenweir sweep`)"""
+    sets: Optional[tuple[str, ...]] = _f(
+        None, "config field and values (repeatable: grid)", flag="--set", repeat=True,
+        required=True, metavar="FIELD=V1,V2,...")
+    out: str = _f("sweep.csv", "CSV path (a PNG goes beside it when matplotlib is installed)")
+    jobs: int = _f(0, "processes (0: one per CPU)")
+
+
+@dataclass(frozen=True)
+class StudyConfig(SimTargetConfig):
+    """a canned simulator study (`tokenweir study ...`): CSV + PNG + table"""
+    out_dir: str = _f("study-out", "CSV and PNG go here")
+    seed: int = _f(0, "seed of the study's workload")
+    jobs: int = _f(0, "processes (0: one per CPU)")
+
+
+@dataclass(frozen=True)
+class FrontierStudyConfig(StudyConfig):
+    """frontier: one long prompt arrives among steady decodes; one point per chunk size"""
+    long_prompt: int = _f(30000, "tokens of the long prompt")
+    num_decodes: int = _f(32, "steady decoding requests")
+    decode_prompt: int = _f(256, "prompt tokens of each decoding request")
+    decode_output: int = _f(1024, "output tokens of each decoding request")
+    long_arrival: float = _f(0.2, "when the long prompt arrives, seconds")
+    chunks: tuple[int, ...] = _f((256, 512, 1024, 2048, 4096, 8192, 16384),
+                                 "chunk sizes (max_num_batched_tokens), comma-separated",
+                                 parse=int_list)
+
+
+@dataclass(frozen=True)
+class LoadStudyConfig(StudyConfig):
+    """a study over a synthetic workload"""
+    prompt_len: str = _f("lognormal:512:0.5", "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA")
+    output_len: str = _f("lognormal:256:0.5", "output tokens, in the forms of --prompt-len")
+
+
+@dataclass(frozen=True)
+class PoolStudyConfig(LoadStudyConfig):
+    """pool: steps and preemptions vs KV pool size"""
+    num_requests: int = _f(200, "requests in the workload")
+    request_rate: float = _f(math.inf, "requests/s (inf: all at 0)")
+    blocks: Optional[tuple[int, ...]] = _f(
+        None, "pool sizes (default: 10 sizes from the smallest that fits one request to room "
+        "for the whole workload)", parse=int_list)
+
+
+@dataclass(frozen=True)
+class PoliciesStudyConfig(LoadStudyConfig):
+    """policies: victim policies x preemption modes under memory pressure"""
+    num_requests: int = _f(300, "requests in the workload")
+    request_rate: float = _f(8.0, "requests/s (inf: all at 0)")
+    blocks: Optional[int] = _f(
+        None, "pool size (default: 1/16 of what the whole workload needs at once)")
+    priority_mix: str = _f("0:0.3,1:0.7", "PRIO:WEIGHT,... e.g. 0:0.8,1:0.2")
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """timing the real runner for a simulator profile (`tokenweir calibrate`)"""
+    model: str = _f(DEFAULT_MODEL, "alias, HF directory or .gguf file", positional=True)
+    out: str = _f("step_profile.json", "profile JSON path")
+    quick: bool = _f(False, "the 9-point grid (smoke tests)", switch=True)
+    repeats: int = _f(5, "timings per point (median)")
+    threads: int = _f(1, "torch threads while timing (0: torch's default); the engine being "
+                      "modelled must run with the same number")
+    dtype: str = _f("float32", "dtype of the timed model", choices=DTYPES)
+    device: str = _f("cpu", "device of the timed model")
+    block_size: int = _f(16, "tokens per KV cache block")

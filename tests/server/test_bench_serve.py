@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from tokenweir.bench import serve as bench
+from tokenweir.cli.flags import default_namespace
+from tokenweir.config import BenchServeConfig
 
 
 def _args(**overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    bench.add_args(parser, require_target=False)
-    ns = parser.parse_args([])
+    ns = default_namespace(BenchServeConfig)
     for name, value in overrides.items():
         setattr(ns, name, value)
     return ns

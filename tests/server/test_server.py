@@ -35,7 +35,7 @@ def server():
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENWEIR_API_KEY": API_KEY,
            "NO_PROXY": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "tokenweir.server.cli", "serve", MODEL, "--dtype", "float32",
+    cmd = [sys.executable, "-m", "tokenweir", "serve", MODEL, "--dtype", "float32",
            "--max-model-len", "1024", "--num-gpu-blocks-override", "512", "--host",
            "127.0.0.1", "--port", str(port), "--max-waiting-requests", str(MAX_WAITING),
            "--drain-timeout", "10", "--log-level", "warning"]
@@ -403,7 +403,7 @@ def test_load_64_concurrent_streams(server):
 # ---- bench serve -----------------------------------------------------------------------------
 def _bench_serve(server, tmp_path, key, name):
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "tokenweir.server.cli", "bench", "serve", "--base-url",
+    cmd = [sys.executable, "-m", "tokenweir", "bench", "serve", "--base-url",
            server["base"], "--model", MODEL, "--api-key", key, "--num-prompts", "6",
            "--input-len", "16", "--output-len", "4", "--length-dist", "uniform",
            "--request-rate", "20", "--goodput", "ttft:600000", "--save-result", str(out),

@@ -4,14 +4,13 @@ it really happened."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
 import pytest
 
+from tokenweir.cli import main as cli_main
 from tokenweir.sim.build import build_simulation
-from tokenweir.sim.cli import add_subcommands, run
 from tokenweir.sim.cluster import build_cluster, cluster_result_json, summarize_cluster
 from tokenweir.sim.hardware import get_hardware, get_shape
 from tokenweir.sim.latency import RooflineLatencyModel
@@ -28,9 +27,7 @@ def _cluster(specs, sessions=None, **kw):
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tokenweir")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(argv))
+    return cli_main(argv)
 
 
 def _mixed(n: int = 120, seed: int = 3):

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 
 import pytest
 
+from tokenweir.cli import main as cli_main
 from tokenweir.sim.build import build_simulation
-from tokenweir.sim.cli import add_subcommands, parse_sets, run
+from tokenweir.sim.cli import parse_sets
 from tokenweir.sim.trace import chrome_trace_events, write_chrome_trace
 from tokenweir.sim.workload import TraceError, load_trace, save_trace, synthetic
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tokenweir")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(argv))
+    return cli_main(argv)
 
 
 def test_synthetic_workloads_are_seeded():

@@ -3,19 +3,16 @@ workloads on the default 7B/H100 shape keep each a few seconds."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 
-from tokenweir.sim.cli import add_subcommands, run
+from tokenweir.cli import main as cli_main
 from tokenweir.sim.studies import default_pool_grid
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tokenweir")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(argv))
+    return cli_main(argv)
 
 
 def _outputs(out_dir, name):

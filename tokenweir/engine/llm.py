@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from tokenweir.config import EngineConfig
+from tokenweir.config import DEFAULT_MODEL, EngineConfig
 from tokenweir.engine.llm_engine import LLMEngine, PromptType
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import SamplingParams
@@ -17,7 +17,7 @@ Params = Union[SamplingParams, Sequence[SamplingParams], None]
 class LLM:
     """Keyword arguments are vLLM's engine arguments (see `tokenweir.config`)."""
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @classmethod

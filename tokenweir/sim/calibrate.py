@@ -304,24 +304,7 @@ def format_report(profile: dict) -> str:
     return "\n".join(lines)
 
 
-# ---- command line --------------------------------------------------------------------------
-def add_subcommand(subparsers) -> None:
-    p = subparsers.add_parser("calibrate", help="time the real runner over a grid of steps and "
-                              "fit a step-time profile for the simulator")
-    p.add_argument("model", nargs="?", default="smollm2-135m",
-                   help="alias, HF directory or .gguf file (default: smollm2-135m)")
-    p.add_argument("--out", default="step_profile.json", help="profile JSON path")
-    p.add_argument("--quick", action="store_true", help="the 9-point grid (smoke tests)")
-    p.add_argument("--repeats", type=int, default=5, help="timings per point (median)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads while timing (0: torch's default); the engine being "
-                   "modelled must run with the same number")
-    p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16",
-                                                           "float16"))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16)
-
-
+# ---- command line (flags: config.CalibrateConfig) ------------------------------------
 def run(args: argparse.Namespace) -> int:
     def progress(i: int, n: int, point: GridPoint, seconds: float) -> None:
         print(f"  [{i:2d}/{n}] prefill {point.prefill_tokens:4d} on {point.prefill_context:4d}"

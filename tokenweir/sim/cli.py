@@ -1,7 +1,6 @@
-"""`tokenweir simulate`, `tokenweir sweep` and `tokenweir study`.
-
-Wire into tokenweir/cli.py with `add_subcommands(sub)` in build_parser() and
-`if args.command in SIM_COMMANDS: return run(args)` in main().
+"""What `tokenweir simulate`, `tokenweir sweep` and `tokenweir study` run, from the parsed
+command line (tokenweir/cli builds the parser from the config dataclasses; this module never
+imports it).
 """
 
 from __future__ import annotations
@@ -10,85 +9,11 @@ import argparse
 import dataclasses
 import itertools
 import json
-import math
 import sys
 import typing
 from typing import Any, Optional
 
-from tokenweir.config import CONFIG_CLASSES
-from tokenweir.sim.hardware import HARDWARE_PROFILES, MODEL_SHAPES
-
-SIM_COMMANDS = ("simulate", "sweep", "study")
-
-
-def add_subcommands(subparsers) -> None:
-    from tokenweir.cli import add_engine_args
-
-    sim = subparsers.add_parser("simulate", help="simulate serving a workload on a virtual clock")
-    _add_sim_args(sim)
-    sim.add_argument("--chrome-trace", help="write a Chrome/Perfetto trace JSON here "
-                     "(cluster runs: one process per instance)")
-    sim.add_argument("--json", dest="json_out", help="write the metrics as JSON here")
-    _add_cluster_args(sim)
-    add_engine_args(sim)
-    sweep = subparsers.add_parser("sweep", help="simulate a grid of config values in parallel")
-    _add_sim_args(sweep)
-    sweep.add_argument("--set", dest="sets", action="append", required=True,
-                       metavar="FIELD=V1,V2,...", help="config field and values (repeatable: grid)")
-    sweep.add_argument("--out", default="sweep.csv", help="CSV path (a PNG goes beside it "
-                       "when matplotlib is installed)")
-    sweep.add_argument("--jobs", type=int, default=0, help="processes (0: one per CPU)")
-    add_engine_args(sweep)
-    from tokenweir.sim.studies import add_study_parser
-    add_study_parser(subparsers)
-
-
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    from tokenweir.sim.router import ROUTERS
-
-    g = p.add_argument_group("cluster (any of these runs the cluster simulator)")
-    g.add_argument("--num-instances", type=int, default=1, help="instances behind the router")
-    g.add_argument("--router", default="round-robin", choices=ROUTERS)
-    g.add_argument("--pp-size", type=int, default=1,
-                   help="pipeline stages per instance: at most this many batches in flight")
-    g.add_argument("--pd", default=None, metavar="P:D",
-                   help="prefill/decode disaggregation: P prefill and D decode instances "
-                   "(replaces --num-instances)")
-    g.add_argument("--link-gbps", type=float, default=100.0,
-                   help="KV-transfer link into each decode instance, Gbit/s")
-    g.add_argument("--sessions", type=int, default=0,
-                   help="multi-turn agentic sessions (replace the synthetic requests; they "
-                   "start at --request-rate, first prompt --prompt-len, outputs --output-len)")
-    g.add_argument("--turns", default="fixed:4", help="turns per session (length distribution)")
-    g.add_argument("--turn-prompt-len", default="fixed:64",
-                   help="new user tokens in each later turn")
-    g.add_argument("--tool-delay-ms", default="fixed:500",
-                   help="tool-call delay before each later turn, ms (length distribution)")
-
-
-def _add_sim_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("simulation")
-    g.add_argument("--model-shape", default="llama-7b", choices=sorted(MODEL_SHAPES))
-    g.add_argument("--hardware", default="h100", choices=sorted(HARDWARE_PROFILES))
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    g.add_argument("--profile", default=None, metavar="PATH",
-                   help="step times from a fitted profile (tokenweir calibrate) instead of "
-                   "the roofline of --model-shape/--hardware; single instance only")
-    g.add_argument("--num-requests", type=int, default=1000)
-    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at 0)")
-    g.add_argument("--arrival", default="poisson", choices=("poisson", "gamma"))
-    g.add_argument("--cv", type=float, default=1.0, help="gamma inter-arrival coefficient of variation")
-    g.add_argument("--prompt-len", default="lognormal:256:0.8",
-                   help="fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA")
-    g.add_argument("--output-len", default="lognormal:128:0.8")
-    g.add_argument("--num-prefix-groups", type=int, default=0)
-    g.add_argument("--prefix-len", type=int, default=0, help="tokens shared within a group")
-    g.add_argument("--priority-mix", default=None, help="PRIO:WEIGHT,... e.g. 0:0.8,1:0.2")
-    g.add_argument("--trace", help="JSONL workload (arrival, prompt_len, output_len, priority, "
-                   "ttft_slo_ms, prefix_group); replaces the synthetic one")
-    g.add_argument("--save-trace", help="write the workload as JSONL here")
-    g.add_argument("--ttft-slo-ms", type=float, default=None)
-    g.add_argument("--tpot-slo-ms", type=float, default=None)
+from tokenweir.config import CONFIG_CLASSES, engine_kwargs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,7 +34,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenweir.cli import engine_kwargs
     return engine_kwargs(args)
 
 

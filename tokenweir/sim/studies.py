@@ -21,59 +21,12 @@ import math
 import os
 from typing import Any, Optional
 
-from tokenweir.sim.hardware import HARDWARE_PROFILES, MODEL_SHAPES
 from tokenweir.sim.metrics import percentile
 from tokenweir.sim.plots import (format_table, parallel_map, plot_grouped_bars, plot_xy,
                                  write_csv)
 from tokenweir.sim.workload import RequestSpec, synthetic
 
 STUDIES = ("frontier", "pool", "policies")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-
-
-def add_study_parser(subparsers) -> None:
-    study = subparsers.add_parser("study", help="canned simulator studies: CSV + PNG + table")
-    kinds = study.add_subparsers(dest="study", required=True)
-    for name, help_text in (("frontier", "TTFT of a long prompt vs p99 ITL of steady decodes, "
-                                         "one point per chunk size"),
-                            ("pool", "steps and preemptions vs KV pool size (hockey stick)"),
-                            ("policies", "victim policies x preemption modes under memory "
-                                         "pressure")):
-        p = kinds.add_parser(name, help=help_text)
-        p.add_argument("--out-dir", default="study-out", help="CSV and PNG go here")
-        p.add_argument("--model-shape", default="llama-7b", choices=sorted(MODEL_SHAPES))
-        p.add_argument("--hardware", default="h100", choices=sorted(HARDWARE_PROFILES))
-        p.add_argument("--tp", type=int, default=1)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--jobs", type=int, default=0, help="processes (0: one per CPU)")
-        if name == "frontier":
-            p.add_argument("--long-prompt", type=int, default=30000)
-            p.add_argument("--num-decodes", type=int, default=32)
-            p.add_argument("--decode-prompt", type=int, default=256)
-            p.add_argument("--decode-output", type=int, default=1024)
-            p.add_argument("--long-arrival", type=float, default=0.2, help="seconds")
-            p.add_argument("--chunks", type=_ints,
-                           default=[256, 512, 1024, 2048, 4096, 8192, 16384])
-        else:
-            p.add_argument("--num-requests", type=int, default=200 if name == "pool" else 300)
-            p.add_argument("--prompt-len", default="lognormal:512:0.5")
-            p.add_argument("--output-len", default="lognormal:256:0.5")
-            p.add_argument("--request-rate", type=float,
-                           default=math.inf if name == "pool" else 8.0)
-        if name == "pool":
-            p.add_argument("--blocks", type=_ints, default=None,
-                           help="pool sizes (default: 10 sizes from the smallest that fits one "
-                                "request to room for the whole workload)")
-        if name == "policies":
-            p.add_argument("--blocks", type=int, default=None,
-                           help="pool size (default: 1/16 of what the whole workload needs at once)")
-            p.add_argument("--priority-mix", default="0:0.3,1:0.7")
 
 
 def run_study(args: argparse.Namespace) -> int:

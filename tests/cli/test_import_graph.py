@@ -1,0 +1,115 @@
+"""No import circles through the command line: server/ and sim/ never import tokenweir.cli
+(not even inside a function), and no chain of imports between packages leads from cli,
+server or bench back to itself. Every module under tokenweir/ imports, and importing all of
+server/ and sim/ loads no part of the command line."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import tokenweir
+
+PACKAGE = Path(tokenweir.__file__).parent
+ROOT = PACKAGE.parent
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every tokenweir module `path` imports, at the top or inside a function."""
+    name = module_name(path)
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parent = base[:len(base) - node.level + 1]
+                found.add(".".join(parent + ([node.module] if node.module else [])))
+            else:
+                found.add(node.module)
+    return {m for m in found if m and m.split(".")[0] == "tokenweir"}
+
+
+def package_of(module: str) -> str:
+    """tokenweir.sim.cli -> sim; tokenweir.config -> config; tokenweir -> tokenweir."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def named_modules(path: Path) -> set[str]:
+    """Modules named in "tokenweir.module:NAME" strings: the command table's functions and
+    the configs' choices_from, which the command line imports when it needs them."""
+    return {node.value.partition(":")[0] for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and re.fullmatch(r"tokenweir(\.\w+)+:\w+", node.value)}
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        source = package_of(module_name(path))
+        targets = {package_of(m) for m in imported_modules(path)} - {source}
+        graph.setdefault(source, set()).update(targets)
+        # the command line resolves these names (tokenweir/cli/flags.py, parser.py)
+        named = {package_of(m) for m in named_modules(path)}
+        graph.setdefault("cli", set()).update(named - {"cli"})
+    return graph
+
+
+def reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), list(graph.get(start, ()))
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return False
+
+
+def test_server_and_sim_never_import_the_cli():
+    offenders = [str(path.relative_to(ROOT)) for folder in ("server", "sim", "bench")
+                 for path in (PACKAGE / folder).rglob("*.py")
+                 if any(package_of(m) == "cli" for m in imported_modules(path))]
+    assert offenders == []
+
+
+def test_no_package_cycle_passes_through_cli_server_or_bench():
+    graph = package_graph()
+    assert "sim" in graph["cli"] and "server" in graph["cli"]  # probe: the graph sees edges
+    for package in ("cli", "server", "bench"):
+        assert not reaches(graph, package, package), package
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert reaches({"a": {"b"}, "b": {"c"}, "c": {"a"}}, "a", "a")
+    assert not reaches({"a": {"b"}, "b": {"c"}}, "a", "a")
+
+
+def test_every_module_imports_and_server_and_sim_load_no_cli():
+    modules = sorted(module_name(p) for p in PACKAGE.rglob("*.py")
+                     if module_name(p) != "tokenweir.__main__")
+    script = (
+        "import importlib, sys\n"
+        f"modules = {modules!r}\n"
+        "first = [m for m in modules if m.startswith(('tokenweir.server', 'tokenweir.sim'))]\n"
+        "for m in first: importlib.import_module(m)\n"
+        "assert not [m for m in sys.modules if m.startswith('tokenweir.cli')], 'cli loaded'\n"
+        "for m in modules: importlib.import_module(m)\n"
+        "assert 'tokenweir.cli.parser' in sys.modules\n"  # probe: the loop imported them
+        "print(len(modules))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) == len(modules) > 50

@@ -1,0 +1,90 @@
+"""The generated command line against recordings made before it existed (commit b2e2d84, the
+hand-written parsers): the same subcommands, every flag spelling, dest, default, choices,
+type, action and help text (help may only have grown), and the same parsed namespaces for
+README's, the golden configurations' and the tests' command lines. Intended differences are
+listed in CHANGES, one line each, so a new difference fails until it is written down here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flag_table import RECORDING, flag_table  # tests/cli is on sys.path (pytest prepends it)
+from recorded_commands import RECORDING as NAMESPACES, parsed
+from tokenweir.cli import build_parser
+
+RECORDED = json.loads(RECORDING.read_text())
+NOW = flag_table(build_parser())
+
+_TP_IN_SIM = {"dest": "tp", "default": "1", "help": "tensor-parallel degree (default: 1)"}
+# (command, spelling) -> {attribute: value now}: the differences made on purpose.
+CHANGES: dict[tuple[str, str], dict[str, str]] = {
+    # one tensor-parallel flag in the simulator: --tensor-parallel-size (vLLM's name), alias
+    # --tp, both setting `tp`, the degree the roofline uses. Before, simulate and sweep also had
+    # the engine's --tensor-parallel-size, which the simulator ignored.
+    ("tokenweir simulate", "--tensor-parallel-size"): _TP_IN_SIM,
+    ("tokenweir sweep", "--tensor-parallel-size"): _TP_IN_SIM,
+    # the integer-list parser is config.int_list (was studies._ints; same values and message)
+    ("tokenweir study frontier", "--chunks"): {"type": "int_list"},
+    ("tokenweir study pool", "--blocks"): {"type": "int_list"},
+}
+# spellings that did not exist: study gains the simulator's --tensor-parallel-size (alias --tp)
+NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size"}
+                 for s in ("frontier", "pool", "policies")}
+# these two will accept `module:Class` (another change): their choices and help may differ
+POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
+_CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
+
+
+def _by_spelling(flags: dict[str, dict]) -> dict[str, dict]:
+    return {spelling: spec for spec in flags.values() for spelling in spec["aliases"]}
+
+
+def test_the_same_subcommands():
+    assert sorted(NOW) == sorted(RECORDED)
+
+
+@pytest.mark.parametrize("command", sorted(RECORDED))
+def test_every_recorded_flag_survives_with_its_default_choices_and_help(command):
+    now = _by_spelling(NOW[command])
+    for spelling, before in _by_spelling(RECORDED[command]).items():
+        assert spelling in now, f"{command}: {spelling} disappeared"
+        after, changed = now[spelling], CHANGES.get((command, spelling), {})
+        for attr in ("dest", "default", "choices", "nargs", "required", "type", "action",
+                     "metavar"):
+            expected = changed.get(attr, before[attr])
+            if attr == "type" and expected is None and after["action"] in _CONVERTING:
+                expected = "str"  # argparse's default conversion, now written out
+            if attr == "choices" and spelling in POLICY_FLAGS and after[attr] is None:
+                continue
+            assert after[attr] == expected, (command, spelling, attr)
+        _assert_help_kept(command, spelling, before["help"], after["help"], changed)
+
+
+def _assert_help_kept(command, spelling, before: str, after: str, changed: dict) -> None:
+    if "help" in changed:
+        assert after == changed["help"]
+    elif spelling not in POLICY_FLAGS:
+        # a help that names its own default no longer also says "(default: None)"
+        assert before.removesuffix(" (default: None)") in after, (command, spelling)
+
+
+@pytest.mark.parametrize("command", sorted(RECORDED))
+def test_no_flag_appeared_unannounced(command):
+    before = set(_by_spelling(RECORDED[command]))
+    assert set(_by_spelling(NOW[command])) - before == NEW_SPELLINGS.get(command, set())
+
+
+def test_the_recording_is_of_the_old_parser():
+    """Probe: the recording really holds the wart CHANGES claims to remove."""
+    simulate = _by_spelling(RECORDED["tokenweir simulate"])
+    assert simulate["--tp"]["dest"] == "tp"
+    assert simulate["--tensor-parallel-size"]["dest"] == "tensor_parallel_size"
+    assert len(RECORDED["tokenweir simulate"]) == 63 and len(RECORDED["tokenweir serve"]) == 43
+
+
+@pytest.mark.parametrize("item", json.loads(NAMESPACES.read_text()),
+                         ids=lambda item: " ".join(item["argv"])[:60])
+def test_recorded_command_lines_parse_to_the_same_namespace(item):
+    assert parsed(item["argv"]) == item["namespace"]

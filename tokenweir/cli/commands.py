@@ -1,0 +1,66 @@
+"""Every `tokenweir` subcommand as one row: its name, its help, the config classes its flags
+come from, and the function that runs it ("module:function", imported only when that command
+runs, so `tokenweir --help` loads neither torch nor the simulator). The function receives the
+parsed namespace, whose attributes are the configs' field names, and returns the exit status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenweir.config import (BenchServeConfig, CalibrateConfig, ClusterConfig,
+                              FrontierStudyConfig, GenerateConfig, PoliciesStudyConfig,
+                              PoolStudyConfig, ServeConfig, SimulateConfig, SweepConfig)
+
+
+@dataclass(frozen=True)
+class Command:
+    path: tuple[str, ...]            # ("bench", "serve") is `tokenweir bench serve`
+    help: str
+    configs: tuple[type, ...]        # config dataclasses whose fields are this command's flags
+    run: str                         # "module:function" taking the namespace, returning a status
+    engine_flags: bool = False       # also every engine flag (config.CONFIG_CLASSES)
+    engine_exclude: tuple[str, ...] = ()  # engine fields a config above spells instead
+
+
+@dataclass(frozen=True)
+class CommandGroup:
+    """A command that only holds subcommands (`tokenweir bench serve`): the chosen one's
+    name lands in the namespace attribute `dest`."""
+    name: str
+    help: str
+    dest: str
+
+
+_SIM_RUN = "tokenweir.sim.cli:run"
+# The simulator's tensor-parallel degree is its own field (SimTargetConfig.tp, spelled
+# --tensor-parallel-size, alias --tp): the engine's field of that name would be a second flag
+# that the simulator ignores.
+_SIM_TP = ("tensor_parallel_size",)
+
+GROUPS: tuple[CommandGroup, ...] = (
+    CommandGroup("bench", "benchmarks", dest="bench_command"),
+    CommandGroup("study", "canned simulator studies: CSV + PNG + table", dest="study"),
+)
+
+COMMANDS: tuple[Command, ...] = (
+    Command(("generate",), "answer prompts offline and print a summary", (GenerateConfig,),
+            "tokenweir.cli.generate:run", engine_flags=True),
+    Command(("serve",), "run the OpenAI-compatible HTTP server", (ServeConfig,),
+            "tokenweir.server.cli:run_serve", engine_flags=True),
+    Command(("bench", "serve"), "load-test an OpenAI-compatible server", (BenchServeConfig,),
+            "tokenweir.bench.serve:main"),
+    Command(("simulate",), "simulate serving a workload on a virtual clock",
+            (SimulateConfig, ClusterConfig), _SIM_RUN, engine_flags=True,
+            engine_exclude=_SIM_TP),
+    Command(("sweep",), "simulate a grid of config values in parallel", (SweepConfig,),
+            _SIM_RUN, engine_flags=True, engine_exclude=_SIM_TP),
+    Command(("study", "frontier"), "TTFT of a long prompt vs p99 ITL of steady decodes, one "
+            "point per chunk size", (FrontierStudyConfig,), _SIM_RUN),
+    Command(("study", "pool"), "steps and preemptions vs KV pool size (hockey stick)",
+            (PoolStudyConfig,), _SIM_RUN),
+    Command(("study", "policies"), "victim policies x preemption modes under memory pressure",
+            (PoliciesStudyConfig,), _SIM_RUN),
+    Command(("calibrate",), "time the real runner over a grid of steps and fit a step-time "
+            "profile for the simulator", (CalibrateConfig,), "tokenweir.sim.calibrate:run"),
+)

@@ -1,0 +1,60 @@
+"""`tokenweir generate`: answer prompts offline with the real engine and print the answers
+(and, with --summary, what the engine did)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tokenweir.config import DEFAULT_MODEL, engine_kwargs
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about a river.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenweir import LLM, SamplingParams
+
+    kwargs = engine_kwargs(args)
+    kwargs.setdefault("model", DEFAULT_MODEL)
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_seconds = time.perf_counter() - started
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens)
+    started = time.perf_counter()
+    if args.no_chat:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    for prompt, output in zip(prompts, outputs):
+        print(f"\n>>> {prompt}\n{output.outputs[0].text.strip()}")
+    if args.summary:
+        print_summary(llm, outputs, seconds, load_seconds)
+    return 0
+
+
+def print_summary(llm, outputs, seconds: float, load_seconds: float) -> None:
+    metrics = {m.name.split(":", 1)[1]: m for m in llm.get_metrics()}
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    engine = llm.llm_engine
+    print("\n--- tokenweir summary ---")
+    print(f"model            {engine.model_name} ({engine.dtype}, {engine.device})")
+    print(f"load time        {load_seconds:.1f} s")
+    print(f"requests         {len(outputs)}  prompt tokens {prompt_tokens}  "
+          f"generated tokens {generated}")
+    print(f"generate time    {seconds:.2f} s  ->  {generated / seconds:.1f} output tok/s, "
+          f"{(generated + prompt_tokens) / seconds:.1f} total tok/s")
+    print(f"engine steps     {metrics['num_steps'].value}")
+    print(f"preemptions      {metrics['num_preemptions'].value}")
+    print(f"chunked prefills {metrics['num_chunked_prefills'].value}")
+    ttfts = [o.metrics.time_to_first_token for o in outputs]
+    print(f"mean TTFT        {1000 * sum(ttfts) / len(ttfts):.0f} ms")
