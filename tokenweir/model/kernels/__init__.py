@@ -17,10 +17,12 @@ both); `TOKENWEIR_CPU_KERNELS=0` forces the torch path everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
 import threading
+import time
 import warnings
 from typing import Any, Optional
 
@@ -84,7 +86,9 @@ def _build() -> Optional[Any]:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"tokenweir_cpu_kernels_{_source_hash()}", sources=[_SOURCE],
+        name = f"tokenweir_cpu_kernels_{_source_hash()}"
+        _clear_stale_build_lock(name)
+        return load(name=name, sources=[_SOURCE],
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-ffast-math",
                                   "-Wno-psabi"],
                     extra_ldflags=["-lmvec"], verbose=False)
@@ -92,6 +96,27 @@ def _build() -> Optional[Any]:
         warnings.warn(f"tokenweir: C++ CPU kernels unavailable, using the torch path ({exc})",
                       RuntimeWarning, stacklevel=3)
         return None
+
+
+# A build takes about a minute; a lock older than this was left by a killed build (torch waits
+# on it forever, so every later engine start would hang).
+STALE_LOCK_SECONDS = 600.0
+
+
+def _clear_stale_build_lock(name: str) -> None:
+    """Remove the build directory's `lock` file when no build can still own it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock: nothing to clear
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"tokenweir: removing a stale kernel-build lock ({lock}, {age:.0f} s old)",
+                      RuntimeWarning, stacklevel=3)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
 
 
 def _source_hash() -> str:
