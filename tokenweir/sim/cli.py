@@ -95,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "simulate":
             if _wants_cluster(args):
-                if args.profile:
-                    raise ValueError("--profile works for single-instance simulation only")
                 return _simulate_cluster(args)
             return _simulate(args)
         if args.command == "study":
@@ -138,17 +136,26 @@ def simulate_once(kwargs: dict[str, Any], specs, model_shape: str, hardware: str
     from tokenweir.sim.metrics import summarize
     from tokenweir.sim.trace import write_chrome_trace
 
-    latency_model = None
-    if profile:
-        from tokenweir.sim.calibrate import load_profile
-        from tokenweir.sim.latency import FittedLatencyModel
-        latency_model = FittedLatencyModel.from_profile(load_profile(profile))
     sim = build_simulation(kwargs, specs, model_shape, hardware, tp,
-                           latency_model=latency_model)
+                           latency_model=_fitted_model(profile))
     result = sim.run()
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)
     return summarize(result, ttft_slo_ms, tpot_slo_ms)
+
+
+def _fitted_model(profile: Optional[str]):
+    """The step-time model of a `tokenweir calibrate` profile, or None (the roofline)."""
+    if not profile:
+        return None
+    from tokenweir.sim.calibrate import load_profile
+    from tokenweir.sim.latency import FittedLatencyModel
+    return FittedLatencyModel.from_profile(load_profile(profile))
+
+
+def _where(args: argparse.Namespace) -> str:
+    return (f"fitted profile {args.profile}" if args.profile
+            else f"{args.model_shape} on {args.tp} x {args.hardware}")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -159,9 +166,7 @@ def _simulate(args: argparse.Namespace) -> int:
     metrics = simulate_once(kwargs, specs, args.model_shape, args.hardware, args.tp,
                             args.ttft_slo_ms, args.tpot_slo_ms, args.chrome_trace,
                             args.profile)
-    where = (f"fitted profile {args.profile}" if args.profile
-             else f"{args.model_shape} on {args.tp} x {args.hardware}")
-    print(f"--- tokenweir simulate: {where} ---")
+    print(f"--- tokenweir simulate: {_where(args)} ---")
     print(format_report(metrics))
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -196,14 +201,14 @@ def _simulate_cluster(args: argparse.Namespace) -> int:
         specs = _workload(args, kwargs)
     cluster = build_cluster(kwargs, specs, args.model_shape, args.hardware, args.tp,
                             args.pp_size, args.num_instances, args.router, parse_pd(args.pd),
-                            args.link_gbps, sessions)
+                            args.link_gbps, sessions, _fitted_model(args.profile))
     result = cluster.run()
     if args.chrome_trace:  # one Perfetto process per instance
         write_cluster_chrome_trace(result, args.chrome_trace)
     metrics = summarize_cluster(result, args.ttft_slo_ms, args.tpot_slo_ms)
     layout = (f"PD {args.pd}" if args.pd else f"{args.num_instances} instance(s)")
-    print(f"--- tokenweir simulate: {args.model_shape} on {args.tp} x {args.hardware}, "
-          f"{layout}, pp {args.pp_size}, router {args.router} ---")
+    print(f"--- tokenweir simulate: {_where(args)}, {layout}, pp {args.pp_size}, "
+          f"router {args.router} ---")
     print(format_report(metrics["overall"]))
     print("per instance:")
     print(format_instance_table(metrics["instances"]))

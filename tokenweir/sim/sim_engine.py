@@ -29,7 +29,7 @@ from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.sched.scheduler import EngineCoreOutput, Scheduler
 from tokenweir.request import Request, SamplingParams
-from tokenweir.runner.sim_runner import DEFAULT_EOS, SimRunner
+from tokenweir.sim.sim_runner import DEFAULT_EOS, SimRunner
 from tokenweir.sim.counts import ValueCounts
 
 
