@@ -219,6 +219,35 @@ def test_simulate_cli_takes_a_profile_in_cluster_mode(tmp_path, capsys):
         assert "fitted profile" in capsys.readouterr().out
 
 
+def test_a_profile_caps_the_synthetic_workload_and_reaches_sweep(tmp_path, capsys):
+    """The profile's context length (512) caps synthetic lengths (the default prompt mix has
+    prompts beyond it: this run used to fail), and sweep points use the profile too."""
+    import csv
+
+    from tokenweir.cli import main as cli_main
+    from tokenweir.sim.calibrate import PROFILE_FORMAT
+    from tokenweir.sim.latency import FittedLatencyModel
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "coefficients": TRUE,
+                                   "kv_bytes_per_token": 4096, "max_model_len": 512}))
+    out, trace = tmp_path / "m.json", tmp_path / "w.jsonl"
+    common = ["--num-requests", "60", "--request-rate", "5", "--num-gpu-blocks-override", "900",
+              "--profile", str(profile)]
+    assert cli_main(["simulate", *common, "--json", str(out), "--save-trace", str(trace)]) == 0
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert max(x["prompt_len"] for x in lines) > 256  # the long tail is there, capped
+    assert all(x["prompt_len"] + x["output_len"] <= 512 for x in lines)
+    assert json.loads(out.read_text())["num_finished"] == 60
+    sweep = tmp_path / "s.csv"
+    assert cli_main(["sweep", *common, "--set", "max_num_batched_tokens=256,512",
+                     "--jobs", "1", "--out", str(sweep)]) == 0
+    rows = list(csv.DictReader(sweep.open()))
+    prefill = FittedLatencyModel(TRUE).step_time([(1, 0)])  # the cheapest possible first step
+    assert len(rows) == 2 and all(float(r["ttft_p50_ms"]) > prefill * 1000 for r in rows)
+    capsys.readouterr()
+
+
 def test_single_instance_mode_runs_pipelining_and_sessions():
     engine = {"max_model_len": 1024, "num_gpu_blocks_override": 200,
               "max_num_batched_tokens": 256}

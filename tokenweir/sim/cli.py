@@ -111,14 +111,23 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return engine_kwargs(args)
 
 
-def _workload(args: argparse.Namespace, kwargs: dict[str, Any]):
+def _context_len(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
+    """What synthetic lengths are capped to: --max-model-len, else the fitted profile's
+    context length, else the model shape's."""
     from tokenweir.sim.hardware import get_shape
+
+    fitted = _fitted_model(getattr(args, "profile", None))
+    return (kwargs.get("max_model_len") or (fitted is not None and fitted.max_model_len)
+            or get_shape(args.model_shape).max_position_embeddings)
+
+
+def _workload(args: argparse.Namespace, kwargs: dict[str, Any]):
     from tokenweir.sim.workload import load_trace, save_trace, synthetic
 
     if args.trace:
         specs = load_trace(args.trace, default_prefix_len=args.prefix_len)
     else:
-        max_len = kwargs.get("max_model_len") or get_shape(args.model_shape).max_position_embeddings
+        max_len = _context_len(args, kwargs)
         specs = synthetic(args.num_requests, args.request_rate, seed=kwargs.get("seed", 0),
                           prompt=args.prompt_len, output=args.output_len, arrival=args.arrival,
                           cv=args.cv, num_prefix_groups=args.num_prefix_groups,
@@ -183,7 +192,6 @@ def _wants_cluster(args: argparse.Namespace) -> bool:
 def _simulate_cluster(args: argparse.Namespace) -> int:
     from tokenweir.sim.cluster import (build_cluster, format_instance_table, parse_pd,
                                        summarize_cluster)
-    from tokenweir.sim.hardware import get_shape
     from tokenweir.sim.metrics import format_report
     from tokenweir.sim.sessions import synthetic_sessions
     from tokenweir.sim.trace import write_cluster_chrome_trace
@@ -191,11 +199,10 @@ def _simulate_cluster(args: argparse.Namespace) -> int:
     kwargs = _engine_kwargs(args)
     sessions = None
     if args.sessions:
-        max_len = kwargs.get("max_model_len") or get_shape(args.model_shape).max_position_embeddings
         sessions = synthetic_sessions(args.sessions, args.request_rate, kwargs.get("seed", 0),
                                       args.prompt_len, args.output_len, args.turns,
                                       args.turn_prompt_len, args.tool_delay_ms, args.arrival,
-                                      args.cv, max_len)
+                                      args.cv, _context_len(args, kwargs))
         specs = []
     else:
         specs = _workload(args, kwargs)
@@ -255,8 +262,9 @@ def _convert(text: str, field: dataclasses.Field, owner: type) -> Any:
 
 
 def _sweep_point(job: tuple) -> dict:
-    kwargs, specs, model_shape, hardware, tp, ttft_slo, tpot_slo = job
-    return simulate_once(kwargs, specs, model_shape, hardware, tp, ttft_slo, tpot_slo)
+    kwargs, specs, model_shape, hardware, tp, ttft_slo, tpot_slo, profile = job
+    return simulate_once(kwargs, specs, model_shape, hardware, tp, ttft_slo, tpot_slo,
+                         profile=profile)
 
 
 def sweep_points(grid: list[tuple[str, list[Any]]], base: dict[str, Any]) -> list[dict]:
@@ -271,7 +279,7 @@ def _sweep(args: argparse.Namespace) -> int:
     specs = _workload(args, base)
     points = sweep_points(grid, base)
     jobs = [(p, specs, args.model_shape, args.hardware, args.tp, args.ttft_slo_ms,
-             args.tpot_slo_ms) for p in points]
+             args.tpot_slo_ms, args.profile) for p in points]
     from tokenweir.sim.plots import parallel_map, write_csv
 
     results = parallel_map(_sweep_point, jobs, args.jobs, "sweep")
