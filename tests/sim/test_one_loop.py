@@ -268,6 +268,17 @@ def test_single_instance_mode_runs_pipelining_and_sessions():
                                                 check=True).run().instances[0])
 
 
+def test_pipeline_stages_hold_kv_in_both_modes():
+    """Without an explicit pool size, pp stages add devices (and KV room) in single-instance
+    mode exactly as in a cluster."""
+    blocks = lambda sim: sim.scheduler.kv.num_usable_blocks
+    flat = build_simulation({}, [], "llama-7b", "h100")
+    deep = build_simulation({}, [], "llama-7b", "h100", pp_size=2)
+    cluster = build_cluster({}, [], "llama-7b", "h100", pp_size=2, num_instances=2)
+    assert blocks(deep) > 2 * blocks(flat)  # twice the memory, the weights counted once
+    assert all(i.kv.num_usable_blocks == blocks(deep) for i in cluster.instances)
+
+
 # ---- the loop's parts ------------------------------------------------------------------------
 def test_events_order_by_time_then_kind_then_insertion():
     from tokenweir.sim.events import Arrival, EventKind, EventQueue, Wake

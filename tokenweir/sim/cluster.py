@@ -14,9 +14,7 @@ import json
 from typing import Any, Optional
 
 from tokenweir.config import EngineConfig
-from tokenweir.sim.build import (GPU_MEMORY_UTILIZATION, block_size_bytes, host_pool_and_costs,
-                                 is_fitted, pool_blocks)
-from tokenweir.sim.hardware import get_hardware, get_shape
+from tokenweir.sim.build import engine_setup, is_fitted
 from tokenweir.sim.instance import Instance
 from tokenweir.sim.latency import RooflineLatencyModel
 from tokenweir.sim.router import make_router
@@ -26,23 +24,6 @@ from tokenweir.sim.workload import RequestSpec
 
 
 # ---- building ------------------------------------------------------------------------------
-def cluster_pool_blocks(config: EngineConfig, kwargs: dict[str, Any],
-                        model: RooflineLatencyModel, pp_size: int) -> int:
-    """KV blocks per instance: as `build.pool_blocks`, over tp * pp devices when the size is not
-    given explicitly (pipeline stages each hold 1/pp of the weights and of the KV). A fitted
-    profile sizes the pool as the real engine does, whatever pp_size."""
-    if pp_size == 1 or config.cache.num_gpu_blocks_override is not None \
-            or "kv_cache_space" in kwargs or is_fitted(model):
-        return pool_blocks(config, kwargs, model)
-    hw, shape = model.hardware, model.shape
-    block_bytes = block_size_bytes(config, model)
-    free = (hw.memory_bytes * model.tp * pp_size * GPU_MEMORY_UTILIZATION
-            - shape.num_matmul_params * hw.dtype_bytes)
-    if free <= block_bytes:
-        raise ValueError(f"{shape.name} weights do not fit {model.tp * pp_size} x {hw.name}")
-    return int(free // block_bytes) + 1
-
-
 def parse_pd(text: Optional[str]) -> Optional[tuple[int, int]]:
     """'P:D' -> (P, D), both >= 1; None or '' -> None."""
     if not text:
@@ -67,26 +48,19 @@ def build_cluster(kwargs: dict[str, Any], specs: list[RequestSpec],
                   itl_counts: bool = False) -> Simulator:
     """The simulator for a cluster; `latency_model` may be a fitted profile (`tokenweir
     calibrate`), which then also gives the context length and the KV bytes per token."""
-    kwargs = {k: v for k, v in kwargs.items() if k != "model"}
-    config = EngineConfig.from_kwargs(**kwargs)
-    shape = get_shape(model_shape)
-    model = latency_model or RooflineLatencyModel(shape, get_hardware(hardware), tp)
+    setup = engine_setup(kwargs, model_shape, hardware, tp, latency_model, pp_size)
+    config, model = setup.config, setup.model
     _check_layout(config, model, num_instances, pd, link_gbps)
     roles = ["prefill"] * pd[0] + ["decode"] * pd[1] if pd else ["mixed"] * num_instances
-    max_model_len = (config.model.max_model_len
-                     or (is_fitted(model) and model.max_model_len)
-                     or shape.max_position_embeddings)
-    num_host_blocks, costs = host_pool_and_costs(config, model)
-    num_blocks = cluster_pool_blocks(config, kwargs, model, pp_size)
-    instances = [Instance(i, config, model, num_blocks, max_model_len, role, num_host_blocks,
-                          costs, pp_size, record_steps, record_itl_times, check,
-                          record_itl=record_itl, itl_counts=itl_counts)
+    instances = [Instance(i, config, model, setup.num_blocks, setup.max_model_len, role,
+                          setup.num_host_blocks, setup.costs, pp_size, record_steps,
+                          record_itl_times, check, record_itl=record_itl, itl_counts=itl_counts)
                  for i, role in enumerate(roles)]
     bs = config.cache.block_size
     num_front = sum(1 for r in roles if r != "decode")
     return Simulator(instances, make_router(router, num_front, bs), specs, sessions,
                      make_router(router, len(roles) - num_front, bs) if pd else None,
-                     link_gbps * 1e9 / 8, _kv_bytes_per_token(model, shape))
+                     link_gbps * 1e9 / 8, _kv_bytes_per_token(model, setup.shape))
 
 
 def _check_layout(config: EngineConfig, model, num_instances: int,
