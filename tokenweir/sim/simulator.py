@@ -93,6 +93,10 @@ class Job:
 
 
 class Simulator:
+    """The event loop over `instances` (roles mixed, or prefill + decode): user requests from
+    `specs` and `sessions` go to the front instances through `router`; PD hand-offs go to the
+    decode instances through `decode_router` over links of `link_bytes_per_s`."""
+
     def __init__(self, instances: list[Instance], router, specs: list[RequestSpec],
                  sessions: Optional[list[Session]] = None, decode_router=None,
                  link_bytes_per_s: float = 12.5e9, kv_bytes_per_token: int = 0) -> None:
@@ -128,8 +132,9 @@ class Simulator:
         started = time.perf_counter()
         self._queue_first_arrivals()
         events = self.events
-        # indexed by EventKind
-        handlers = (self._on_arrival, self._on_transfer_done, self._on_step_end, self._on_wake)
+        by_kind = {ARRIVAL: self._on_arrival, TRANSFER_DONE: self._on_transfer_done,
+                   STEP_END: self._on_step_end, WAKE: self._on_wake}
+        handlers = [by_kind[kind] for kind in sorted(EventKind)]  # indexed by kind
         now = 0.0
         while events:
             now, kind, event = events.pop()
