@@ -144,4 +144,11 @@ def test_simulate_cli_runs_on_a_calibrated_profile(tiny_profile, capsys):
                      "200"]) == 0
     out = capsys.readouterr().out
     assert "fitted profile" in out and "num_finished                 20" in out
-    assert cli_main(["simulate", "--profile", str(tiny_profile), "--num-instances", "2"]) == 2
+    # cluster mode takes the profile too (it used to refuse it: single instance only)
+    assert cli_main(["simulate", "--profile", str(tiny_profile), "--num-requests", "20",
+                     "--request-rate", "50", "--prompt-len", "fixed:40", "--output-len",
+                     "fixed:5", "--max-model-len", "256", "--num-gpu-blocks-override",
+                     "200", "--num-instances", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fitted profile" in out and "per instance" in out
+    assert "num_finished                 20" in out

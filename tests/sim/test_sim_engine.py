@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tokenweir.core.sched.scheduler import Scheduler
-from tokenweir.runner.sim_runner import DEFAULT_EOS
+from tokenweir.sim.sim_runner import DEFAULT_EOS
 from tokenweir.sim.build import build_simulation
 from tokenweir.sim.hardware import get_hardware, get_shape
 from tokenweir.sim.latency import (FittedLatencyModel, NoisyLatencyModel,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenweir.config import EngineConfig
 from tokenweir.core.sched.policy import PreemptionCosts
-from tokenweir.sim.hardware import GiB, get_hardware, get_shape
+from tokenweir.sim.hardware import GiB, ModelShape, get_hardware, get_shape
 from tokenweir.sim.latency import FittedLatencyModel, RooflineLatencyModel
 from tokenweir.sim.simulator import Simulation
 from tokenweir.sim.workload import RequestSpec
@@ -21,9 +22,11 @@ def is_fitted(model) -> bool:
     return isinstance(getattr(model, "base", model), FittedLatencyModel)
 
 
-def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLatencyModel) -> int:
-    """KV pool size, null block included: the explicit override, else an explicit
-    kv_cache_space, else what the devices hold after the weights (90% utilisation). A fitted
+def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLatencyModel,
+                pp_size: int = 1) -> int:
+    """KV pool size per instance, null block included: the explicit override, else an
+    explicit kv_cache_space, else what its tp * pp devices hold after the weights (90%
+    utilisation; pipeline stages each hold 1/pp of the weights and of the KV). A fitted
     profile sizes the pool as the real engine does: override, else kv_cache_space (default
     included)."""
     if config.cache.num_gpu_blocks_override is not None:
@@ -32,10 +35,11 @@ def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLat
     if "kv_cache_space" in kwargs or is_fitted(model):
         return int(config.cache.kv_cache_space * GiB // block_bytes) + 1
     hw, shape = model.hardware, model.shape
-    free = (hw.memory_bytes * model.tp * GPU_MEMORY_UTILIZATION
+    devices = model.tp * pp_size
+    free = (hw.memory_bytes * devices * GPU_MEMORY_UTILIZATION
             - shape.num_matmul_params * hw.dtype_bytes)
     if free <= block_bytes:
-        raise ValueError(f"{shape.name} weights do not fit {model.tp} x {hw.name}")
+        raise ValueError(f"{shape.name} weights do not fit {devices} x {hw.name}")
     return int(free // block_bytes) + 1
 
 
@@ -60,18 +64,43 @@ def host_pool_and_costs(config: EngineConfig, model) -> tuple[int, PreemptionCos
     return num_host_blocks, costs
 
 
-def build_simulation(kwargs: dict[str, Any], specs: list[RequestSpec],
-                     model_shape: str = "llama-7b", hardware: str = "h100", tp: int = 1,
-                     latency_model: Optional[RooflineLatencyModel] = None,
-                     **sim_kw: Any) -> Simulation:
-    kwargs = {k: v for k, v in kwargs.items() if k != "model"}
-    config = EngineConfig.from_kwargs(**kwargs)
+@dataclass(frozen=True)
+class EngineSetup:
+    """What every instance of a simulation is built from."""
+
+    config: EngineConfig
+    model: Any  # the latency model
+    shape: ModelShape  # --model-shape (a fitted profile brings its own sizes instead)
+    max_model_len: int
+    num_blocks: int  # per instance
+    num_host_blocks: int
+    costs: PreemptionCosts
+
+
+def engine_setup(kwargs: dict[str, Any], model_shape: str = "llama-7b", hardware: str = "h100",
+                 tp: int = 1, latency_model: Optional[RooflineLatencyModel] = None,
+                 pp_size: int = 1) -> EngineSetup:
+    """The config of flat engine arguments (`model` ignored), the latency model (the roofline
+    of the shape on the hardware unless given), the context length (config, else a fitted
+    profile's, else the shape's), the pool per instance and the preemption costs."""
+    config = EngineConfig.from_kwargs(**{k: v for k, v in kwargs.items() if k != "model"})
     shape = get_shape(model_shape)
     model = latency_model or RooflineLatencyModel(shape, get_hardware(hardware), tp)
     max_model_len = (config.model.max_model_len
                      or (is_fitted(model) and model.max_model_len)
                      or shape.max_position_embeddings)
     num_host_blocks, costs = host_pool_and_costs(config, model)
-    return Simulation(config, model, specs, num_blocks=pool_blocks(config, kwargs, model),
-                      max_model_len=max_model_len, num_host_blocks=num_host_blocks,
-                      costs=costs, **sim_kw)
+    return EngineSetup(config, model, shape, max_model_len,
+                       pool_blocks(config, kwargs, model, pp_size), num_host_blocks, costs)
+
+
+def build_simulation(kwargs: dict[str, Any], specs: list[RequestSpec],
+                     model_shape: str = "llama-7b", hardware: str = "h100", tp: int = 1,
+                     latency_model: Optional[RooflineLatencyModel] = None,
+                     **sim_kw: Any) -> Simulation:
+    """One instance (`sim_kw`: Simulation's options, pp_size and sessions included)."""
+    setup = engine_setup(kwargs, model_shape, hardware, tp, latency_model,
+                         sim_kw.get("pp_size", 1))
+    return Simulation(setup.config, setup.model, specs, num_blocks=setup.num_blocks,
+                      max_model_len=setup.max_model_len, num_host_blocks=setup.num_host_blocks,
+                      costs=setup.costs, **sim_kw)

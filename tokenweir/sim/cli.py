@@ -20,8 +20,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "simulate":
             if _wants_cluster(args):
-                if args.profile:
-                    raise ValueError("--profile works for single-instance simulation only")
                 return _simulate_cluster(args)
             return _simulate(args)
         if args.command == "study":
@@ -37,14 +35,23 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return engine_kwargs(args)
 
 
-def _workload(args: argparse.Namespace, kwargs: dict[str, Any]):
+def _context_len(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
+    """What synthetic lengths are capped to: --max-model-len, else the fitted profile's
+    context length, else the model shape's."""
     from tokenweir.sim.hardware import get_shape
+
+    fitted = _fitted_model(getattr(args, "profile", None))
+    return (kwargs.get("max_model_len") or (fitted is not None and fitted.max_model_len)
+            or get_shape(args.model_shape).max_position_embeddings)
+
+
+def _workload(args: argparse.Namespace, kwargs: dict[str, Any]):
     from tokenweir.sim.workload import load_trace, save_trace, synthetic
 
     if args.trace:
         specs = load_trace(args.trace, default_prefix_len=args.prefix_len)
     else:
-        max_len = kwargs.get("max_model_len") or get_shape(args.model_shape).max_position_embeddings
+        max_len = _context_len(args, kwargs)
         specs = synthetic(args.num_requests, args.request_rate, seed=kwargs.get("seed", 0),
                           prompt=args.prompt_len, output=args.output_len, arrival=args.arrival,
                           cv=args.cv, num_prefix_groups=args.num_prefix_groups,
@@ -62,17 +69,26 @@ def simulate_once(kwargs: dict[str, Any], specs, model_shape: str, hardware: str
     from tokenweir.sim.metrics import summarize
     from tokenweir.sim.trace import write_chrome_trace
 
-    latency_model = None
-    if profile:
-        from tokenweir.sim.calibrate import load_profile
-        from tokenweir.sim.latency import FittedLatencyModel
-        latency_model = FittedLatencyModel.from_profile(load_profile(profile))
     sim = build_simulation(kwargs, specs, model_shape, hardware, tp,
-                           latency_model=latency_model)
+                           latency_model=_fitted_model(profile))
     result = sim.run()
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)
     return summarize(result, ttft_slo_ms, tpot_slo_ms)
+
+
+def _fitted_model(profile: Optional[str]):
+    """The step-time model of a `tokenweir calibrate` profile, or None (the roofline)."""
+    if not profile:
+        return None
+    from tokenweir.sim.calibrate import load_profile
+    from tokenweir.sim.latency import FittedLatencyModel
+    return FittedLatencyModel.from_profile(load_profile(profile))
+
+
+def _where(args: argparse.Namespace) -> str:
+    return (f"fitted profile {args.profile}" if args.profile
+            else f"{args.model_shape} on {args.tp} x {args.hardware}")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -83,9 +99,7 @@ def _simulate(args: argparse.Namespace) -> int:
     metrics = simulate_once(kwargs, specs, args.model_shape, args.hardware, args.tp,
                             args.ttft_slo_ms, args.tpot_slo_ms, args.chrome_trace,
                             args.profile)
-    where = (f"fitted profile {args.profile}" if args.profile
-             else f"{args.model_shape} on {args.tp} x {args.hardware}")
-    print(f"--- tokenweir simulate: {where} ---")
+    print(f"--- tokenweir simulate: {_where(args)} ---")
     print(format_report(metrics))
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -102,7 +116,6 @@ def _wants_cluster(args: argparse.Namespace) -> bool:
 def _simulate_cluster(args: argparse.Namespace) -> int:
     from tokenweir.sim.cluster import (build_cluster, format_instance_table, parse_pd,
                                        summarize_cluster)
-    from tokenweir.sim.hardware import get_shape
     from tokenweir.sim.metrics import format_report
     from tokenweir.sim.sessions import synthetic_sessions
     from tokenweir.sim.trace import write_cluster_chrome_trace
@@ -110,24 +123,23 @@ def _simulate_cluster(args: argparse.Namespace) -> int:
     kwargs = _engine_kwargs(args)
     sessions = None
     if args.sessions:
-        max_len = kwargs.get("max_model_len") or get_shape(args.model_shape).max_position_embeddings
         sessions = synthetic_sessions(args.sessions, args.request_rate, kwargs.get("seed", 0),
                                       args.prompt_len, args.output_len, args.turns,
                                       args.turn_prompt_len, args.tool_delay_ms, args.arrival,
-                                      args.cv, max_len)
+                                      args.cv, _context_len(args, kwargs))
         specs = []
     else:
         specs = _workload(args, kwargs)
     cluster = build_cluster(kwargs, specs, args.model_shape, args.hardware, args.tp,
                             args.pp_size, args.num_instances, args.router, parse_pd(args.pd),
-                            args.link_gbps, sessions)
+                            args.link_gbps, sessions, _fitted_model(args.profile))
     result = cluster.run()
     if args.chrome_trace:  # one Perfetto process per instance
         write_cluster_chrome_trace(result, args.chrome_trace)
     metrics = summarize_cluster(result, args.ttft_slo_ms, args.tpot_slo_ms)
     layout = (f"PD {args.pd}" if args.pd else f"{args.num_instances} instance(s)")
-    print(f"--- tokenweir simulate: {args.model_shape} on {args.tp} x {args.hardware}, "
-          f"{layout}, pp {args.pp_size}, router {args.router} ---")
+    print(f"--- tokenweir simulate: {_where(args)}, {layout}, pp {args.pp_size}, "
+          f"router {args.router} ---")
     print(format_report(metrics["overall"]))
     print("per instance:")
     print(format_instance_table(metrics["instances"]))
@@ -174,8 +186,9 @@ def _convert(text: str, field: dataclasses.Field, owner: type) -> Any:
 
 
 def _sweep_point(job: tuple) -> dict:
-    kwargs, specs, model_shape, hardware, tp, ttft_slo, tpot_slo = job
-    return simulate_once(kwargs, specs, model_shape, hardware, tp, ttft_slo, tpot_slo)
+    kwargs, specs, model_shape, hardware, tp, ttft_slo, tpot_slo, profile = job
+    return simulate_once(kwargs, specs, model_shape, hardware, tp, ttft_slo, tpot_slo,
+                         profile=profile)
 
 
 def sweep_points(grid: list[tuple[str, list[Any]]], base: dict[str, Any]) -> list[dict]:
@@ -190,7 +203,7 @@ def _sweep(args: argparse.Namespace) -> int:
     specs = _workload(args, base)
     points = sweep_points(grid, base)
     jobs = [(p, specs, args.model_shape, args.hardware, args.tp, args.ttft_slo_ms,
-             args.tpot_slo_ms) for p in points]
+             args.tpot_slo_ms, args.profile) for p in points]
     from tokenweir.sim.plots import parallel_map, write_csv
 
     results = parallel_map(_sweep_point, jobs, args.jobs, "sweep")

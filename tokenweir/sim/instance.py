@@ -1,5 +1,6 @@
-"""One serving instance of a cluster simulation: its own real Scheduler, KVCacheManager and
-SimRunner, driven by the cluster's event loop (cluster.py), which owns the clock.
+"""One serving instance: its own real Scheduler, KVCacheManager and SimRunner (SimEngine), driven
+by the simulator's one event loop (simulator.py), which owns the clock. A single-instance run is
+a cluster of one of these.
 
 Pipeline parallelism (`pp_size` > 1), modelled simply: the latency model's step time T is split
 into `pp_size` equal stages of T / pp_size; a batch enters stage s once it has left stage s - 1
@@ -8,8 +9,14 @@ than `pp_size` batches are in flight, so batches complete in the order they star
 of an in-flight batch are hidden from the scheduler while the next batch is planned (they owe
 no tokens until their batch returns), so micro-batches never share a request. The token budget
 applies per micro-batch (it is what spreads a burst of prompts over the stages);
-`max_num_seqs` stays a limit on the whole instance. With pp_size == 1 this is exactly
-`Simulation`'s loop.
+`max_num_seqs` stays a limit on the whole instance. With pp_size == 1 one batch is in flight at
+a time: a step starts when the previous one ends.
+
+Mid-step cuts (slo policy with slo_mid_step_cut): each instance has its own SimStepCutter
+(slo_cuts.py). A request added while a batch is in flight is shown to it (`cut_if_ordered`);
+when the SLO monitor orders that batch cut, the batch is replaced by one carrying the cut
+runner output, ending at the cut's layer boundary: the loop's event for the old end goes
+stale. Cuts model one step on one stage, so they need pp_size == 1.
 
 KV import/hold (prefill/decode disaggregation): `hold_prefix` pins the cached full blocks of a
 finished prefill until its transfer is done; `reserve_import` allocates blocks for an incoming
@@ -31,15 +38,19 @@ from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.sched.scheduler import EngineCoreOutput
 from tokenweir.request import Request
 from tokenweir.sim.sim_engine import SimEngine, make_request  # noqa: F401 (re-exported)
+from tokenweir.sim.slo_cuts import setup_slo
 
 ROLES = ("mixed", "prefill", "decode")
 
 
 @dataclass(slots=True)
 class Batch:
+    """A batch in flight: what was scheduled, what the runner returned, when it runs."""
+
     out: SchedulerOutput
     runner_out: ModelRunnerOutput
     start: float
+    end: float
 
 
 @dataclass(slots=True)
@@ -57,15 +68,21 @@ class Instance(SimEngine):
                  max_model_len: int, role: str = "mixed", num_host_blocks: int = 0,
                  costs: Optional[PreemptionCosts] = None, pp_size: int = 1,
                  record_steps: bool = True, record_itl_times: bool = False,
-                 check: bool = False) -> None:
+                 check: bool = False, *, record_itl: bool = True,
+                 itl_counts: bool = False) -> None:
         if role not in ROLES:
             raise ValueError(f"instance role must be one of {ROLES}, got {role!r}")
         if pp_size < 1:
             raise ValueError(f"pp_size must be >= 1, got {pp_size}")
         super().__init__(config, latency_model, num_blocks, max_model_len, num_host_blocks,
-                         costs, record_steps=record_steps, record_itl_times=record_itl_times,
-                         check=check)
+                         costs, record_steps=record_steps, record_itl=record_itl,
+                         itl_counts=itl_counts, record_itl_times=record_itl_times, check=check)
         self.index, self.role, self.pp_size = index, role, pp_size
+        self.cutter = setup_slo(config, self.scheduler, self.runner, latency_model,
+                                max_model_len)
+        if self.cutter is not None and pp_size > 1:
+            raise ValueError("slo mid-step cuts model a step on one pipeline stage: use "
+                             "pp_size 1 or turn slo_mid_step_cut off")
         self.in_flight: deque[Batch] = deque()
         self.max_in_flight = 0  # probe: most batches in flight at once
         self._stage_free = [0.0] * pp_size
@@ -90,9 +107,9 @@ class Instance(SimEngine):
     def stage0_free(self) -> float:
         return self._stage_free[0]
 
-    def start_batch(self, now: float) -> Optional[float]:
-        """Plan and launch one batch; returns when it completes, or None if nothing runs
-        (`step_again` then tells whether the empty step preempted)."""
+    def start_batch(self, now: float) -> Optional[Batch]:
+        """Plan and launch one batch; returns it (its `end`: when it completes), or None if
+        nothing runs (`step_again` then tells whether the empty step preempted)."""
         step = self.start_step(now)
         if step is None:
             return None
@@ -101,9 +118,33 @@ class Instance(SimEngine):
         end = self._through_pipeline(now, seconds)
         # the record's seconds: the batch's latency, start to completion
         self.record_step(now, end - now if self.pp_size > 1 else seconds, out)
-        self.in_flight.append(Batch(out, runner_out, now))
+        batch = Batch(out, runner_out, now, end)
+        self.in_flight.append(batch)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
-        return end
+        if self.cutter is not None:
+            self.cutter.step_started(now, seconds, out)
+        return batch
+
+    def cut_if_ordered(self, request: Request, now: float) -> Optional[Batch]:
+        """`request` was just added: with a batch in flight, let the SLO monitor see it. When
+        it orders that batch cut, returns the replacing batch, which ends at the cut."""
+        if self.cutter is None or not self.in_flight:
+            return None
+        cut = self.cutter.on_arrival(request, now)
+        if cut is None:
+            return None
+        end, runner_out = cut
+        old = self.in_flight[0]  # pp_size 1: the only one
+        batch = Batch(old.out, runner_out, old.start, end)
+        self.in_flight[0] = batch
+        self._stage_free[0] = end
+        if self.record_steps:
+            self.steps[-1].seconds = runner_out.step_seconds
+        return batch
+
+    def is_current(self, batch: Batch) -> bool:
+        """`batch` is the next to complete (not replaced by a cut, not completed)."""
+        return bool(self.in_flight) and self.in_flight[0] is batch
 
     def _schedule(self, now: float) -> Optional[SchedulerOutput]:
         """The next batch, planned with in-flight requests hidden from the scheduler (and

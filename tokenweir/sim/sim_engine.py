@@ -1,7 +1,7 @@
 """One engine on the virtual clock: the real Scheduler and KVCacheManager, a SimRunner, and the
-records its steps leave. The single-instance loop (simulator.py) drives one; each cluster
-instance (instance.py) is one. Whatever a step does, planning through bookkeeping, is written
-here once; the loops only decide when steps start and end.
+records its steps leave. Each instance (instance.py) is one, driven by the simulator's one event
+loop (simulator.py). Whatever a step does, planning through bookkeeping, is written here once;
+the loop only decides when steps start and end.
 
 A loop calls, per step: `start_step(now)` (schedule and execute; None when nothing runs),
 `record_step(now, seconds, out)`, and, when the step ends, `complete_step(out, runner_out, end)`.
@@ -29,13 +29,13 @@ from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.sched.scheduler import EngineCoreOutput, Scheduler
 from tokenweir.request import Request, SamplingParams
-from tokenweir.runner.sim_runner import DEFAULT_EOS, SimRunner
+from tokenweir.sim.sim_runner import DEFAULT_EOS, SimRunner
 from tokenweir.sim.counts import ValueCounts
 
 
 @contextlib.contextmanager
 def gc_paused():
-    """Pause the cyclic garbage collector for a simulation run: the loops make no reference
+    """Pause the cyclic garbage collector for a simulation run: the loop makes no reference
     cycles (tests check that a collection afterwards finds nothing), and at 100k requests
     the collector's passes over the growing heap cost ~10% of the run."""
     collecting = gc.isenabled()

@@ -18,7 +18,7 @@ from tokenweir.core.sched.slo import TTFTPredictor
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
 from tokenweir.request import Request
 from tokenweir.runner.interrupt import CutSignal
-from tokenweir.runner.sim_runner import SimRunner
+from tokenweir.sim.sim_runner import SimRunner
 
 DEFAULT_NUM_LAYERS = 32
 

@@ -11,12 +11,9 @@ two separate spans."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from tokenweir.sim.simulator import SimResult
-
-if TYPE_CHECKING:
-    from tokenweir.sim.cluster import ClusterResult
+from tokenweir.sim.simulator import ClusterResult, SimResult
 
 _PID = 1
 _STEP_TID = 1
