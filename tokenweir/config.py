@@ -342,7 +342,7 @@ class SimulationConfig(SimTargetConfig):
     """simulation: step times and the workload (`tokenweir simulate` and `tokenweir sweep`)"""
     profile: Optional[str] = _f(
         None, "step times from a fitted profile (tokenweir calibrate) instead of the roofline "
-        "of --model-shape/--hardware; single instance only", metavar="PATH")
+        "of --model-shape/--hardware (every instance of a cluster)", metavar="PATH")
     num_requests: int = _f(1000, "requests in the synthetic workload")
     request_rate: float = _f(math.inf, "requests/s (inf: all at 0)")
     arrival: str = _f("poisson", "inter-arrival distribution", choices=("poisson", "gamma"))

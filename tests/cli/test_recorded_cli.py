@@ -18,6 +18,8 @@ RECORDED = json.loads(RECORDING.read_text())
 NOW = flag_table(build_parser())
 
 _TP_IN_SIM = {"dest": "tp", "default": "1", "help": "tensor-parallel degree (default: 1)"}
+_PROFILE_HELP = ("step times from a fitted profile (tokenweir calibrate) instead of the roofline "
+                 "of --model-shape/--hardware (every instance of a cluster) (default: None)")
 # (command, spelling) -> {attribute: value now}: the differences made on purpose.
 CHANGES: dict[tuple[str, str], dict[str, str]] = {
     # one tensor-parallel flag in the simulator: --tensor-parallel-size (vLLM's name), alias
@@ -28,6 +30,8 @@ CHANGES: dict[tuple[str, str], dict[str, str]] = {
     # the integer-list parser is config.int_list (was studies._ints; same values and message)
     ("tokenweir study frontier", "--chunks"): {"type": "int_list"},
     ("tokenweir study pool", "--blocks"): {"type": "int_list"},
+    # the one simulator loop runs a fitted profile on every instance of a cluster too
+    **{(f"tokenweir {c}", "--profile"): {"help": _PROFILE_HELP} for c in ("simulate", "sweep")},
 }
 # spellings that did not exist: study gains the simulator's --tensor-parallel-size (alias --tp)
 NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size"}
