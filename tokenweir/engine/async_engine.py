@@ -82,6 +82,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._tracked: dict[str, _Tracked] = {}  # added on the event loop, then engine side
         self._unstarted: set[str] = set()  # event-loop side: admitted, no output yet
+        self._tokenizing = 0  # event-loop side: requests in off_loop work (tokenizing)
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS,
                                               thread_name_prefix="tokenweir-tokenize")
         self.max_prompt_chars = self.max_model_len * 2 * _longest_token_chars(self.tokenizer)
@@ -157,9 +158,14 @@ class AsyncEngine:
                              f"max_model_len ({self.max_model_len}) allows")
 
     async def off_loop(self, fn, *args: Any, **kwargs: Any) -> Any:
-        """`fn(*args, **kwargs)` on a tokenizer thread (CPU-heavy work the loop must not do)."""
+        """`fn(*args, **kwargs)` on a tokenizer thread (CPU-heavy work the loop must not do).
+        Meanwhile the request counts as waiting (`num_unstarted`), for admission control."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizers, lambda: fn(*args, **kwargs))
+        self._tokenizing += 1
+        try:
+            return await loop.run_in_executor(self._tokenizers, lambda: fn(*args, **kwargs))
+        finally:
+            self._tokenizing -= 1
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The chat template applied off the event loop; ValueError if it fails."""
@@ -180,8 +186,9 @@ class AsyncEngine:
 
     @property
     def num_unstarted(self) -> int:
-        """Requests admitted that have produced no token yet: the waiting queue."""
-        return len(self._unstarted)
+        """Requests admitted that have produced no token yet (being tokenized included): the
+        waiting queue."""
+        return len(self._unstarted) + self._tokenizing
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0, ttft_slo_ms: Optional[float] = None
