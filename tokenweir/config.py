@@ -37,6 +37,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # The model every command and `LLM()` use when none is named: an alias model/loader.py resolves.
 DEFAULT_MODEL = "smollm2-135m"
+# The server's request-body limit (`tokenweir serve --max-request-body-bytes`): 4 MiB.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -298,6 +300,10 @@ class ServeConfig:
     max_waiting_requests: Optional[int] = _f(
         None, "answer 503 + Retry-After while this many requests wait (default: no limit)")
     drain_timeout: float = _f(30.0, "seconds to let running requests finish on SIGTERM")
+    max_request_body_bytes: int = _f(
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+        "largest request body accepted, in bytes; a larger one is answered 413 before it is "
+        "read in full")
     log_level: str = _f("info", "log level of the server and of uvicorn")
 
 

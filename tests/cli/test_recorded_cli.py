@@ -36,6 +36,8 @@ CHANGES: dict[tuple[str, str], dict[str, str]] = {
 # spellings that did not exist: study gains the simulator's --tensor-parallel-size (alias --tp)
 NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size"}
                  for s in ("frontier", "pool", "policies")}
+# the server's request-body limit (a 413 above it), added with the edge validation
+NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -1,7 +1,9 @@
 """AsyncEngine: the LLMEngine step loop on one background thread, streamed to asyncio.
 
-Contract: a new request is validated and tokenized on the event loop (`make_request`, which
-reads only immutable engine state) and handed to the engine with `submit_request`, the
+Contract: a new request is validated and tokenized on a worker thread (`make_request`, which
+reads only immutable engine state; the Rust tokenizer releases the GIL), never on the event
+loop, and a text prompt too long to fit max_model_len by its length alone is refused before it
+is tokenized at all. It is handed to the engine with `submit_request`, the
 thread-safe inbox: a step in flight does not delay its arrival, so the SLO monitor can cut that
 step for an urgent request. Every other LLMEngine call (abort_requests, step, get_metrics)
 happens on the engine thread; other threads hand it aborts through `_aborts` (guarded by
@@ -18,6 +20,7 @@ import collections
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
@@ -35,6 +38,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+# Threads that tokenize prompts and render chat templates, off the event loop.
+TOKENIZER_THREADS = 4
 
 
 class EngineDeadError(RuntimeError):
@@ -75,6 +82,10 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._tracked: dict[str, _Tracked] = {}  # added on the event loop, then engine side
         self._unstarted: set[str] = set()  # event-loop side: admitted, no output yet
+        self._tokenizing = 0  # event-loop side: requests in off_loop work (tokenizing)
+        self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                              thread_name_prefix="tokenweir-tokenize")
+        self.max_prompt_chars = self.max_model_len * 2 * _longest_token_chars(self.tokenizer)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
@@ -89,11 +100,21 @@ class AsyncEngine:
     def num_active(self) -> int:
         return len(self._queues)
 
-    async def drain(self, timeout: float) -> None:
-        """Wait (up to `timeout` s) for in-flight requests to finish."""
+    async def drain(self, timeout: float) -> bool:
+        """Wait (up to `timeout` s) for in-flight requests to finish; True if they all did."""
         deadline = time.monotonic() + timeout
         while self._queues and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        return not self._queues
+
+    def abort_all(self) -> int:
+        """Event loop: ask the engine thread to end every in-flight request; each one's queue
+        then gets a final output with finish_reason 'abort'. Returns how many were asked."""
+        request_ids = list(self._queues)
+        with self._cond:
+            self._aborts.extend(request_ids)
+            self._cond.notify()
+        return len(request_ids)
 
     def shutdown(self) -> None:
         """Abort whatever is still running and stop the thread."""
@@ -102,6 +123,7 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # ---- public API (event loop) --------------------------------------------------------
     async def add(self, prompt: PromptType, params: SamplingParams, request_id: str,
@@ -110,8 +132,10 @@ class AsyncEngine:
         Returns the queue its delta RequestOutputs arrive on (an Exception on engine error)."""
         if not self.is_running:
             raise EngineDeadError("the engine is shutting down")
-        request, text = self.engine.make_request(prompt, params, request_id=request_id,
-                                                 priority=priority, ttft_slo_ms=ttft_slo_ms)
+        self.refuse_oversize(prompt)
+        request, text = await self.off_loop(
+            self.engine.make_request, prompt, params, request_id=request_id,
+            priority=priority, ttft_slo_ms=ttft_slo_ms)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._unstarted.add(request_id)
@@ -124,6 +148,37 @@ class AsyncEngine:
             self._cond.notify()
         return queue
 
+    def refuse_oversize(self, prompt: PromptType) -> None:
+        """ValueError for a text prompt so long that it cannot fit max_model_len whatever its
+        tokens (no token spans more than half of `max_prompt_chars / max_model_len`
+        characters), without tokenizing it."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str) and len(text) > self.max_prompt_chars:
+            raise ValueError(f"the prompt has {len(text)} characters: more tokens than "
+                             f"max_model_len ({self.max_model_len}) allows")
+
+    async def off_loop(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on a tokenizer thread (CPU-heavy work the loop must not do).
+        Meanwhile the request counts as waiting (`num_unstarted`), for admission control."""
+        loop = asyncio.get_running_loop()
+        self._tokenizing += 1
+        try:
+            return await loop.run_in_executor(self._tokenizers, lambda: fn(*args, **kwargs))
+        finally:
+            self._tokenizing -= 1
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The chat template applied off the event loop; ValueError if it fails."""
+        total = sum(len(m["content"]) for m in messages)
+        if total > self.max_prompt_chars:
+            raise ValueError(f"the messages have {total} characters: more tokens than "
+                             f"max_model_len ({self.max_model_len}) allows")
+        try:
+            return await self.off_loop(self.tokenizer.apply_chat_template, messages,
+                                       add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - template errors are the caller's
+            raise ValueError(f"cannot apply the chat template: {exc}") from exc
+
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._unstarted.discard(request_id)
@@ -131,8 +186,9 @@ class AsyncEngine:
 
     @property
     def num_unstarted(self) -> int:
-        """Requests admitted that have produced no token yet: the waiting queue."""
-        return len(self._unstarted)
+        """Requests admitted that have produced no token yet (being tokenized included): the
+        waiting queue."""
+        return len(self._unstarted) + self._tokenizing
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0, ttft_slo_ms: Optional[float] = None
@@ -277,3 +333,13 @@ class AsyncEngine:
             self.metrics_snapshot = self.engine.get_metrics()
         except Exception:  # noqa: BLE001
             logger.exception("metrics snapshot failed")
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """Characters in the longest vocabulary entry (at least 16): a bound on how much text one
+    token can cover, for refusing absurd prompts before tokenizing them."""
+    try:
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        return max(16, max(len(token) for token in vocab))
+    except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary
+        return 256

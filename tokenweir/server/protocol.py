@@ -1,11 +1,9 @@
-"""OpenAI request parsing (plus vLLM's extra sampling fields) and response shaping.
-
-Parsing raises `APIError`; the app turns it into OpenAI's error JSON.
-"""
+"""From validated request models to the engine's SamplingParams, and response shaping
+(logprobs, usage, delta accumulation). `APIError` is what every refusal raises; the app turns
+it into OpenAI's error JSON."""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,31 +26,6 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-_MISSING = object()
-
-
-def field(body: dict, name: str, kind: type | tuple, default: Any = None) -> Any:
-    """body[name] checked against `kind` (None is treated as absent)."""
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(value, bool) and bool not in kinds:
-        raise APIError(f"'{name}' must be of type {_names(kinds)}, got a boolean", param=name)
-    if not isinstance(value, kinds):
-        raise APIError(f"'{name}' must be of type {_names(kinds)}, got "
-                       f"{type(value).__name__}", param=name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise APIError(f"'{name}' must be a finite number", param=name)
-    return value
-
-
-def _names(kinds: tuple) -> str:
-    return " or ".join(k.__name__ for k in kinds)
-
-
 @dataclass
 class Parsed:
     params: SamplingParams
@@ -63,91 +36,70 @@ class Parsed:
     top_logprobs: Optional[int]  # chat: top alternatives per token; completions: logprobs
 
 
-def parse_sampling(body: dict, chat: bool) -> Parsed:
-    """OpenAI fields plus vLLM extras; ValueError from SamplingParams becomes a 400."""
-    n = field(body, "n", int, 1)
-    if n != 1:
-        raise APIError(f"only n=1 is supported, got n={n}", param="n")
-    max_tokens = field(body, "max_tokens", int)
-    if chat:
-        max_tokens = field(body, "max_completion_tokens", int, max_tokens)
-    elif max_tokens is None:
-        max_tokens = 16  # OpenAI's completions default
-    stop = field(body, "stop", (str, list))
-    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise APIError("'stop' must be a string or a list of strings", param="stop")
-    if chat:
-        want = field(body, "logprobs", bool, False)
-        top = field(body, "top_logprobs", int)
-        if top is not None and not want:
-            raise APIError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
-        if top is not None and not 0 <= top <= 20:
-            raise APIError(f"'top_logprobs' must be in [0, 20], got {top}", param="top_logprobs")
-        logprobs = (top or 0) if want else None
-    else:
-        logprobs = field(body, "logprobs", int)
-        if logprobs is not None and not 0 <= logprobs <= 20:
-            raise APIError(f"'logprobs' must be in [0, 20], got {logprobs}", param="logprobs")
-    stream_options = field(body, "stream_options", dict, {})
-    stream = field(body, "stream", bool, False)
+def sampling(req: Any, chat: bool, vocab_size: int) -> Parsed:
+    """The engine's view of a validated request model (tokenweir.server.models): OpenAI's
+    fields with their defaults, plus vLLM's extras. APIError(400) naming the field for what
+    only the engine's state can tell (a token id outside the vocabulary) or SamplingParams
+    refuses."""
+    if req.n not in (None, 1):
+        raise APIError(f"only n=1 is supported, got n={req.n}", param="n")
+    stop_ids = req.stop_token_ids or []
+    bad = next((t for t in stop_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise APIError(f"'stop_token_ids': token id {bad} is outside the vocabulary "
+                       f"[0, {vocab_size})", param="stop_token_ids")
     try:
-        params = SamplingParams(
-            temperature=field(body, "temperature", float, 1.0),
-            top_p=field(body, "top_p", float, 1.0),
-            top_k=field(body, "top_k", int, 0),
-            min_p=field(body, "min_p", float, 0.0),
-            seed=field(body, "seed", int),
-            max_tokens=max_tokens,
-            min_tokens=field(body, "min_tokens", int, 0),
-            stop=stop,
-            stop_token_ids=field(body, "stop_token_ids", list),
-            ignore_eos=field(body, "ignore_eos", bool, False),
-            logprobs=logprobs,
-            skip_special_tokens=field(body, "skip_special_tokens", bool, True),
-            include_stop_str_in_output=field(body, "include_stop_str_in_output", bool, False))
+        params = SamplingParams(**_sampling_kwargs(req, chat))
     except (ValueError, TypeError) as exc:
-        raise APIError(str(exc)) from exc
-    ttft = field(body, "ttft_slo_ms", float)
-    if ttft is not None and ttft <= 0:
-        raise APIError(f"'ttft_slo_ms' must be positive, got {ttft}", param="ttft_slo_ms")
-    return Parsed(params=params, priority=field(body, "priority", int, 0), ttft_slo_ms=ttft,
-                  stream=stream,
-                  include_usage=bool(stream_options.get("include_usage", False)),
-                  top_logprobs=logprobs)
+        raise APIError(str(exc), param=_field_named(str(exc))) from exc
+    stream_options = req.stream_options
+    return Parsed(params=params, priority=req.priority or 0, ttft_slo_ms=req.ttft_slo_ms,
+                  stream=bool(req.stream),
+                  include_usage=bool(stream_options and stream_options.include_usage),
+                  top_logprobs=params.logprobs)
 
 
-def parse_prompt(body: dict) -> Any:
-    """A completions prompt: a string, a list of token ids, or a one-element list of those."""
-    prompt = body.get("prompt")
+def _sampling_kwargs(req: Any, chat: bool) -> dict:
+    if chat:
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+        logprobs = req.logprobs
+    given = {name: getattr(req, name) for name in _PLAIN_FIELDS}
+    return {**{k: v for k, v in given.items() if v is not None},
+            "max_tokens": max_tokens, "logprobs": logprobs}
+
+
+_PLAIN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
+                 "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                 "include_stop_str_in_output")
+
+
+def _field_named(message: str) -> Optional[str]:
+    """The SamplingParams field a ValueError's message starts with, if any."""
+    word = message.split(" ", 1)[0].strip("'\"(:")
+    return word if word in SamplingParams.__dataclass_fields__ else None
+
+
+def prompt_of(req: Any) -> Any:
+    """A completions prompt for the engine: a string or {"prompt_token_ids": [...]}."""
+    prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in prompt):
-        return {"prompt_token_ids": prompt}
-    raise APIError("'prompt' must be a string or a list of token ids (one prompt per request)",
-                   param="prompt")
+    return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
 
 
-def parse_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("'messages' must be a non-empty list", param="messages")
+def messages_of(req: Any) -> list[dict]:
+    """Chat messages as the template wants them: role and text content."""
     out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError("each message needs a 'role' and 'content'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content
-                              if isinstance(p, dict) and p.get("type") == "text")
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise APIError("message 'content' must be a string or a list of text parts",
-                           param="messages")
-        out.append({"role": m["role"], "content": content})
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out.append({"role": m.role, "content": content or ""})
     return out
 
 

@@ -1,0 +1,156 @@
+"""Request models of the OpenAI-compatible API (pydantic), shared by completions and chat.
+
+Contract: `parse(model_class, body)` either returns a validated model or raises `APIError`
+(400) whose `param` names the offending top-level field. Types are strict (no "1" for 1, no
+true for 1), numbers are finite and integers fit in 64 bits, so nothing that passes can make
+the engine's step raise. A parameter tokenweir does not honour is refused by name
+(`UNSUPPORTED`), unless it carries its neutral value; an unknown one is refused too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError
+
+from tokenweir.server.protocol import APIError
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+MAX_LOGPROBS = 20
+
+Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
+TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
+
+# name -> its neutral values: sending one of these (or null) changes nothing, so it is allowed.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "functions": ([],), "function_call": ("none",), "use_beam_search": (False,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "prompt_logprobs": (), "length_penalty": (1,), "truncate_prompt_tokens": (),
+}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: Optional[StrictBool] = None
+
+
+class SamplingFields(StrictModel):
+    """What completions and chat share: OpenAI's sampling fields and vLLM's extras."""
+
+    model: Optional[StrictStr] = None
+    n: Optional[Int64] = Field(None, description="only 1 is supported")
+    stream: Optional[StrictBool] = None
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[Annotated[Float, Field(ge=0)]] = None
+    top_p: Optional[Annotated[Float, Field(gt=0, le=1)]] = None
+    top_k: Optional[Annotated[int, Strict(), Field(ge=-1, le=INT64_MAX)]] = None
+    min_p: Optional[Annotated[Float, Field(ge=0, le=1)]] = None
+    seed: Optional[Int64] = None
+    max_tokens: Optional[PositiveInt] = None
+    min_tokens: Optional[NonNegativeInt] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stop_token_ids: Optional[list[NonNegativeInt]] = None
+    ignore_eos: Optional[StrictBool] = None
+    skip_special_tokens: Optional[StrictBool] = None
+    include_stop_str_in_output: Optional[StrictBool] = None
+    priority: Optional[Int64] = None
+    ttft_slo_ms: Optional[Annotated[Float, Field(gt=0)]] = None
+    user: Optional[StrictStr] = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1,
+                                                                      max_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=1)]]
+    echo: Optional[StrictBool] = None
+    logprobs: Optional[TopLogprobs] = None
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(StrictModel):
+    role: StrictStr
+    content: Optional[Union[StrictStr, list[TextPart]]] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[PositiveInt] = None
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[TopLogprobs] = None
+    add_generation_prompt: Optional[StrictBool] = None
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
+def parse(model_class: type[StrictModel], body: Any) -> Any:
+    """A validated request model, or APIError(400) naming the field."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        return model_class.model_validate(refuse_unsupported(body))
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+    except RecursionError:
+        raise APIError("the request is nested too deeply") from None
+
+
+def refuse_unsupported(body: dict) -> dict:
+    """`body` without the unsupported parameters that carry a neutral value; APIError for
+    one that carries any other value."""
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is None or any(_same(value, n) for n in neutral):
+            continue
+        raise APIError(f"'{name}' is not supported by tokenweir (only "
+                       f"{_neutral_text(neutral)} is accepted)", param=name)
+    return {k: v for k, v in body.items() if k not in UNSUPPORTED}
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    return type(value) is type(neutral) and value == neutral or \
+        isinstance(neutral, int) and isinstance(value, float) and value == neutral
+
+
+def _neutral_text(neutral: tuple) -> str:
+    return " or ".join(["null", *(repr(n) for n in neutral)])
+
+
+def _api_error(exc: ValidationError) -> APIError:
+    """The most specific error (deepest location) of a validation failure, as a 400."""
+    errors = exc.errors(include_input=False, include_url=False)
+    err = max(errors, key=lambda e: len(_field_path(e["loc"])))
+    path = _field_path(err["loc"])
+    param = str(path[0]) if path else None
+    where = ".".join(str(p) for p in path)
+    if err["type"] == "extra_forbidden":
+        return APIError(f"unknown parameter '{where}': tokenweir does not support it",
+                        param=param)
+    if err["type"] == "missing":
+        return APIError(f"'{where}' is required", param=param)
+    if path == ["prompt"]:  # every branch of the union failed at the top
+        return APIError("'prompt' must be a string or a non-empty list of token ids (or a "
+                        "list holding one of those: one prompt per request)", param=param)
+    return APIError(f"'{where}': {err['msg']}", param=param)
+
+
+def _field_path(loc: tuple) -> list:
+    """A location without pydantic's union-branch labels (`str`, `list[int]`, ...)."""
+    return [p for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _BRANCHES)]
+
+
+_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "TextPart", "literal"}

@@ -1,0 +1,102 @@
+"""The HTTP routes. Each reads the shared `AppState` (tokenweir.server.state) from the app;
+none holds state of its own. Request bodies are validated by the models of
+tokenweir.server.models, whose schemas the OpenAPI document publishes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tokenweir.server import protocol as P
+from tokenweir.server.body import parse_json
+from tokenweir.server.models import ChatCompletionRequest, CompletionRequest, parse
+from tokenweir.server.shapes import ChatShape, CompletionShape, Shape, collect, stream_chunks
+from tokenweir.server.state import AppState, app_state
+
+logger = logging.getLogger("tokenweir.server")
+router = APIRouter()
+
+
+def _body_of(model: type) -> dict:
+    """OpenAPI: the route's JSON body is `model` (validated by hand, to answer OpenAI's 400)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    return Response(status_code=200 if app_state(request).engine.is_running else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(app_state(request).registry),
+                    media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    state = app_state(request)
+    engine = state.engine
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": P.now(), "owned_by": "tokenweir",
+         "root": engine.model_name, "max_model_len": engine.max_model_len}
+        for name in state.settings.served_model_names]}
+
+
+@router.post("/v1/completions", openapi_extra=_body_of(CompletionRequest))
+async def completions(request: Request):
+    state = app_state(request)
+    req = parse(CompletionRequest, parse_json(await request.body()))
+    model = state.model_name(req.model)
+    parsed = P.sampling(req, chat=False, vocab_size=state.engine.engine.vocab_size)
+    prompt = P.prompt_of(req)
+    echo = prompt if req.echo and isinstance(prompt, str) else None
+    shape = CompletionShape(P.new_id("cmpl"), model, parsed, state.engine.tokenizer, echo=echo)
+    return await _answer(state, shape, prompt)
+
+
+@router.post("/v1/chat/completions", openapi_extra=_body_of(ChatCompletionRequest))
+async def chat(request: Request):
+    state = app_state(request)
+    req = parse(ChatCompletionRequest, parse_json(await request.body()))
+    model = state.model_name(req.model)
+    parsed = P.sampling(req, chat=True, vocab_size=state.engine.engine.vocab_size)
+    add_generation_prompt = req.add_generation_prompt is not False
+    state.admit()  # refuse before the template work when the server cannot take it anyway
+    try:
+        prompt = await state.engine.render_chat(P.messages_of(req), add_generation_prompt)
+    except ValueError as exc:
+        raise P.APIError(str(exc), param="messages") from exc
+    shape = ChatShape(P.new_id("chatcmpl"), model, parsed, state.engine.tokenizer)
+    return await _answer(state, shape, prompt)
+
+
+async def _answer(state: AppState, shape: Shape, prompt) -> object:
+    """Queue the request, then stream its chunks (SSE) or return its whole answer."""
+    queue = await state.submit(prompt, shape.parsed, shape.request_id)
+    outputs = state.engine.stream(shape.request_id, queue)
+    if shape.parsed.stream:
+        return sse(stream_chunks(shape, outputs))
+    return await collect(shape, outputs)
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: one `data:` line per chunk, an in-band error if the request fails
+    mid-stream, and `data: [DONE]` always last."""
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+        except Exception as exc:  # noqa: BLE001 - report mid-stream errors in-band
+            logger.exception("stream failed")
+            err = P.APIError(str(exc), 500, "internal_error")
+            yield f"data: {json.dumps(err.body())}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

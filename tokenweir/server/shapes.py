@@ -1,0 +1,133 @@
+"""Response bodies of /v1/completions and /v1/chat/completions, whole and streamed.
+
+One `Shape` per endpoint says how a choice looks; the loop that folds the engine's delta
+outputs into chunks (`stream_chunks`) and the one that collects a whole answer (`collect`) are
+shared. Contract of a stream: zero or more opening chunks, one chunk per engine step that
+produced text or tokens, the last of them carrying finish_reason, then (with include_usage) a
+usage chunk with no choices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional
+
+from tokenweir.outputs import RequestOutput
+from tokenweir.server import protocol as P
+
+
+class Shape:
+    """What completions and chat have in common: the envelope of every body and chunk."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, parsed: P.Parsed, tokenizer: Any) -> None:
+        self.request_id, self.model, self.parsed = request_id, model, parsed
+        self.tokenizer, self.k = tokenizer, parsed.top_logprobs
+        self.created = P.now()
+
+    def envelope(self, choices: list, object_name: str, **extra: Any) -> dict:
+        return {"id": self.request_id, "object": object_name, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def chunk(self, choices: list, **extra: Any) -> dict:
+        if self.parsed.include_usage and "usage" not in extra:
+            extra["usage"] = None
+        return self.envelope(choices, self.chunk_object_name, **extra)
+
+    def whole(self, acc: P.Accumulator, entries: list) -> dict:
+        self.created = P.now()
+        return self.envelope([self.whole_choice(acc, entries)], self.object_name,
+                             usage=P.usage(acc.prompt_tokens, len(acc.token_ids)))
+
+    def usage_chunk(self, acc: P.Accumulator) -> dict:
+        return self.chunk([], usage=P.usage(acc.prompt_tokens, len(acc.token_ids)))
+
+    # ---- per endpoint -----------------------------------------------------------------------
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def delta_choice(self, acc: P.Accumulator, text: str, token_ids: list[int], entries: list,
+                     finished: bool) -> dict:
+        raise NotImplementedError
+
+    def whole_choice(self, acc: P.Accumulator, entries: list) -> dict:
+        raise NotImplementedError
+
+
+class CompletionShape(Shape):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, *args: Any, echo: Optional[str] = None) -> None:
+        super().__init__(*args)
+        self.echo = echo  # the prompt text, when the client asked for it back
+        self.offset = 0  # characters streamed so far (logprobs text_offset)
+
+    def _logprobs(self, token_ids: list[int], entries: list, offset: int) -> Optional[dict]:
+        if self.k is None:
+            return None
+        return P.completion_logprobs(self.tokenizer, token_ids, entries, self.k, offset)
+
+    def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
+        choice = {"index": 0, "text": text,
+                  "logprobs": self._logprobs(token_ids, entries, self.offset),
+                  "finish_reason": acc.finish_reason if finished else None,
+                  "stop_reason": acc.stop_reason if finished else None}
+        self.offset += len(text)
+        return choice
+
+    def whole_choice(self, acc, entries) -> dict:
+        return {"index": 0, "text": (self.echo or "") + acc.text,
+                "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+                "logprobs": self._logprobs(acc.token_ids, entries, 0)}
+
+
+class ChatShape(Shape):
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def _logprobs(self, token_ids: list[int], entries: list) -> Optional[dict]:
+        if self.k is None:
+            return None
+        return P.chat_logprobs(self.tokenizer, token_ids, entries, self.k)
+
+    def opening_chunks(self) -> list[dict]:
+        return [self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])]
+
+    def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
+        choice = {"index": 0, "delta": {"content": text} if text else {},
+                  "logprobs": self._logprobs(token_ids, entries),
+                  "finish_reason": acc.finish_reason if finished else None}
+        if finished:
+            choice["stop_reason"] = acc.stop_reason
+        return choice
+
+    def whole_choice(self, acc, entries) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": acc.text},
+                "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+                "logprobs": self._logprobs(acc.token_ids, entries)}
+
+
+async def stream_chunks(shape: Shape, outputs: AsyncIterator[RequestOutput]
+                        ) -> AsyncIterator[dict]:
+    """The chunks of a streamed answer (see the module contract)."""
+    for chunk in shape.opening_chunks():
+        yield chunk
+    acc = P.Accumulator()
+    async for out in outputs:
+        text, token_ids, entries = acc.add(out)
+        if not text and not token_ids and not out.finished:
+            continue
+        yield shape.chunk([shape.delta_choice(acc, text, token_ids, entries, out.finished)])
+    if shape.parsed.include_usage:
+        yield shape.usage_chunk(acc)
+
+
+async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput]) -> dict:
+    """The whole answer of a request that was not streamed."""
+    acc = P.Accumulator()
+    entries: list = []
+    async for out in outputs:
+        _, _, new = acc.add(out)
+        entries.extend(new)
+    return shape.whole(acc, entries)
