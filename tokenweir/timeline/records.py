@@ -16,7 +16,8 @@ Two kinds of line; `"type"` tells them apart (absent means "step"):
   (the chrome-trace converter), not observed.
 - `preempted`: preempted by recompute when this step was planned (their KV was dropped).
 - `swapped`: whose KV sat in host memory during this step (swapped out, not yet back).
-- `cut`: whose step was cut short mid-way by the slo policy (its tokens were discarded).
+- `cut`: the victim for which the slo policy cut this step short mid-way. The whole step is
+  rolled back (nothing was sampled; every request in `reqs` runs those tokens again later).
 - `paused`: in the running set but given no tokens this step (budget spent, or paused by the
   slo policy for a more urgent waiter).
 - `running`, `waiting`: queue lengths after planning; `kv_usage`: device pool share in use
@@ -89,8 +90,10 @@ def parse_lines(lines: Iterable[str]) -> Trace:
             check_step(obj)
             steps.append(obj)
         elif kind == "request":
+            obj.pop("type")
             requests[str(obj["id"])] = obj
         elif kind == "meta":
+            obj.pop("type")
             meta.update(obj)
     steps.sort(key=lambda s: s["step"])
     return Trace(steps, requests, meta)
