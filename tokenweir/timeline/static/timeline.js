@@ -6,7 +6,7 @@
 (function () {
   const DATA = JSON.parse(document.getElementById("timeline-data").textContent);
   const OPTIONS = window.TIMELINE_OPTIONS || {};
-  const ROW_H = 14, GUTTER = 64, SERIES_H = 168;
+  const ROW_H = 14, GUTTER = 64, SERIES_H = 188, AXIS_Y = 170;
   const RANK = [0, 1, 2, 5, 4, 6, 3, 7];  // by state code: which state wins a shared pixel
   const SCHEDULED = new Set([3, 4, 7]);    // prefill, decode, cut: ran in that step
   const errors = [];
@@ -38,10 +38,14 @@
     return p;
   }
 
+  // every panel gets the same scale (px per step, or per second) so that side by side they
+  // compare like for like: the longest run fits the view
   function fit(p) {
     const w = Math.max(50, p.scroller.clientWidth - GUTTER);
-    p.pxPerCol = Math.min(24, Math.max(w / Math.max(1, p.n), 0.001));
-    p.pxPerSec = w / Math.max(1e-9, p.tEnd - p.t0);
+    const n = Math.max(...panels.map((q) => q.n), 1);
+    const span = Math.max(...panels.map((q) => q.tEnd - q.t0), 1e-9);
+    p.pxPerCol = Math.min(24, Math.max(w / n, 0.001));
+    p.pxPerSec = w / span;
   }
   function totalWidth(p) {
     return mode === "step" ? p.n * p.pxPerCol : (p.tEnd - p.t0) * p.pxPerSec;
@@ -98,19 +102,21 @@
     while (lo < hi) { const mid = (lo + hi) >> 1; if (runs[mid][0] + runs[mid][1] <= c0) lo = mid + 1; else hi = mid; }
     return lo;
   }
+  // Runs snap to whole pixels; a pixel holding several runs shows the highest-ranked state
+  // (a one-step preemption stays visible however far out the view is zoomed).
   function drawRow(p, ctx, runs, y, c0, c1, left) {
-    let lastPx = -1, lastRank = -1;
+    let drawnTo = -Infinity, drawnRank = -1;  // end (exclusive) and rank of the last rect
     for (let i = firstRun(runs, c0); i < runs.length && runs[i][0] <= c1; i++) {
       const [c, len, state, tokens] = runs[i];
-      const x0 = colX(p, c) - left, x1 = colEndX(p, c + len - 1) - left;
-      const px = Math.floor(x1);
-      if (px <= lastPx && RANK[state] <= lastRank) continue;  // a pixel already told
+      let a = Math.floor(colX(p, c) - left);
+      const b = Math.max(a + 1, Math.round(colEndX(p, c + len - 1) - left));
+      if (a < drawnTo && RANK[state] <= drawnRank) a = drawnTo;
+      if (b <= a) continue;
       ctx.fillStyle = DATA.colors[state];
-      const w = Math.max(1, x1 - x0);
-      ctx.fillRect(GUTTER + x0, y + 1, w, ROW_H - 2);
-      if (px > lastPx) { lastPx = px; lastRank = RANK[state]; } else lastRank = RANK[state];
-      if (state === 3 && len === 1 && w >= 24) {
-        ctx.fillStyle = "#fff"; ctx.fillText(String(tokens), GUTTER + x0 + 2, y + ROW_H - 3);
+      ctx.fillRect(GUTTER + a, y + 1, b - a, ROW_H - 2);
+      drawnTo = b; drawnRank = RANK[state];
+      if (state === 3 && len === 1 && b - a >= 24) {
+        ctx.fillStyle = "#fff"; ctx.fillText(String(tokens), GUTTER + a + 2, y + ROW_H - 3);
       }
     }
   }
@@ -179,9 +185,28 @@
       `prefix-cache hit tokens, max ${m.hits}`];
     ctx.fillStyle = "#f4f4f4"; ctx.fillRect(0, 0, GUTTER - 2, SERIES_H);
     labels.forEach((text, i) => {
+      ctx.fillStyle = "rgba(255,255,255,0.8)";
+      ctx.fillRect(GUTTER + 2, i * band + 1, ctx.measureText(text).width + 4, 11);
       ctx.fillStyle = "#000"; ctx.fillText(text, GUTTER + 4, i * band + 10);
       ctx.fillStyle = "#ddd"; ctx.fillRect(GUTTER, (i + 1) * band + (i === 3 ? 8 : 0), w, 1);
     });
+    drawAxis(p, ctx, w);
+  }
+  // ticks along the bottom: step numbers, or seconds in time mode, about every 100 px
+  function drawAxis(p, ctx, w) {
+    const left = p.scroller.scrollLeft, cols = p.model.cols;
+    const perPx = mode === "step" ? 1 / p.pxPerCol : 1 / p.pxPerSec;
+    const raw = perPx * 100, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    const every = [1, 2, 5, 10].map((k) => k * mag).find((v) => v >= raw);
+    ctx.fillStyle = "#000"; ctx.fillRect(GUTTER, AXIS_Y, w, 1);
+    ctx.fillText(mode === "step" ? "step" : "time (s)", 4, AXIS_Y + 12);
+    const first = Math.ceil((left * perPx) / every) * every;
+    for (let v = first; (v - left * perPx) / perPx < w - GUTTER; v += every) {
+      const x = GUTTER + v / perPx - left;
+      const label = mode === "step" ? String(cols.step[Math.min(p.n - 1, Math.round(v))] ?? v)
+        : (p.t0 + v).toFixed(every < 0.01 ? 3 : every < 1 ? 2 : 0);
+      ctx.fillRect(x, AXIS_Y, 1, 4); ctx.fillText(label, x + 2, AXIS_Y + 13);
+    }
   }
   function layout(p) {
     p.spacer.style.width = (GUTTER + totalWidth(p)) + "px";
@@ -301,7 +326,11 @@
   }
   function wire(p) {
     p.scroller.addEventListener("scroll", () => {
-      for (const q of panels) if (q !== p && q.scroller.scrollTop !== p.scroller.scrollTop) q.scroller.scrollTop = p.scroller.scrollTop;
+      for (const q of panels) {
+        if (q === p) continue;
+        if (q.scroller.scrollTop !== p.scroller.scrollTop) q.scroller.scrollTop = p.scroller.scrollTop;
+        if (q.pxPerCol === p.pxPerCol && q.scroller.scrollLeft !== p.scroller.scrollLeft) q.scroller.scrollLeft = p.scroller.scrollLeft;
+      }
       redrawAll();
     });
     p.scroller.addEventListener("mousemove", (ev) => onMove(p, ev));
@@ -315,7 +344,8 @@
   }
 
   const started = performance.now();
-  const panels = DATA.panels.map(makePanel);
+  let panels = [];
+  panels = DATA.panels.map(makePanel);
   const container = document.getElementById("panels");
   panels.forEach((p) => { container.appendChild(p.el); p.maxes = maxes(p); });
   legend();
@@ -363,6 +393,16 @@
       const rect = p.scroller.getBoundingClientRect();
       return { x: rect.left + GUTTER + colX(p, c) - p.scroller.scrollLeft + px / 2,
                y: rect.top + r * ROW_H - p.scroller.scrollTop + ROW_H / 2 };
+    },
+    // scrolls a cell's row into view at the current zoom; returns its centre (client px)
+    cellCenter(i, rid, step) {
+      const p = panelOf(i), c = colOfStep(p, step), r = rowIndex.get(rid);
+      p.scroller.scrollTop = Math.max(0, r * ROW_H - 60);
+      const x = GUTTER + (colX(p, c) + colEndX(p, c)) / 2;
+      if (x - GUTTER < p.scroller.scrollLeft || x > p.scroller.scrollLeft + p.scroller.clientWidth) p.scroller.scrollLeft = Math.max(0, x - 200);
+      panels.forEach(redraw);
+      const rect = p.scroller.getBoundingClientRect();
+      return { x: rect.left + x - p.scroller.scrollLeft, y: rect.top + r * ROW_H - p.scroller.scrollTop + ROW_H / 2 };
     },
     pixelAt(i, x, y) {  // the grid canvas's colour at client (x, y), as #rrggbb
       const p = panelOf(i), rect = p.canvas.getBoundingClientRect(), dpr = window.devicePixelRatio || 1;
