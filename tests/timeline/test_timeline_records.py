@@ -164,3 +164,34 @@ def test_step_ring_keeps_the_latest():
     trace = ring.trace()
     assert [s["step"] for s in trace.steps] == [2, 3, 4] and ring.num_dropped == 2
     assert "2 older ones were dropped" in trace.meta["note"]
+
+
+def test_live_recorder_matches_the_simulation_recorder():
+    """LiveRecorder (what a server would attach to its engine's scheduler) records the same
+    steps and requests as record_simulation on the same run, into a bounded ring."""
+    from timeline_gen import run_cramped
+    from tokenweir.sim.build import build_simulation
+    from tokenweir.sim.workload import synthetic
+    from tokenweir.timeline.recorder import LiveRecorder
+
+    result, trace = run_cramped("recompute")
+    specs = synthetic(120, 30, seed=0, prompt="lognormal:400:0.6", output="uniform:20:300")
+    sim = build_simulation(dict(num_gpu_blocks_override=400), specs)
+    ring = StepRing(capacity=500)
+    live = LiveRecorder(sim.scheduler, ring)
+    live_result = sim.run()
+    live.detach()
+    assert "schedule" not in vars(sim.scheduler)  # the scheduler's own methods again
+    assert live_result.stats.num_preemptions == result.stats.num_preemptions > 0
+    assert ring.num_dropped == len(trace.steps) - 500 > 0
+    for got, want in zip(ring.steps, trace.steps[-500:]):
+        assert got["duration"] == pytest.approx(want["duration"])
+        assert {**got, "duration": 0} == {**want, "duration": 0}
+    for rec in live_result.requests:
+        if rec.request_id in ring.requests:
+            info = ring.requests[rec.request_id]
+            assert (info["arrival"], info["first_token"], info["finished"]) == (
+                rec.arrival, rec.first_token, rec.finished)
+            assert info["preemptions"] == rec.num_preemptions
+    page = render_html(ring.steps, ring.requests, refresh_seconds=2)
+    assert "timeline-data" in page
