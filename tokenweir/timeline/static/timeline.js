@@ -200,11 +200,12 @@
     const every = [1, 2, 5, 10].map((k) => k * mag).find((v) => v >= raw);
     ctx.fillStyle = "#000"; ctx.fillRect(GUTTER, AXIS_Y, w, 1);
     ctx.fillText(mode === "step" ? "step" : "time (s)", 4, AXIS_Y + 12);
-    const first = Math.ceil((left * perPx) / every) * every;
-    for (let v = first; (v - left * perPx) / perPx < w - GUTTER; v += every) {
-      const x = GUTTER + v / perPx - left;
+    const origin = mode === "step" ? 0 : p.t0;  // ticks at round steps, or round seconds
+    const first = Math.ceil((origin + left * perPx) / every) * every;
+    for (let v = first; (v - origin) / perPx - left < w - GUTTER; v += every) {
+      const x = GUTTER + (v - origin) / perPx - left;
       const label = mode === "step" ? String(cols.step[Math.min(p.n - 1, Math.round(v))] ?? v)
-        : (p.t0 + v).toFixed(every < 0.01 ? 3 : every < 1 ? 2 : 0);
+        : v.toFixed(every < 0.01 ? 3 : every < 1 ? 2 : 0);
       ctx.fillRect(x, AXIS_Y, 1, 4); ctx.fillText(label, x + 2, AXIS_Y + 13);
     }
   }
