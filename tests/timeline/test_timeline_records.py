@@ -195,3 +195,17 @@ def test_live_recorder_matches_the_simulation_recorder():
             assert info["preemptions"] == rec.num_preemptions
     page = render_html(ring.steps, ring.requests, refresh_seconds=2)
     assert "timeline-data" in page
+
+
+def test_chrome_converter_picks_one_instance_of_a_cluster_trace():
+    from tokenweir.sim.trace import chrome_trace_events
+    from tokenweir.timeline.chrome import convert_events
+
+    small, _ = run_cramped("recompute", num_requests=20, blocks=4000)
+    large, _ = run_cramped("recompute", num_requests=40, blocks=4000)
+    events = (chrome_trace_events(small, pid=1, process_name="instance 0", id_prefix="0:")
+              + chrome_trace_events(large, pid=2, process_name="instance 1", id_prefix="1:"))
+    first, second = convert_events(events), convert_events(events, pid=2)
+    assert (len(first.steps), len(second.steps)) == (len(small.steps), len(large.steps))
+    assert (first.label, second.label) == ("instance 0", "instance 1")
+    assert len(second.requests) == 40 and set(first.requests) < set(second.requests)
