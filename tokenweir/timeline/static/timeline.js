@@ -182,7 +182,7 @@
     }
     const labels = [`tokens/step (prefill blue, decode green), max ${m.tokens}`,
       `running (dark) / waiting (grey), max ${m.queue}`, "KV pool usage (0..1)",
-      `prefix-cache hit tokens, max ${m.hits}`];
+      m.anyHits ? `prefix-cache hit tokens, max ${m.hits}` : "prefix-cache hit tokens: none"];
     ctx.fillStyle = "#f4f4f4"; ctx.fillRect(0, 0, GUTTER - 2, SERIES_H);
     labels.forEach((text, i) => {
       ctx.fillStyle = "rgba(255,255,255,0.8)";
@@ -292,7 +292,7 @@
       tokens = Math.max(tokens, c.prefill[i] + c.decode[i]);
       queue = Math.max(queue, c.running[i], c.waiting[i]); hits = Math.max(hits, c.hits[i]);
     }
-    return { tokens, queue, hits };
+    return { tokens, queue, hits, anyHits: c.hits.some((h) => h > 0) };
   }
   function legend() {
     const el = document.getElementById("legend");
