@@ -464,3 +464,29 @@ class CalibrateConfig:
     dtype: str = _f("float32", "dtype of the timed model", choices=DTYPES)
     device: str = _f("cpu", "device of the timed model")
     block_size: int = _f(16, "tokens per KV cache block")
+
+
+# The timeline page's limits (tokenweir/timeline/layout.py): more requests are dropped (latest
+# arrivals first), more steps aggregated into buckets; the page says which.
+TIMELINE_MAX_ROWS = 5000
+TIMELINE_MAX_COLUMNS = 100_000
+
+
+@dataclass(frozen=True)
+class TimelineConfig:
+    """the schedule as one self-contained HTML page (`tokenweir timeline`)"""
+    traces: tuple[str, ...] = _f(
+        (), "one or two traces (step-record JSONL or a simulator --chrome-trace); two are "
+        "shown side by side, rows aligned by request id", positional=True, nargs="+",
+        metavar="TRACE")
+    output: str = _f("timeline.html", "the page to write", aliases=("-o",))
+    title: Optional[str] = _f(None, "page title (default: the traces' names)")
+    pid: Optional[int] = _f(
+        None, "chrome trace of a cluster: the instance's process id (default: the first)")
+    max_rows: int = _f(TIMELINE_MAX_ROWS, "requests shown; later arrivals are dropped (the "
+                       "page says so)")
+    max_columns: int = _f(TIMELINE_MAX_COLUMNS, "columns; more steps are aggregated into "
+                          "buckets (the page says so)")
+    write_records: Optional[str] = _f(
+        None, "also write the (first) trace as step records, e.g. to convert a chrome trace "
+        "(default: no)", metavar="JSONL")

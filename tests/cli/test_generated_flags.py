@@ -29,7 +29,13 @@ def _minimal_argv(command) -> list[str]:
         for field in dataclasses.fields(owner):
             if field.metadata.get("required"):
                 argv += [flag_names(field)[0], "x"]
+            elif _must_be_given(field):
+                argv += ["x"]  # a positional of one or more values
     return argv
+
+
+def _must_be_given(field) -> bool:
+    return bool(field.metadata.get("required")) or field.metadata.get("nargs") == "+"
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c.path))
@@ -37,7 +43,7 @@ def test_every_config_field_is_a_flag_with_the_field_default(command):
     args = build_parser().parse_args(_minimal_argv(command))
     expected = vars(default_namespace(*command.configs))
     for name, default in expected.items():
-        field_required = any(f.name == name and f.metadata.get("required")
+        field_required = any(f.name == name and _must_be_given(f)
                              for owner in command.configs for f in dataclasses.fields(owner))
         if not field_required:
             assert getattr(args, name) == default, (command.path, name)

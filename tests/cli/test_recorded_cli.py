@@ -38,6 +38,7 @@ NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size"}
                  for s in ("frontier", "pool", "policies")}
 # the server's request-body limit (a 413 above it), added with the edge validation
 NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes"}
+NEW_DESTS = {"max_request_body_bytes"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
@@ -47,8 +48,13 @@ def _by_spelling(flags: dict[str, dict]) -> dict[str, dict]:
     return {spelling: spec for spec in flags.values() for spelling in spec["aliases"]}
 
 
+# subcommands added since the recording
+NEW_COMMANDS = {"tokenweir timeline"}
+
+
 def test_the_same_subcommands():
-    assert sorted(NOW) == sorted(RECORDED)
+    assert sorted(set(NOW) - NEW_COMMANDS) == sorted(RECORDED)
+    assert NEW_COMMANDS <= set(NOW)
 
 
 @pytest.mark.parametrize("command", sorted(RECORDED))
@@ -93,4 +99,5 @@ def test_the_recording_is_of_the_old_parser():
 @pytest.mark.parametrize("item", json.loads(NAMESPACES.read_text()),
                          ids=lambda item: " ".join(item["argv"])[:60])
 def test_recorded_command_lines_parse_to_the_same_namespace(item):
-    assert parsed(item["argv"]) == item["namespace"]
+    now = {k: v for k, v in parsed(item["argv"]).items() if k not in NEW_DESTS}
+    assert now == item["namespace"]

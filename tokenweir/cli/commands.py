@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from tokenweir.config import (BenchServeConfig, CalibrateConfig, ClusterConfig,
                               FrontierStudyConfig, GenerateConfig, PoliciesStudyConfig,
-                              PoolStudyConfig, ServeConfig, SimulateConfig, SweepConfig)
+                              PoolStudyConfig, ServeConfig, SimulateConfig, SweepConfig,
+                              TimelineConfig)
 
 
 @dataclass(frozen=True)
@@ -63,4 +64,6 @@ COMMANDS: tuple[Command, ...] = (
             (PoliciesStudyConfig,), _SIM_RUN),
     Command(("calibrate",), "time the real runner over a grid of steps and fit a step-time "
             "profile for the simulator", (CalibrateConfig,), "tokenweir.sim.calibrate:run"),
+    Command(("timeline",), "the schedule as one self-contained HTML page: a row per request, "
+            "a column per step", (TimelineConfig,), "tokenweir.timeline.cli:run"),
 )

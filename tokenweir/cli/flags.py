@@ -59,10 +59,11 @@ def _show(value: Any) -> str:
 
 
 def help_text(field: Field) -> str:
-    """The field's help, "(default: X)" appended unless the help already names a default or
-    the flag is a bare switch. (argparse formats help with %, so a literal % is doubled.)"""
+    """The field's help, "(default: X)" appended unless the help already names a default, the
+    flag is a bare switch, or it must be given. (argparse formats help with %, so a literal % is doubled.)"""
     text = field.metadata.get("help", "")
-    if "default:" not in text and not field.metadata.get("switch"):
+    required = field.metadata.get("nargs") == "+" or field.metadata.get("required")
+    if "default:" not in text and not field.metadata.get("switch") and not required:
         text = f"{text} (default: {_show(field.default)})"
     return text.replace("%", "%%")
 

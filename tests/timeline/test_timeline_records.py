@@ -1,0 +1,212 @@
+"""The timeline's data path without a browser: the recorder against the scheduler's own
+counts, the chrome-trace converter against the simulator's step records, the page model's
+states, aggregation and drop notes, and the self-contained page."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from timeline_gen import run_cramped, run_slo
+from tokenweir.sim.trace import write_chrome_trace
+from tokenweir.cli import main
+from tokenweir.timeline import StepRing, build_page, load_jsonl, render_html, write_jsonl
+from tokenweir.timeline.chrome import load_chrome_trace
+from tokenweir.timeline.layout import (CUT, DECODE, PAUSED, PREEMPTED, PREFILL, STATES,
+                                       SWAPPED, WAITING, page_model)
+
+
+@pytest.fixture(scope="module")
+def slo_run():
+    return run_slo("slo")
+
+
+@pytest.fixture(scope="module")
+def recompute_run():
+    return run_cramped("recompute")
+
+
+def _same_steps(result, trace) -> None:
+    """Every recorded step agrees with the simulator's own StepRecord."""
+    assert len(trace.steps) == len(result.steps) > 0
+    for rec, s in zip(trace.steps, result.steps):
+        assert rec["start"] == s.start and rec["running"] == s.num_running
+        assert rec["waiting"] == s.num_waiting and len(rec["reqs"]) == s.num_reqs
+        assert sum(r["prefill"] + r["decode"] for r in rec["reqs"]) == s.num_tokens
+
+
+def test_recorder_matches_scheduler_under_slo_cuts(slo_run):
+    result, trace = slo_run
+    _same_steps(result, trace)
+    cut_steps = [s for s in trace.steps if s["cut"]]
+    # probe: the slo policy really cut steps and paused prefills in this workload
+    assert len(cut_steps) == result.stats.slo_cut_steps > 0
+    assert result.stats.preemptions_by_cause["slo-between-steps"] > 0
+    for s in cut_steps:  # the victim was scheduled in the step that was cut
+        assert s["cut"][0] in {r["id"] for r in s["reqs"]}
+    assert sum(1 for s in trace.steps if s["paused"]) > 0
+    # a request's decode tokens over the run: every output token after the first (a cut
+    # step counts for nobody: it is rolled back whole and nothing was sampled)
+    decodes: dict[str, int] = {}
+    for s in (s for s in trace.steps if not s["cut"]):
+        for r in s["reqs"]:
+            decodes[r["id"]] = decodes.get(r["id"], 0) + r["decode"]
+    for rec in result.requests:
+        assert decodes.get(rec.request_id, 0) == rec.num_output - 1
+
+
+def test_recorder_preemptions_and_swaps(recompute_run):
+    result, trace = recompute_run
+    _same_steps(result, trace)
+    preempted = sum(len(s["preempted"]) for s in trace.steps)
+    assert preempted == result.stats.num_preemptions > 0  # probe: the pool was cramped
+    swap_result, swap_trace = run_cramped("swap")
+    assert swap_result.stats.num_swapped_out > 0
+    swapped_ids = {rid for s in swap_trace.steps for rid in s["swapped"]}
+    assert swapped_ids and all(not s["preempted"] for s in swap_trace.steps)
+    for s in swap_trace.steps:  # a swapped-out request runs nowhere while out
+        assert not set(s["swapped"]) & {r["id"] for r in s["reqs"]}
+
+
+def test_jsonl_round_trip(tmp_path, slo_run):
+    _, trace = slo_run
+    write_jsonl(trace, tmp_path / "t.jsonl")
+    back = load_jsonl(tmp_path / "t.jsonl")
+    assert back.steps == json.loads(json.dumps(trace.steps))
+    assert back.requests.keys() == trace.requests.keys() and back.meta == trace.meta
+    (tmp_path / "bad.jsonl").write_text('{"step": 0, "start": 0}\n')
+    with pytest.raises(ValueError, match="duration"):
+        load_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_chrome_trace_converter(tmp_path):
+    result, _ = run_cramped("recompute", num_requests=40, blocks=4000)
+    assert result.stats.num_preemptions == 0  # no preemption: spans tell the whole story
+    write_chrome_trace(result, str(tmp_path / "c.json"))
+    trace = load_chrome_trace(tmp_path / "c.json")
+    assert len(trace.steps) == len(result.steps)
+    for rec, s in zip(trace.steps, result.steps):
+        assert rec["start"] == pytest.approx(s.start) and rec["kv_usage"] == s.kv_usage
+        assert sum(r["prefill"] + r["decode"] for r in rec["reqs"]) == s.num_tokens
+        assert sum(r["decode"] for r in rec["reqs"]) == s.num_decode_reqs
+        assert all(r["estimated"] for r in rec["reqs"])
+    assert {r.request_id for r in result.requests} == set(trace.requests)
+
+
+def _expected_state(step: dict, rid: str) -> int:
+    if rid in step["cut"]:
+        return CUT
+    if rid in step["preempted"]:
+        return PREEMPTED
+    ran = {r["id"]: r for r in step["reqs"]}
+    if rid in ran:
+        return PREFILL if ran[rid]["prefill"] else DECODE
+    if rid in step["swapped"]:
+        return SWAPPED
+    return PAUSED if rid in step["paused"] else WAITING
+
+
+def test_page_model_states(slo_run):
+    _, trace = slo_run
+    model = page_model([trace])
+    panel = model["panels"][0]
+    seen = set()
+    for step in trace.steps:
+        ids = {r["id"] for r in step["reqs"]} | set(step["paused"]) | set(step["preempted"])
+        for rid in ids:
+            runs = panel["rows"][rid]
+            run = next(r for r in runs if r[0] <= step["step"] < r[0] + r[1])
+            assert run[2] == _expected_state(step, rid), (step["step"], rid)
+            seen.add(run[2])
+    assert {CUT, PREEMPTED, PREFILL, DECODE, PAUSED} <= seen
+    assert model["rowIds"][:3] == ["r0", "r1", "r2"] and panel["notes"] == []
+
+
+def test_aggregation_and_dropped_rows_are_reported(recompute_run):
+    _, trace = recompute_run
+    model = page_model([trace], max_rows=50, max_columns=1000)
+    panel = model["panels"][0]
+    bucket = -(-len(trace.steps) // 1000)
+    assert panel["bucket"] == bucket and len(panel["cols"]["start"]) <= 1000
+    assert len(model["rowIds"]) == 50 and len(panel["rows"]) == 50
+    notes = " ".join(panel["notes"])
+    assert f"aggregated {len(trace.steps)} steps" in notes and "dropped 70 requests" in notes
+    assert sum(panel["cols"]["prefill"]) + sum(panel["cols"]["decode"]) == sum(
+        r["prefill"] + r["decode"] for s in trace.steps for r in s["reqs"])
+
+
+def test_page_is_self_contained(tmp_path, slo_run, recompute_run):
+    _, trace = slo_run
+    trace.requests["r0"] = {**trace.requests["r0"], "note": "</script><b>x"}
+    page = render_html(trace.steps, trace.requests, label="live", refresh_seconds=2)
+    assert page.count("</script>") == 3  # the data cannot close its element early
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+    assert "refreshSeconds" in page and all(name in page for name in STATES)
+    out = build_page([trace, recompute_run[1]], tmp_path / "two.html")
+    assert out.stat().st_size > 10_000
+
+
+def test_cli_main_chrome_trace(tmp_path):
+    result, _ = run_cramped("recompute", num_requests=30)
+    write_chrome_trace(result, str(tmp_path / "c.json"))
+    assert main(["timeline", str(tmp_path / "c.json"), "-o", str(tmp_path / "p.html"),
+                 "--write-records", str(tmp_path / "r.jsonl")]) == 0
+    assert "timeline-data" in (tmp_path / "p.html").read_text()
+    assert len(load_jsonl(tmp_path / "r.jsonl").steps) == len(result.steps)
+
+
+def test_step_ring_keeps_the_latest():
+    ring = StepRing(capacity=3)
+    for i in range(5):
+        ring.add_request({"id": f"r{i}", "arrival": i})
+        ring.add_step({"step": i, "start": i, "duration": 1, "reqs": [{"id": f"r{i}"}]})
+    trace = ring.trace()
+    assert [s["step"] for s in trace.steps] == [2, 3, 4] and ring.num_dropped == 2
+    assert "2 older ones were dropped" in trace.meta["note"]
+
+
+def test_live_recorder_matches_the_simulation_recorder():
+    """LiveRecorder (what a server would attach to its engine's scheduler) records the same
+    steps and requests as record_simulation on the same run, into a bounded ring."""
+    from timeline_gen import run_cramped
+    from tokenweir.sim.build import build_simulation
+    from tokenweir.sim.workload import synthetic
+    from tokenweir.timeline.recorder import LiveRecorder
+
+    result, trace = run_cramped("recompute")
+    specs = synthetic(120, 30, seed=0, prompt="lognormal:400:0.6", output="uniform:20:300")
+    sim = build_simulation(dict(num_gpu_blocks_override=400), specs)
+    ring = StepRing(capacity=500)
+    live = LiveRecorder(sim.scheduler, ring)
+    live_result = sim.run()
+    live.detach()
+    assert "schedule" not in vars(sim.scheduler)  # the scheduler's own methods again
+    assert live_result.stats.num_preemptions == result.stats.num_preemptions > 0
+    assert ring.num_dropped == len(trace.steps) - 500 > 0
+    for got, want in zip(ring.steps, trace.steps[-500:]):
+        assert got["duration"] == pytest.approx(want["duration"])
+        assert {**got, "duration": 0} == {**want, "duration": 0}
+    for rec in live_result.requests:
+        if rec.request_id in ring.requests:
+            info = ring.requests[rec.request_id]
+            assert (info["arrival"], info["first_token"], info["finished"]) == (
+                rec.arrival, rec.first_token, rec.finished)
+            assert info["preemptions"] == rec.num_preemptions
+    page = render_html(ring.steps, ring.requests, refresh_seconds=2)
+    assert "timeline-data" in page
+
+
+def test_chrome_converter_picks_one_instance_of_a_cluster_trace():
+    from tokenweir.sim.trace import chrome_trace_events
+    from tokenweir.timeline.chrome import convert_events
+
+    small, _ = run_cramped("recompute", num_requests=20, blocks=4000)
+    large, _ = run_cramped("recompute", num_requests=40, blocks=4000)
+    events = (chrome_trace_events(small, pid=1, process_name="instance 0", id_prefix="0:")
+              + chrome_trace_events(large, pid=2, process_name="instance 1", id_prefix="1:"))
+    first, second = convert_events(events), convert_events(events, pid=2)
+    assert (len(first.steps), len(second.steps)) == (len(small.steps), len(large.steps))
+    assert (first.label, second.label) == ("instance 0", "instance 1")
+    assert len(second.requests) == 40 and set(first.requests) < set(second.requests)
