@@ -304,6 +304,9 @@ class ServeConfig:
         DEFAULT_MAX_REQUEST_BODY_BYTES,
         "largest request body accepted, in bytes; a larger one is answered 413 before it is "
         "read in full")
+    timeline_steps: int = _f(
+        2000, "the most recent steps GET /timeline shows (the schedule page; behind the API "
+        "key, which a browser passes as ?key=...); 0 turns the page and its recording off")
     log_level: str = _f("info", "log level of the server and of uvicorn")
 
 

@@ -36,9 +36,10 @@ CHANGES: dict[tuple[str, str], dict[str, str]] = {
 # spellings that did not exist: study gains the simulator's --tensor-parallel-size (alias --tp)
 NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size"}
                  for s in ("frontier", "pool", "policies")}
-# the server's request-body limit (a 413 above it), added with the edge validation
-NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes"}
-NEW_DESTS = {"max_request_body_bytes"}
+# the server's request-body limit (a 413 above it), added with the edge validation, and the
+# live schedule page's ring (GET /timeline)
+NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes", "--timeline-steps"}
+NEW_DESTS = {"max_request_body_bytes", "timeline_steps"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

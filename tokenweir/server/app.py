@@ -44,6 +44,7 @@ def error_response(err: P.APIError) -> JSONResponse:
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     state = AppState(engine, settings, make_registry(engine, settings.served_model_names[0]))
     app = FastAPI(title="tokenweir", lifespan=_lifespan)
+    state.timeline = _record_timeline(engine, settings.timeline_steps)
     app.state.tokenweir = state
     app.state.engine = engine
     app.include_router(router)
@@ -58,6 +59,19 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 
 build_app = create_app  # the name server/cli.py has always called
+
+
+def _record_timeline(engine: AsyncEngine, steps: int):
+    """A ring of the last `steps` step records for GET /timeline (None: off)."""
+    if steps <= 0:
+        return None
+    from tokenweir.timeline.recorder import LiveRecorder
+    from tokenweir.timeline.records import StepRing
+
+    ring = StepRing(capacity=steps)
+    core = engine.engine.core
+    LiveRecorder(core.scheduler, ring, clock=core.clock)
+    return ring
 
 
 @contextlib.asynccontextmanager
@@ -96,18 +110,29 @@ def _openapi(app: FastAPI) -> dict:
 
 class BearerAuth:
     """Pure ASGI middleware (streaming and disconnects pass through untouched): every /v1/
-    path needs `Authorization: Bearer <key>`; /health and /metrics stay open."""
+    path and /timeline need `Authorization: Bearer <key>` (/timeline also takes `?key=<key>`,
+    since a browser's reloads send no header); /health and /metrics stay open."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1/") or path == "/timeline"):
             header = dict(scope["headers"]).get(b"authorization", b"")
             token = header[7:] if header[:7].lower() == b"bearer " else b""
+            if path == "/timeline" and not token:
+                token = _query_key(scope)
             if not hmac.compare_digest(token, self.key):
                 err = P.APIError("invalid or missing API key", 401, "authentication_error",
                                  code="invalid_api_key")
                 await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _query_key(scope) -> bytes:
+    from urllib.parse import parse_qs
+
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [""])
+    return values[0].encode("latin-1", "replace")

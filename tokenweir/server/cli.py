@@ -32,5 +32,5 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_names=names,
         api_key=args.api_key or os.environ.get("TOKENWEIR_API_KEY") or None,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
-        max_request_body_bytes=args.max_request_body_bytes)
+        max_request_body_bytes=args.max_request_body_bytes, timeline_steps=args.timeline_steps)
     return serve(engine, settings, args.host, args.port, args.log_level)

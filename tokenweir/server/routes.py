@@ -4,12 +4,13 @@ tokenweir.server.models, whose schemas the OpenAPI document publishes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenweir.server import protocol as P
@@ -37,6 +38,22 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(app_state(request).registry),
                     media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/timeline", response_class=HTMLResponse)
+async def timeline(request: Request) -> HTMLResponse:
+    """The schedule page over the server's most recent steps (tokenweir/timeline); it
+    reloads itself every 2 s. 404 when the server runs with --timeline-steps 0."""
+    ring = app_state(request).timeline
+    if ring is None:
+        raise P.APIError("the timeline is off (--timeline-steps 0)", 404, "not_found")
+    from tokenweir.timeline.page import render_traces
+
+    trace = ring.trace({"label": "live"})
+    trace.steps.sort(key=lambda s: s["step"])
+    page = await asyncio.get_running_loop().run_in_executor(
+        None, render_traces, [trace], "tokenweir: live schedule", 2.0)
+    return HTMLResponse(page)
 
 
 @router.get("/v1/models")

@@ -32,6 +32,9 @@ class ServerSettings:
         "largest request body accepted, in bytes; a larger one is answered 413 before it is "
         "read in full")
 
+    timeline_steps: int = _f(
+        2000, "the most recent steps GET /timeline shows; 0 turns it off")
+
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
             raise ValueError("max_request_body_bytes must be positive, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import Request
 from prometheus_client import CollectorRegistry
@@ -18,6 +18,9 @@ from prometheus_client import CollectorRegistry
 from tokenweir.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenweir.server.protocol import APIError
 from tokenweir.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from tokenweir.timeline.records import StepRing
 
 logger = logging.getLogger("tokenweir.server")
 
@@ -28,6 +31,7 @@ class AppState:
     settings: ServerSettings
     registry: CollectorRegistry
     draining: bool = False
+    timeline: Optional["StepRing"] = None  # recent steps for GET /timeline (None: off)
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
 
     def model_name(self, requested: Any) -> str:

@@ -38,6 +38,7 @@ Two kinds of line; `"type"` tells them apart (absent means "step"):
 from __future__ import annotations
 
 import json
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -122,16 +123,20 @@ class StepRing:
         self.steps: deque[dict] = deque(maxlen=capacity)
         self.requests: dict[str, dict] = {}
         self.num_dropped = 0  # steps pushed out of the ring so far
+        # the engine thread adds while a server's event loop reads (trace()): one lock
+        self._lock = threading.Lock()
 
     def add_step(self, record: dict) -> None:
-        if len(self.steps) == self.steps.maxlen:
-            self.num_dropped += 1
-        self.steps.append(record)
+        with self._lock:
+            if len(self.steps) == self.steps.maxlen:
+                self.num_dropped += 1
+            self.steps.append(record)
 
     def add_request(self, record: dict) -> None:
-        self.requests[str(record["id"])] = record
-        if len(self.requests) > 4 * (self.steps.maxlen or 1):
-            self._forget_old_requests()
+        with self._lock:
+            self.requests[str(record["id"])] = record
+            if len(self.requests) > 4 * (self.steps.maxlen or 1):
+                self._forget_old_requests()
 
     def _forget_old_requests(self) -> None:
         seen = {r["id"] for s in self.steps for r in s["reqs"]}
@@ -139,7 +144,10 @@ class StepRing:
 
     def trace(self, meta: Optional[dict[str, Any]] = None) -> Trace:
         meta = dict(meta or {})
+        with self._lock:
+            # copies: the recorder keeps updating a request record (first token, finish)
+            steps, requests = list(self.steps), {k: dict(v) for k, v in self.requests.items()}
         if self.num_dropped:
             meta.setdefault("note", f"the ring kept the last {len(self.steps)} steps; "
                                     f"{self.num_dropped} older ones were dropped")
-        return Trace(list(self.steps), dict(self.requests), meta)
+        return Trace(steps, requests, meta)
