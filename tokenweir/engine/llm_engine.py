@@ -31,9 +31,23 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
+    """auto, cpu, cuda or cuda:N; ValueError naming `device` for anything this host lacks."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={name!r} but CUDA is not available on this host; "
+                             f"use device='cpu' or 'auto'")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device={name!r} but this host has {count} CUDA device(s)")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -71,8 +85,12 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
-    """Host blocks for swapped-out KV: swap_space GiB worth, only when swapping can happen."""
+def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,
+                    max_model_len: int) -> int:
+    """Host blocks for swapped-out KV: swap_space GiB worth, only when swapping can happen.
+
+    The host pool must hold at least one max_model_len request (a smaller one could never take
+    a victim whole); a bigger swap_space than host memory allows is refused too."""
     if config.scheduler.preemption_mode == "recompute":
         return 0
     space = int(config.cache.swap_space * 2**30)
@@ -80,7 +98,16 @@ def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtyp
     if space > 0.9 * available:
         raise ValueError(f"swap_space={config.cache.swap_space} GiB exceeds what host memory "
                          f"allows ({available / 2**30:.1f} GiB available); lower swap_space")
-    return space // kv_cache_bytes_per_block(loaded.arch, config.cache.block_size, dtype)
+    block_size = config.cache.block_size
+    per_block = kv_cache_bytes_per_block(loaded.arch, block_size, dtype)
+    needed = -(-max_model_len // block_size)
+    if space // per_block < needed:
+        raise ValueError(
+            f"swap_space={config.cache.swap_space} GiB holds {space // per_block} host KV "
+            f"block(s) of {per_block / 2**20:.2f} MiB, but swapping out one "
+            f"max_model_len={max_model_len} request takes {needed}: raise swap_space to at "
+            f"least {needed * per_block / 2**30:.4f} GiB, or use preemption_mode='recompute'")
+    return space // per_block
 
 
 def needs_measured_costs(config: EngineConfig) -> bool:
@@ -104,7 +131,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.model.max_model_len,
                                                    loaded.max_model_len)
         num_blocks = num_kv_blocks(config, loaded, self.dtype)
-        num_host_blocks = num_swap_blocks(config, loaded, self.dtype)
+        num_host_blocks = num_swap_blocks(config, loaded, self.dtype, self.max_model_len)
         kv = KVCacheManager(num_blocks, config.cache.block_size,
                             enable_prefix_caching=config.cache.enable_prefix_caching,
                             num_host_blocks=num_host_blocks)

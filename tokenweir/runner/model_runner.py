@@ -94,7 +94,10 @@ class ModelRunner:
     def measure_preemption_costs(self, num_tokens: int = 256, repeats: int = 2) -> PreemptionCosts:
         """Time a prefill (seconds per token) and block copies to and from the host pool
         (seconds per block, one direction). Call before serving: it writes scratch K/V into
-        the first blocks of the (still empty) pool."""
+        the first blocks of the (still empty) pool. The probe never reaches past the pool:
+        it prefills at most as many tokens as the usable blocks hold, and copies at most as
+        many blocks as the host pool has."""
+        num_tokens = min(num_tokens, (self.kv_caches[0].shape[1] - 1) * self.block_size)
         num_blocks = -(-num_tokens // self.block_size)
         block_ids = list(range(1, num_blocks + 1))
         positions = torch.arange(num_tokens, device=self.device)
