@@ -184,3 +184,29 @@ def test_sample_isolated_matches_the_batch_for_good_rows():
     assert out.token_ids[1] == -1
     assert [t for i, t in enumerate(out.token_ids) if i != 1] == \
         [t for i, t in enumerate(batch) if i != 1]
+
+
+def test_streaming_deltas_end_in_one_error_for_the_victim_only(tiny_llama_path, baseline):
+    """The server's path (submit, step(delta=True)): the victim's stream ends with one final
+    delta, finish_reason 'error' and the message; every other stream adds up to its
+    fault-free tokens."""
+    engine = _engine(tiny_llama_path)
+    made = [engine.make_request(p, sp) for p, sp in zip(_prompts(), _params())]
+    for request, text in made:
+        engine.submit_request(request, text)
+    streams: dict[str, list] = {r.request_id: [] for r, _ in made}
+    with inject("detokenize", {"2"}, skip=3) as record:
+        while engine.has_unfinished_requests():
+            for out in engine.step(delta=True):
+                streams[out.request_id].append(out)
+    assert record.fired == ["2"]
+    for i, (request, _) in enumerate(made):
+        deltas = streams[request.request_id]
+        assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
+        if i == 2:
+            assert deltas[-1].outputs[0].finish_reason == "error"
+            assert "injected detokenize fault" in deltas[-1].error
+        else:
+            assert deltas[-1].outputs[0].finish_reason == "length"
+            assert [t for d in deltas for t in d.outputs[0].token_ids] == baseline[i]
+    _assert_idle(engine)
