@@ -45,6 +45,28 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+_SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_field_types(config: Any) -> None:
+    """Every field annotated int / float / bool / str (or Optional of one) holds that type,
+    and every number is finite; ValueError naming the field otherwise. An int is accepted
+    where a float is expected; a bool is never a number. Other annotations are not checked."""
+    for f in dataclasses.fields(config):
+        annotation = str(f.type).replace(" ", "")
+        optional = annotation.startswith("Optional[")
+        kind = _SCALAR_TYPES.get(annotation[len("Optional["):-1] if optional else annotation)
+        value = getattr(config, f.name)
+        if kind is None or (optional and value is None):
+            continue
+        accepted = (int, float) if kind is float else kind
+        if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(f"{f.name} must be {_TYPE_WORDS[kind]}, got {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = _f(DEFAULT_MODEL, "model: alias, Hugging Face directory or .gguf file")
@@ -258,10 +280,9 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        self.model.validate()
-        self.cache.validate()
-        self.scheduler.validate()
-        self.parallel.validate()
+        for part in (self.model, self.cache, self.scheduler, self.parallel):
+            check_field_types(part)  # types and NaN first: the range checks compare numbers
+            part.validate()
 
 
 # ---- command-line configs: one class per group of flags (tokenweir/cli generates them) ----

@@ -20,7 +20,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[list[dict[int, Logprob]]] = None
-    finish_reason: Optional[str] = None  # 'stop', 'length', 'abort'
+    finish_reason: Optional[str] = None  # 'stop', 'length', 'abort', 'error'
     stop_reason: Optional[int | str] = None  # the stop string or stop token that ended it
 
     def finished(self) -> bool:
@@ -55,3 +55,5 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: None = field(default=None)
+    # Why handling this request failed (finish_reason 'error'); None otherwise.
+    error: Optional[str] = None

@@ -6,6 +6,7 @@ No torch here: the scheduler, the KV cache manager and the simulator all share t
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -19,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # handling this request failed; `Request.error` says why
 
     @property
     def is_finished(self) -> bool:
@@ -26,7 +28,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """vLLM's names: 'stop', 'length', 'abort'; None while unfinished."""
+        """vLLM's names: 'stop', 'length', 'abort' (and 'error'); None while unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -34,7 +36,78 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: object) -> str:
+    """repr(value), shortened: a message must not echo a 400-digit number."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def _check_int(name: str, value: object, low: int, high: int = _INT64_MAX) -> None:
+    """`value` is an int (not a bool) in [low, high]; else ValueError naming `name`."""
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {_show(value)} "
+                         f"({type(value).__name__})")
+    if not low <= value <= high:
+        bounds = f"{low}" if low == high else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {_show(value)}")
+
+
+def _check_real(name: str, value: object, low: float, high: float = math.inf,
+                low_open: bool = False) -> None:
+    """`value` is a finite int or float in [low, high] ((low, high] with low_open)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {_show(value)} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        if high == math.inf:
+            interval = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            interval = f"in {interval}"
+        raise ValueError(f"{name} must be {interval}, got {_show(value)}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {_show(value)}")
+
+
+def _as_stop_list(stop: object) -> list[str]:
+    """None, one string, or a list/tuple of non-empty strings -> a list of strings."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {_show(stop)}")
+    for i, item in enumerate(stop):
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop[{i}] must be a non-empty string, got {_show(item)}")
+    return list(stop)
+
+
+def _as_token_id_list(name: str, ids: object) -> list[int]:
+    """None or a list/tuple of non-negative int token ids -> a list of ints."""
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {_show(ids)}")
+    for i, token_id in enumerate(ids):
+        _check_int(f"{name}[{i}]", token_id, 0)
+    return list(ids)
 
 
 @dataclass
@@ -44,6 +117,12 @@ class SamplingParams:
     `temperature == 0` means greedy. `seed` makes random sampling reproducible per request
     whatever else shares the batch. `logprobs=n` returns the top-n log-probabilities of every
     sampled token (plus the sampled one's).
+
+    Contract: construction (and `validate()`, which the engine calls again when a request is
+    made) checks every field's type and range, NaN and infinities included, and raises
+    ValueError naming the field; a SamplingParams that validates cannot make the sampler or
+    the stop rules fail. Ranges that need the model (stop_token_ids inside the vocabulary)
+    are checked by the engine when the request is made.
     """
 
     n: int = 1
@@ -62,35 +141,41 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
+        self.stop = _as_stop_list(self.stop)
+        self.stop_token_ids = _as_token_id_list("stop_token_ids", self.stop_token_ids)
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field; called on construction."""
-        if self.n != 1:
-            raise ValueError(f"n must be 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.n != 1 or not _is_int(self.n):
+            raise ValueError(f"n must be 1, got {_show(self.n)}")
+        _check_real("temperature", self.temperature, 0.0)
+        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1)
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -_INT64_MAX - 1, 2**64 - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+        _as_stop_list(self.stop)  # still a list of non-empty strings (fields are mutable)
+        _as_token_id_list("stop_token_ids", self.stop_token_ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """stop_token_ids must name tokens of a vocabulary of `vocab_size` tokens."""
+        for i, token_id in enumerate(self.stop_token_ids):
+            if token_id >= vocab_size:
+                raise ValueError(f"stop_token_ids[{i}] = {token_id} is outside the "
+                                 f"vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +215,8 @@ class Request:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    # Why handling this request failed (status FINISHED_ERROR); None otherwise.
+    error: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

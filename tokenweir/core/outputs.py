@@ -113,6 +113,10 @@ class ModelRunnerOutput:
     # Seconds the step took on the runner's clock (wall clock, or virtual for the simulator).
     step_seconds: Optional[float] = None
     cut: Optional[CutReport] = None  # set when the step was cut: roll it back, do not update
+    # Request id -> why handling it failed in the runner this step (its sampling raised). Such a
+    # request has no entry in sampled_token_ids; the engine finishes it with an error before
+    # the scheduler's update, which then skips it.
+    request_errors: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 from tqdm import tqdm
 
@@ -12,6 +12,7 @@ from tokenweir.outputs import RequestOutput
 from tokenweir.request import SamplingParams
 
 Params = Union[SamplingParams, Sequence[SamplingParams], None]
+T = TypeVar("T")
 
 
 class LLM:
@@ -34,27 +35,36 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
-        Every prompt is validated before any is queued: a bad one raises ValueError and
-        leaves the engine as it was.
+        Every argument is validated before any request is queued: a wrong type raises
+        TypeError, a bad value ValueError, each naming the argument (`prompts[2]`,
+        `sampling_params[0]`, ...), and the engine is left as it was. A request that fails
+        later, inside the engine, comes back finished with finish_reason 'error' and the
+        message in `RequestOutput.error`; the others are unaffected.
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        priorities = _as_priority_list(priority, len(prompts))
         engine = self.llm_engine
-        made = [engine.make_request(p, sp, priority=pr)
-                for p, sp, pr in zip(prompts, params, priorities)]
-        for request, text in made:
-            engine.add_request(request, text)
-        return self._run([r.request_id for r, _ in made], use_tqdm)
+        for i, sp in enumerate(params):
+            _name_errors(f"sampling_params[{i}]", lambda: engine.check_params(sp))
+        made = [_name_errors(f"prompts[{i}]", lambda: engine.make_request(p, sp, priority=pr))
+                for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities))]
+        added: list[str] = []
+        try:
+            for request, text in made:
+                engine.add_request(request, text)
+                added.append(request.request_id)
+        except BaseException:
+            self._abandon(added)  # all or nothing: leave the engine as it was
+            raise
+        return self._run(added, use_tqdm)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Params = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, rendered
         through the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = _as_conversations(messages)
         tokenizer = self.llm_engine.tokenizer
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in conversations]
@@ -63,6 +73,13 @@ class LLM:
     def get_metrics(self):
         """Counters, gauges and histograms named as vLLM's, under the `tokenweir:` prefix."""
         return self.llm_engine.get_metrics()
+
+    def _abandon(self, request_ids) -> None:
+        """Abort these requests and forget their outputs."""
+        request_ids = list(request_ids)
+        self.llm_engine.abort_requests(request_ids)
+        for request_id in request_ids:
+            self.llm_engine.outputs.pop(request_id)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -78,18 +95,38 @@ class LLM:
                         done[output.request_id] = output
                         bar.update(1)
         except BaseException:
-            engine.abort_requests(pending)  # leave the engine clean for the next call
+            self._abandon(pending)  # leave the engine clean for the next call
             raise
         finally:
             bar.close()
         return [done[r] for r in request_ids]
 
 
-def _as_prompt_list(prompts) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
+def _name_errors(name: str, make: Callable[[], T]) -> T:
+    """Run `make`; a ValueError it raises is re-raised with `name` in front of its message."""
+    try:
+        return make()
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _as_prompt_list(prompts: object) -> list[PromptType]:
+    """One prompt (a string, a dict, or a list of token ids) or a list/tuple of them."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt of token ids
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of token ids, a dict with 'prompt' "
+                        f"or 'prompt_token_ids', or a list of those; got "
+                        f"{type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (str, dict, list)):
+            raise TypeError(f"prompts[{i}] must be a string, a list of token ids or a dict; "
+                            f"got {type(prompt).__name__}")
     return list(prompts)
 
 
@@ -98,7 +135,42 @@ def _as_params_list(params: Params, n: int) -> list[SamplingParams]:
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(params).__name__}")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got "
+                            f"{type(p).__name__}")
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
-    return params
+    return list(params)
+
+
+def _as_priority_list(priority: Optional[Sequence[int]], n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    if not isinstance(priority, (list, tuple)):
+        raise TypeError(f"priority must be a list of integers, got {type(priority).__name__}")
+    for i, value in enumerate(priority):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"priority[{i}] must be an integer, got {value!r}")
+    if len(priority) != n:
+        raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+    return list(priority)
+
+
+def _as_conversations(messages: object) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or a list of conversations."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts or "
+                        f"a list of such lists; got {messages!r:.60}")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise TypeError(f"messages[{i}] must be a non-empty list of message dicts")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                raise TypeError(f"message {j} of conversation {i} must be a dict with 'role' "
+                                f"and 'content'; got {message!r:.60}")
+    return conversations

@@ -31,9 +31,23 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
+    """auto, cpu, cuda or cuda:N; ValueError naming `device` for anything this host lacks."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={name!r} but CUDA is not available on this host; "
+                             f"use device='cpu' or 'auto'")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device={name!r} but this host has {count} CUDA device(s)")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -71,8 +85,12 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
-    """Host blocks for swapped-out KV: swap_space GiB worth, only when swapping can happen."""
+def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,
+                    max_model_len: int) -> int:
+    """Host blocks for swapped-out KV: swap_space GiB worth, only when swapping can happen.
+
+    The host pool must hold at least one max_model_len request (a smaller one could never take
+    a victim whole); a bigger swap_space than host memory allows is refused too."""
     if config.scheduler.preemption_mode == "recompute":
         return 0
     space = int(config.cache.swap_space * 2**30)
@@ -80,7 +98,27 @@ def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtyp
     if space > 0.9 * available:
         raise ValueError(f"swap_space={config.cache.swap_space} GiB exceeds what host memory "
                          f"allows ({available / 2**30:.1f} GiB available); lower swap_space")
-    return space // kv_cache_bytes_per_block(loaded.arch, config.cache.block_size, dtype)
+    block_size = config.cache.block_size
+    per_block = kv_cache_bytes_per_block(loaded.arch, block_size, dtype)
+    needed = -(-max_model_len // block_size)
+    if space // per_block < needed:
+        raise ValueError(
+            f"swap_space={config.cache.swap_space} GiB holds {space // per_block} host KV "
+            f"block(s) of {per_block / 2**20:.2f} MiB, but swapping out one "
+            f"max_model_len={max_model_len} request takes {needed}: raise swap_space to at "
+            f"least {needed * per_block / 2**30:.4f} GiB, or use preemption_mode='recompute'")
+    return space // per_block
+
+
+def _token_ids(ids: object, what: str) -> list[int]:
+    """`ids` as a list of ints; ValueError naming `what` for anything else (a float, a string,
+    a bool is not a token id)."""
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{what} must be a list of integers, got {type(ids).__name__}")
+    for i, token_id in enumerate(ids):
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            raise ValueError(f"{what} must be a list of integers; element {i} is {token_id!r:.40}")
+    return list(ids)
 
 
 def needs_measured_costs(config: EngineConfig) -> bool:
@@ -104,7 +142,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.model.max_model_len,
                                                    loaded.max_model_len)
         num_blocks = num_kv_blocks(config, loaded, self.dtype)
-        num_host_blocks = num_swap_blocks(config, loaded, self.dtype)
+        num_host_blocks = num_swap_blocks(config, loaded, self.dtype, self.max_model_len)
         kv = KVCacheManager(num_blocks, config.cache.block_size,
                             enable_prefix_caching=config.cache.enable_prefix_caching,
                             num_host_blocks=num_host_blocks)
@@ -173,7 +211,7 @@ class LLMEngine:
         """Validate and tokenize; raises ValueError with a clear message and changes nothing.
         `ttft_slo_ms` (after arrival) or `deadline` (absolute, engine clock) set a TTFT target."""
         text, token_ids = self._tokenize(prompt)
-        params.validate()
+        self.check_params(params)
         if not token_ids:
             raise ValueError("the prompt is empty: at least one token is required")
         if ttft_slo_ms is not None and ttft_slo_ms <= 0:
@@ -195,16 +233,30 @@ class LLMEngine:
             deadline=deadline)
         return request, text
 
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError naming the field for anything these params or this model refuse."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
+        params.validate()
+        params.check_vocab(self.vocab_size)
+
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids); ValueError for anything that is not a prompt."""
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+                return text, _token_ids(prompt["prompt_token_ids"], "'prompt_token_ids'")
+            if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+            raise ValueError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids' "
+                             f"(a list of token ids); got keys {sorted(map(str, prompt))}")
+        if isinstance(prompt, list):
+            return None, _token_ids(prompt, "a token-id prompt")
         raise ValueError(f"a prompt is a string, a list of token ids, or a dict with 'prompt' "
                          f"or 'prompt_token_ids'; got {type(prompt).__name__}")
 
@@ -225,20 +277,39 @@ class LLMEngine:
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that got tokens.
 
-        Finished requests' state is released after their final output is returned.
+        Finished requests' state is released after their final output is returned. A request
+        whose output processing fails (detokenization, stop strings, building the output)
+        finishes alone, with finish reason "error" and the message in `RequestOutput.error`;
+        so does one that failed inside the engine core (see engine_core.py).
         """
         core_outputs = self.core.step()
         now = self.core.clock()
         results: list[RequestOutput] = []
         for core_output in core_outputs:
-            request_id = core_output.request.request_id
-            if self.outputs.process(core_output, now):
-                self.core.abort_requests([request_id], RequestStatus.FINISHED_STOPPED)
-                core_output.request.finished_time = now
-            results.append(self.outputs.make_output(request_id, delta=delta))
-            if results[-1].finished:
-                self.outputs.pop(request_id)
+            try:
+                results.append(self._process_output(core_output, now, delta))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                results.append(self._fail_output(core_output.request, exc, delta))
         return results
+
+    def _process_output(self, core_output, now: float, delta: bool) -> RequestOutput:
+        request_id = core_output.request.request_id
+        if self.outputs.process(core_output, now):
+            self.core.abort_requests([request_id], RequestStatus.FINISHED_STOPPED)
+            core_output.request.finished_time = now
+        result = self.outputs.make_output(request_id, delta=delta)
+        if result.finished:
+            self.outputs.pop(request_id)
+        return result
+
+    def _fail_output(self, request: Request, exc: Exception, delta: bool) -> RequestOutput:
+        """Finish `request` with an error (blocks freed) and build its final output."""
+        message = f"processing the request's output failed: {exc!r}"
+        self.core.fail_requests({request.request_id: message})
+        if request.error is None:  # it had finished already; its last output failed
+            logger.warning("request %s failed: %s", request.request_id, message)
+            request.error = message
+        return self.outputs.error_output(request, delta=delta)
 
     def get_metrics(self):
         return self.core.metrics.snapshot(self.scheduler)

@@ -1,12 +1,17 @@
 """Turns engine-core outputs into user-facing RequestOutputs: incremental detokenization,
 stop strings, logprobs and per-request metrics. Stop strings live here (they need text); when
-one matches, the processor reports the request id so the engine finishes it."""
+one matches, the processor reports the request id so the engine finishes it.
+
+A request that finished with an error (finish reason "error") carries the message in
+`RequestOutput.error`. When processing itself fails for one request, the engine builds that
+request's final output with `error_output`, which reads only the Request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tokenweir import faults
 from tokenweir.core.outputs import TokenLogprobs
 from tokenweir.core.sched.scheduler import EngineCoreOutput
 from tokenweir.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -48,6 +53,8 @@ class OutputProcessor:
         state = self.states[output.request.request_id]
         state.last_token_time = now
         state.new_token_ids = list(output.new_token_ids)
+        if faults.ARMED:
+            faults.fire("detokenize", output.request.request_id)
         delta = state.detokenizer.add_tokens(output.new_token_ids)
         if output.finish_reason is not None:
             delta += state.detokenizer.flush()  # a trailing partial UTF-8 character, if any
@@ -65,6 +72,8 @@ class OutputProcessor:
         params = state.request.sampling_params
         before = len(state.text)
         state.text += delta
+        if faults.ARMED:
+            faults.fire("stop", state.request.request_id)
         stop = self._find_stop(state.text, len(delta), params.stop)
         if stop is None:
             state.new_text = delta
@@ -97,6 +106,8 @@ class OutputProcessor:
 
     def make_output(self, request_id: str, delta: bool = False) -> RequestOutput:
         """The request's output so far; `delta=True` gives only the latest text and tokens."""
+        if faults.ARMED:
+            faults.fire("output", request_id)
         state = self.states[request_id]
         request = state.request
         completion = CompletionOutput(
@@ -116,7 +127,26 @@ class OutputProcessor:
             request_id=request_id, prompt=state.prompt,
             prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
             finished=state.finish_reason is not None, metrics=metrics,
-            num_cached_tokens=max(0, request.num_cached_tokens))
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            error=request.error if state.finish_reason == "error" else None)
+
+    def error_output(self, request: Request, delta: bool = False) -> RequestOutput:
+        """The final output of a request whose processing failed, finish reason "error" and
+        `request.error` as the message. Built from the Request (and the text already shown),
+        never through the code that failed; the request's state is forgotten."""
+        state = self.states.pop(request.request_id, None)
+        text = state.text if state is not None and not delta else ""
+        completion = CompletionOutput(
+            index=0, text=text if isinstance(text, str) else "",
+            token_ids=[] if delta else list(request.output_token_ids), finish_reason="error")
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time, finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions)
+        return RequestOutput(
+            request_id=request.request_id, prompt=state.prompt if state is not None else None,
+            prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
+            finished=True, metrics=metrics, error=request.error)
 
     def finish_aborted(self, request_id: str) -> None:
         state = self.states.get(request_id)

@@ -54,10 +54,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from tokenweir import faults
 from tokenweir.core.outputs import TokenLogprobs
 from tokenweir.request import SamplingParams
 
-__all__ = ["SamplerOutput", "sample", "row_uniform"]
+__all__ = ["SamplerOutput", "sample", "sample_isolated", "row_uniform"]
 
 # vLLM treats temperatures below this as greedy: dividing by them would overflow.
 _SAMPLING_EPS = 1e-5
@@ -112,8 +113,11 @@ def sample(logits: torch.Tensor,
            num_output_tokens: Sequence[int],
            eos_token_ids: frozenset[int],
            default_seed: int,
-           step_id: int) -> SamplerOutput:
-    """Sample one token per row of `logits` ([N, vocab]); see the module docstring."""
+           step_id: int,
+           row_ids: Optional[Sequence[int]] = None) -> SamplerOutput:
+    """Sample one token per row of `logits` ([N, vocab]); see the module docstring.
+    `row_ids` (default 0..N-1) are the rows' indices in the step's batch, which seed the draws
+    of rows without a seed of their own."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
     num_rows, vocab = logits.shape
@@ -157,7 +161,8 @@ def sample(logits: torch.Tensor,
              [float(p.top_k) for p in sub],
              [p.top_p for p in sub],
              [p.min_p for p in sub],
-             [row_uniform(params[i].seed, num_output_tokens[i], default_seed, step_id, i)
+             [row_uniform(params[i].seed, num_output_tokens[i], default_seed, step_id,
+                          i if row_ids is None else row_ids[i])
               for i in random_rows]],
             dtype=torch.float64, device=device)
         if len(random_rows) < num_rows:
@@ -171,6 +176,47 @@ def sample(logits: torch.Tensor,
 
     token_ids = tokens.tolist()
     return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, params, tokens))
+
+
+def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    num_output_tokens: Sequence[int], eos_token_ids: frozenset[int],
+                    default_seed: int, step_id: int,
+                    request_ids: Sequence[str]) -> tuple[SamplerOutput, dict[int, str]]:
+    """`sample`, with a failure confined to the row that caused it.
+
+    When the batched call raises, every row is sampled alone, with the draw it would have had
+    in the batch (same row index), so the good rows get exactly the tokens the batch would have
+    given them. Returns the output and {row: error message} for the rows that failed alone;
+    those rows hold token -1 and no logprobs. (`request_ids` name the rows for fault points.)
+    """
+    try:
+        _fire_sampling(request_ids)
+        return sample(logits, params, num_output_tokens, eos_token_ids, default_seed,
+                      step_id), {}
+    except Exception:  # noqa: BLE001 - find the row(s) to blame below
+        pass
+    token_ids: list[int] = []
+    logprobs: list[Optional[TokenLogprobs]] = []
+    errors: dict[int, str] = {}
+    for i in range(len(params)):
+        try:
+            _fire_sampling(request_ids[i:i + 1])
+            one = sample(logits[i:i + 1], params[i:i + 1], num_output_tokens[i:i + 1],
+                         eos_token_ids, default_seed, step_id, row_ids=[i])
+        except Exception as exc:  # noqa: BLE001 - this row alone fails
+            errors[i] = f"sampling failed: {exc!r}"
+            token_ids.append(-1)
+            logprobs.append(None)
+            continue
+        token_ids.append(one.token_ids[0])
+        logprobs.append(one.logprobs[0])
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs), errors
+
+
+def _fire_sampling(request_ids: Sequence[str]) -> None:
+    if faults.ARMED:
+        for request_id in request_ids:
+            faults.fire("sampling", request_id)
 
 
 # --------------------------------------------------------------------------- helpers

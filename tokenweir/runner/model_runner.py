@@ -13,11 +13,12 @@ from typing import Optional
 
 import torch
 
+from tokenweir import faults
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.model import kernels
 from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
-from tokenweir.model.sampler import sample
+from tokenweir.model.sampler import sample_isolated
 from tokenweir.request import SamplingParams
 from tokenweir.runner.interrupt import CutSignal, StepCut, make_layer_hook
 
@@ -64,6 +65,8 @@ class ModelRunner:
         self.requests: dict[str, _RunnerRequest] = {}
         # Set by the engine under the slo policy: the monitor's orders to cut a step.
         self.cut_signal: Optional[CutSignal] = None
+        # Request id -> why its sampling failed, for the step being executed.
+        self.sample_errors: dict[str, str] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -77,6 +80,9 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._make_batch(out)
         hook = make_layer_hook(self.cut_signal, out.step_id) if self.cut_signal else None
+        if faults.ARMED:
+            for req_id in batch.req_ids:
+                faults.fire("forward", req_id)
         try:
             hidden = self._forward(batch, hook)
         except StepCut as cut:
@@ -84,17 +90,24 @@ class ModelRunner:
                                cut.order.victim_id, cut.order.waiter_id)
             return ModelRunnerOutput(sampled_token_ids={}, cut=report,
                                      step_seconds=time.perf_counter() - start)
+        self.sample_errors = {}
         sampled, logprobs = self._sample(batch, hidden, out.step_id)
+        for req_id in self.sample_errors:  # a request whose sampling failed gets no token
+            sampled.pop(req_id, None)
         self._advance(batch, out, sampled)
         return ModelRunnerOutput(sampled_token_ids={r: [t] for r, t in sampled.items()},
-                                 logprobs=logprobs, step_seconds=time.perf_counter() - start)
+                                 logprobs=logprobs, step_seconds=time.perf_counter() - start,
+                                 request_errors=self.sample_errors)
 
     # ---- measured rates ---------------------------------------------------------------
     @torch.inference_mode()
     def measure_preemption_costs(self, num_tokens: int = 256, repeats: int = 2) -> PreemptionCosts:
         """Time a prefill (seconds per token) and block copies to and from the host pool
         (seconds per block, one direction). Call before serving: it writes scratch K/V into
-        the first blocks of the (still empty) pool."""
+        the first blocks of the (still empty) pool. The probe never reaches past the pool:
+        it prefills at most as many tokens as the usable blocks hold, and copies at most as
+        many blocks as the host pool has."""
+        num_tokens = min(num_tokens, (self.kv_caches[0].shape[1] - 1) * self.block_size)
         num_blocks = -(-num_tokens // self.block_size)
         block_ids = list(range(1, num_blocks + 1))
         positions = torch.arange(num_tokens, device=self.device)
@@ -212,9 +225,13 @@ class ModelRunner:
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         states = [self.requests[r] for r in batch.sample_req_ids]
-        result = sample(logits, [s.params for s in states],
-                        [len(s.token_ids) - s.num_prompt_tokens for s in states],
-                        self.eos_token_ids, self.seed, step_id)
+        result, errors = sample_isolated(
+            logits, [s.params for s in states],
+            [len(s.token_ids) - s.num_prompt_tokens for s in states],
+            self.eos_token_ids, self.seed, step_id, batch.sample_req_ids)
+        # Rows that failed alone keep a placeholder token here (every rank must return one
+        # per row); execute() drops them and reports the errors.
+        self.sample_errors = {batch.sample_req_ids[i]: message for i, message in errors.items()}
         sampled = dict(zip(batch.sample_req_ids, result.token_ids))
         logprobs = {r: lp for r, lp in zip(batch.sample_req_ids, result.logprobs)
                     if lp is not None}

@@ -1,0 +1,212 @@
+"""One bad request never hurts another (issue 14): a fault injected into one phase of handling
+one request fails that request alone, with a clear error and its blocks freed, while its
+neighbours finish with exactly the tokens of a fault-free run. Every test also probes that the
+fault really fired. A tiny random-weight Llama through the real runner keeps this fast."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenweir import LLM, SamplingParams
+from tokenweir.engine.llm_engine import LLMEngine
+from tokenweir.faults import inject
+from tokenweir.model.sampler import sample, sample_isolated
+
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, block_size=8,
+              num_gpu_blocks_override=80, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True)
+NUM_PROMPTS = 4
+
+
+def _prompts(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 360) for _ in range(rng.randint(10, 40))]}
+            for _ in range(NUM_PROMPTS)]
+
+
+def _params() -> list[SamplingParams]:
+    """Fresh objects per run (some tests corrupt one); one seeded random neighbour."""
+    return [SamplingParams(**vars(SEEDED)) if i == 2 else SamplingParams(**vars(GREEDY))
+            for i in range(NUM_PROMPTS)]
+
+
+def _engine(path: str, **overrides) -> LLMEngine:
+    return LLM(path, **{**ENGINE, **overrides}).llm_engine
+
+
+def _run(engine: LLMEngine, params: list[SamplingParams], submit: bool = False,
+         before_first_step=None) -> list:
+    """Add (or submit, as the server does) every prompt, step until all are done, and return
+    the final RequestOutputs in prompt order. A step must never raise."""
+    made = [engine.make_request(p, sp) for p, sp in zip(_prompts(), params)]
+    for request, text in made:
+        (engine.submit_request if submit else engine.add_request)(request, text)
+    if before_first_step is not None:
+        before_first_step([r for r, _ in made])
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return [finals[r.request_id] for r, _ in made]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_path) -> list[list[int]]:
+    outs = _run(_engine(tiny_llama_path), _params())
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    return _tokens(outs)
+
+
+def _assert_isolated(engine: LLMEngine, outs, victim: int, baseline, message: str) -> None:
+    """The victim failed with `message`; every neighbour is exactly the fault-free output;
+    the pool is back to idle and nothing leaked."""
+    failed = outs[victim]
+    assert failed.finished and failed.outputs[0].finish_reason == "error"
+    assert message in (failed.error or ""), failed.error
+    for i, out in enumerate(outs):
+        if i != victim:
+            assert out.outputs[0].finish_reason == "length" and out.error is None
+            assert out.outputs[0].token_ids == baseline[i], f"neighbour {i} was hurt"
+            assert out.outputs[0].text, "a neighbour lost its text"
+    _assert_idle(engine)
+
+
+def _assert_idle(engine: LLMEngine) -> None:
+    scheduler = engine.scheduler
+    assert not engine.has_unfinished_requests()
+    scheduler.check_integrity()
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks, "blocks leaked"
+    assert scheduler.kv.usage() == 0
+    assert not engine.outputs.states, "output state leaked"
+
+
+@pytest.mark.parametrize("phase, skip, message", [
+    ("sampling", 3, "sampling failed: InjectedFault"),
+    ("detokenize", 2, "output failed: InjectedFault"),
+    ("stop", 4, "output failed: InjectedFault"),
+    ("output", 5, "output failed: InjectedFault"),
+    ("admit", 0, "admission failed: injected"),
+])
+@pytest.mark.parametrize("victim", [0, 1, 3])
+def test_fault_in_one_phase_fails_that_request_alone(tiny_llama_path, baseline, phase, skip,
+                                                     message, victim):
+    engine = _engine(tiny_llama_path)
+    # Request ids are the engine's counter: the victim's is predictable.
+    victim_id = str(victim)
+    with inject(phase, {victim_id}, skip=skip) as record:
+        outs = _run(engine, _params(), submit=(phase == "admit"))
+    assert record.fired and set(record.fired) == {victim_id}, "the fault never fired"
+    _assert_isolated(engine, outs, victim, baseline, message)
+    if skip:  # it failed mid-generation, after some tokens: they were freed too
+        assert 0 < len(outs[victim].outputs[0].token_ids) < len(baseline[victim])
+    assert _tokens(_run(engine, _params())) == baseline, "the engine does not serve any more"
+
+
+def test_corrupt_params_fail_in_the_sampler_alone(tiny_llama_path, baseline):
+    """A real sampler failure: params corrupted after validation (the bug of issue 14, #1:
+    stop_token_ids ['a'] with min_tokens), so the batched draw raises."""
+    engine = _engine(tiny_llama_path)
+    params = _params()
+
+    def corrupt(requests) -> None:
+        params[1].min_tokens, params[1].stop_token_ids = 2, ["a"]
+
+    outs = _run(engine, params, before_first_step=corrupt)
+    _assert_isolated(engine, outs, 1, baseline, "sampling failed: TypeError")
+
+
+@pytest.mark.parametrize("victim", [0, 1, 3])
+def test_corrupt_params_fail_in_the_stop_rules_alone(tiny_llama_path, baseline, victim):
+    """A real failure inside the scheduler's update (the token stop rules): stop_token_ids
+    corrupted into an int after admission. Requests updated before the culprit keep their
+    tokens, the ones after it are updated one by one."""
+    engine = _engine(tiny_llama_path)
+    params = _params()
+    params[victim] = SamplingParams(**{**vars(params[victim]), "stop_token_ids": [383]})
+
+    def corrupt(requests) -> None:
+        params[victim].stop_token_ids = 5  # `token in 5` raises TypeError
+
+    outs = _run(engine, params, before_first_step=corrupt)
+    _assert_isolated(engine, outs, victim, baseline, "not iterable")
+    assert "stop rules" in outs[victim].error
+
+
+def test_forward_failure_fails_that_step_and_the_engine_serves_on(tiny_llama_path, baseline):
+    """One request at a time (max_num_seqs=1): the forward fails in the victim's third step,
+    so only the victim is in the failed step; the others then run to the exact output."""
+    engine = _engine(tiny_llama_path, max_num_seqs=1)
+    with inject("forward", {"1"}, skip=2) as record:
+        outs = _run(engine, _params())
+    assert record.fired == ["1"]
+    _assert_isolated(engine, outs, 1, baseline, "the model forward failed")
+
+
+def test_forward_failure_fails_every_request_of_the_step(tiny_llama_path, baseline):
+    engine = _engine(tiny_llama_path)
+    with inject("forward", {"0"}, skip=3) as record:
+        outs = _run(engine, _params())
+    assert record.fired == ["0"]
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert reasons.count("error") >= 2, "everyone in the step should have failed"
+    for out, expected in zip(outs, baseline):
+        if out.outputs[0].finish_reason == "error":
+            assert "the model forward failed" in out.error
+        else:
+            assert out.outputs[0].token_ids == expected
+    _assert_idle(engine)
+    assert _tokens(_run(engine, _params())) == baseline, "the engine does not serve any more"
+
+
+def test_sample_isolated_matches_the_batch_for_good_rows():
+    """The per-row fallback gives every good row the draw it had in the batch, unseeded
+    random rows included (their draw depends on their row index)."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 97)
+    good = [SamplingParams(temperature=0), SamplingParams(temperature=0.8),
+            SamplingParams(temperature=1.0, top_k=5, seed=3), SamplingParams(temperature=0.7)]
+    batch = sample(logits, good, [0, 1, 2, 3], frozenset({2}), 11, 5).token_ids
+    bad = [*good]
+    bad[1] = SamplingParams(temperature=0.8)
+    bad[1].top_p = "x"  # corrupted after validation
+    out, errors = sample_isolated(logits, bad, [0, 1, 2, 3], frozenset({2}), 11, 5,
+                                  ["a", "b", "c", "d"])
+    assert list(errors) == [1] and "sampling failed" in errors[1]
+    assert out.token_ids[1] == -1
+    assert [t for i, t in enumerate(out.token_ids) if i != 1] == \
+        [t for i, t in enumerate(batch) if i != 1]
+
+
+def test_streaming_deltas_end_in_one_error_for_the_victim_only(tiny_llama_path, baseline):
+    """The server's path (submit, step(delta=True)): the victim's stream ends with one final
+    delta, finish_reason 'error' and the message; every other stream adds up to its
+    fault-free tokens."""
+    engine = _engine(tiny_llama_path)
+    made = [engine.make_request(p, sp) for p, sp in zip(_prompts(), _params())]
+    for request, text in made:
+        engine.submit_request(request, text)
+    streams: dict[str, list] = {r.request_id: [] for r, _ in made}
+    with inject("detokenize", {"2"}, skip=3) as record:
+        while engine.has_unfinished_requests():
+            for out in engine.step(delta=True):
+                streams[out.request_id].append(out)
+    assert record.fired == ["2"]
+    for i, (request, _) in enumerate(made):
+        deltas = streams[request.request_id]
+        assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
+        if i == 2:
+            assert deltas[-1].outputs[0].finish_reason == "error"
+            assert "injected detokenize fault" in deltas[-1].error
+        else:
+            assert deltas[-1].outputs[0].finish_reason == "length"
+            assert [t for d in deltas for t in d.outputs[0].token_ids] == baseline[i]
+    _assert_idle(engine)
