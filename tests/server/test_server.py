@@ -433,6 +433,28 @@ def test_bench_serve_cli_against_live_server(server, tmp_path):
     assert "401" in bad["errors"][0]
 
 
+def test_live_timeline_shows_the_steps_just_served_behind_the_api_key(server, client):
+    """GET /timeline: the schedule page over the server's recent steps. Behind the API key
+    (header, or ?key= for a browser's reloads); the page holds the steps of a completion
+    served just before, and reloads itself."""
+    done = client.completions.create(model=MODEL, prompt="Timeline probe: count to five.",
+                                     max_tokens=6, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 6  # the probe: steps really ran
+    url = server["base"] + "/timeline"
+    assert httpx.get(url, timeout=30, trust_env=False).status_code == 401
+    assert httpx.get(url, params={"key": "wrong"}, timeout=30, trust_env=False).status_code == 401
+    page = httpx.get(url, params={"key": API_KEY}, timeout=60, trust_env=False)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    data = json.loads(re.search(r'<script id="timeline-data" type="application/json">(.*?)'
+                                r'</script>', page.text, re.S).group(1))
+    assert "refreshSeconds" in page.text
+    rows = json.dumps(data)
+    assert done.id.removeprefix("cmpl-") in rows or done.id in rows
+    header = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                       trust_env=False)
+    assert header.status_code == 200
+
+
 # ---- shutdown (last: it stops the module's server) ------------------------------------------
 def test_sigterm_graceful(server):
     proc = server["proc"]
@@ -455,24 +477,3 @@ def test_sigterm_graceful(server):
     assert pieces[-1]["choices"][0]["finish_reason"] == "length"  # the running one finished
     assert proc.wait(timeout=60) == 0
 
-
-def test_live_timeline_shows_the_steps_just_served_behind_the_api_key(server, client):
-    """GET /timeline: the schedule page over the server's recent steps. Behind the API key
-    (header, or ?key= for a browser's reloads); the page holds the steps of a completion
-    served just before, and reloads itself."""
-    done = client.completions.create(model=MODEL, prompt="Timeline probe: count to five.",
-                                     max_tokens=6, extra_body={"ignore_eos": True})
-    assert done.usage.completion_tokens == 6  # the probe: steps really ran
-    url = server["base"] + "/timeline"
-    assert httpx.get(url, timeout=30, trust_env=False).status_code == 401
-    assert httpx.get(url, params={"key": "wrong"}, timeout=30, trust_env=False).status_code == 401
-    page = httpx.get(url, params={"key": API_KEY}, timeout=60, trust_env=False)
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    data = json.loads(re.search(r'<script id="timeline-data" type="application/json">(.*?)'
-                                r'</script>', page.text, re.S).group(1))
-    assert "refreshSeconds" in page.text
-    rows = json.dumps(data)
-    assert done.id.removeprefix("cmpl-") in rows or done.id in rows
-    header = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
-                       trust_env=False)
-    assert header.status_code == 200

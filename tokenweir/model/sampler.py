@@ -118,64 +118,77 @@ def sample(logits: torch.Tensor,
     """Sample one token per row of `logits` ([N, vocab]); see the module docstring.
     `row_ids` (default 0..N-1) are the rows' indices in the step's batch, which seed the draws
     of rows without a seed of their own."""
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
+    _check_shapes(logits, params, num_output_tokens)
     num_rows, vocab = logits.shape
-    if len(params) != num_rows or len(num_output_tokens) != num_rows:
-        raise ValueError(f"{num_rows} logit rows but {len(params)} params and "
-                         f"{len(num_output_tokens)} output counts")
     if num_rows == 0:
         return SamplerOutput(token_ids=[], logprobs=[])
     raw = logits if logits.dtype == torch.float32 else logits.float()
-    device = raw.device
+    masks = _min_tokens_masks(params, num_output_tokens, eos_token_ids, vocab)
+    x = _apply_masks(raw, masks)  # `raw` itself when nothing is masked
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature < _SAMPLING_EPS]
+    random_rows = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
+    tokens = torch.empty(num_rows, dtype=torch.long, device=raw.device)
+    if greedy_rows:
+        tokens = _put_greedy(x, greedy_rows, tokens)
+    if random_rows:
+        seeds = [row_uniform(params[i].seed, num_output_tokens[i], default_seed, step_id,
+                             i if row_ids is None else row_ids[i]) for i in random_rows]
+        tokens = _put_random(x, params, random_rows, seeds, tokens)
+    return SamplerOutput(token_ids=tokens.tolist(), logprobs=_logprobs(raw, params, tokens))
 
-    # Columns to mask for min_tokens, per row.
+
+def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  num_output_tokens: Sequence[int]) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
+    num_rows = logits.shape[0]
+    if len(params) != num_rows or len(num_output_tokens) != num_rows:
+        raise ValueError(f"{num_rows} logit rows but {len(params)} params and "
+                         f"{len(num_output_tokens)} output counts")
+
+
+def _min_tokens_masks(params: Sequence[SamplingParams], num_output_tokens: Sequence[int],
+                      eos_token_ids: frozenset[int], vocab: int) -> dict[int, list[int]]:
+    """Row -> the columns (EOS and stop tokens) masked while it has fewer than min_tokens."""
     masks: dict[int, list[int]] = {}
     for i, (p, n_out) in enumerate(zip(params, num_output_tokens)):
         if n_out < p.min_tokens:
             cols = sorted({t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab})
             if cols:
                 masks[i] = cols
+    return masks
 
-    greedy_rows = [i for i, p in enumerate(params) if p.temperature < _SAMPLING_EPS]
-    random_rows = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
-    tokens = torch.empty(num_rows, dtype=torch.long, device=device)
 
-    x = _apply_masks(raw, masks)  # `raw` itself when nothing is masked
+def _put_greedy(x: torch.Tensor, greedy_rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` with the greedy rows' argmax written in (a new tensor when every row is)."""
+    num_rows = x.shape[0]
+    if len(greedy_rows) == num_rows:
+        return x.argmax(dim=-1)
+    idx = _index(greedy_rows, x.device)
+    # An argmax over every row is cheaper than copying out the greedy half of them.
+    greedy = x.argmax(dim=-1)[idx] if 2 * len(greedy_rows) >= num_rows \
+        else x[idx].argmax(dim=-1)
+    tokens[idx] = greedy
+    return tokens
 
-    if greedy_rows:
-        if len(greedy_rows) == num_rows:
-            tokens = x.argmax(dim=-1)
-        else:
-            idx = _index(greedy_rows, device)
-            # An argmax over every row is cheaper than copying out the greedy half of them.
-            greedy = x.argmax(dim=-1)[idx] if 2 * len(greedy_rows) >= num_rows \
-                else x[idx].argmax(dim=-1)
-            tokens[idx] = greedy
 
-    if random_rows:
-        sub = [params[i] for i in random_rows]
-        # One host-to-device copy for every per-row scalar.
-        scalars = torch.tensor(
-            [[p.temperature for p in sub],
-             [float(p.top_k) for p in sub],
-             [p.top_p for p in sub],
-             [p.min_p for p in sub],
-             [row_uniform(params[i].seed, num_output_tokens[i], default_seed, step_id,
-                          i if row_ids is None else row_ids[i])
-              for i in random_rows]],
-            dtype=torch.float64, device=device)
-        if len(random_rows) < num_rows:
-            x = x[_index(random_rows, device)]
-        picked = _sample_random(x, sub, scalars[0], scalars[1].long(), scalars[2], scalars[3],
-                                scalars[4])
-        if len(random_rows) == num_rows:
-            tokens = picked
-        else:
-            tokens[_index(random_rows, device)] = picked
-
-    token_ids = tokens.tolist()
-    return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, params, tokens))
+def _put_random(x: torch.Tensor, params: Sequence[SamplingParams], random_rows: list[int],
+                uniforms: list[float], tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` with the random rows' draws written in (a new tensor when every row is)."""
+    sub = [params[i] for i in random_rows]
+    # One host-to-device copy for every per-row scalar.
+    scalars = torch.tensor(
+        [[p.temperature for p in sub], [float(p.top_k) for p in sub], [p.top_p for p in sub],
+         [p.min_p for p in sub], uniforms], dtype=torch.float64, device=x.device)
+    all_rows = len(random_rows) == x.shape[0]
+    if not all_rows:
+        x = x[_index(random_rows, x.device)]
+    picked = _sample_random(x, sub, scalars[0], scalars[1].long(), scalars[2], scalars[3],
+                            scalars[4])
+    if all_rows:
+        return picked
+    tokens[_index(random_rows, x.device)] = picked
+    return tokens
 
 
 def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
