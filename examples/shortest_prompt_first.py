@@ -19,55 +19,25 @@ queue, the victim policy only `choose`.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from tokenweir.core.sched.policies import SchedulingPolicy, VictimPolicy
-from tokenweir.core.sched.queues import RequestQueue
+from tokenweir.core.sched.queues import KeyedQueue
 from tokenweir.request import Request
 
 
-class ShortestPromptQueue(RequestQueue):
+class ShortestPromptQueue(KeyedQueue):
     """Fewest prompt tokens first, then earliest arrival. A preempted request keeps its key,
     so it comes back ahead of every longer prompt."""
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.num_prompt_tokens, request.arrival_time,
-                                    next(self._seq), request))
-
-    prepend = add
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, request: Request) -> None:
-        for i, entry in enumerate(self._heap):
-            if entry[3] is request:
-                self._heap[i] = self._heap[-1]
-                self._heap.pop()
-                heapq.heapify(self._heap)
-                return
-        raise ValueError(f"request {request.request_id} is not waiting")
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
+    def key(self, request: Request) -> tuple:
+        return (request.num_prompt_tokens, request.arrival_time)
 
 
 class ShortestPromptFirst(SchedulingPolicy):
     name = "shortest-prompt-first"
 
-    def make_waiting_queue(self) -> RequestQueue:
+    def make_waiting_queue(self) -> KeyedQueue:
         return ShortestPromptQueue()
 
 

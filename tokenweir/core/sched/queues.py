@@ -73,32 +73,32 @@ class FCFSQueue(RequestQueue):
         return iter(self._q)
 
 
-class PriorityQueue(RequestQueue):
-    """Lowest `priority` value first (vLLM's convention), then earliest arrival.
+class KeyedQueue(RequestQueue):
+    """A heap in the order of `key(request)` (smallest first), ties by insertion. Subclasses
+    give only `key`; a preempted request keeps its key, so it comes back ahead of every later
+    arrival with a larger one. This is the queue to subclass for a user's own order."""
 
-    A preempted request keeps its key, so it comes back ahead of every later arrival of its
-    priority: that is what "front of the queue" means under priority scheduling.
-    """
+    def key(self, request: Request) -> tuple:
+        raise NotImplementedError
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[tuple[tuple, int, Request]] = []
         self._seq = itertools.count()
 
     def add(self, request: Request) -> None:
-        key = (request.priority, request.arrival_time, next(self._seq), request)
-        heapq.heappush(self._heap, key)
+        heapq.heappush(self._heap, (self.key(request), next(self._seq), request))
 
     prepend = add
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        return self._heap[0][2]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[2]
 
     def remove(self, request: Request) -> None:
         for i, entry in enumerate(self._heap):
-            if entry[3] is request:
+            if entry[2] is request:
                 self._heap[i] = self._heap[-1]
                 self._heap.pop()
                 heapq.heapify(self._heap)
@@ -109,7 +109,18 @@ class PriorityQueue(RequestQueue):
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
+        return (entry[2] for entry in sorted(self._heap, key=lambda e: e[:2]))
+
+
+class PriorityQueue(KeyedQueue):
+    """Lowest `priority` value first (vLLM's convention), then earliest arrival.
+
+    A preempted request keeps its key, so it comes back ahead of every later arrival of its
+    priority: that is what "front of the queue" means under priority scheduling.
+    """
+
+    def key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time)
 
 
 class DeadlineQueue(RequestQueue):
