@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tokenweir import LLM, SamplingParams
-from tokenweir.core.sched.scheduler import SLO_MID_STEP
+from tokenweir.core.outputs import SLO_MID_STEP
 from tokenweir.engine.slo_monitor import SLOMonitor
 from tokenweir.runner.interrupt import CutOrder, CutSignal
 

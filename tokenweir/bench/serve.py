@@ -9,8 +9,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field
 
 import numpy as np
 

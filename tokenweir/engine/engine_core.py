@@ -24,8 +24,8 @@ from collections import deque
 from typing import Callable, Iterable, Optional, Protocol
 
 from tokenweir import faults
-from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenweir.core.sched.scheduler import EngineCoreOutput, Scheduler
+from tokenweir.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.metrics import EngineMetrics
 from tokenweir.request import Request, RequestStatus
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 from tokenweir import faults
 from tokenweir.core.outputs import TokenLogprobs
-from tokenweir.core.sched.scheduler import EngineCoreOutput
+from tokenweir.core.outputs import EngineCoreOutput
 from tokenweir.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenweir.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenweir.request import Request

@@ -35,7 +35,7 @@ from typing import Optional
 from tokenweir.config import EngineConfig
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
-from tokenweir.core.sched.scheduler import EngineCoreOutput
+from tokenweir.core.outputs import EngineCoreOutput
 from tokenweir.request import Request
 from tokenweir.sim.sim_engine import SimEngine, make_request  # noqa: F401 (re-exported)
 from tokenweir.sim.slo_cuts import setup_slo

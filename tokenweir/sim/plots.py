@@ -7,7 +7,7 @@ import csv
 import math
 import multiprocessing
 import sys
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 def parallel_map(fn: Callable, jobs: Sequence[Any], processes: int = 0,

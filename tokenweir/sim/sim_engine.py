@@ -27,7 +27,8 @@ from tokenweir.config import EngineConfig
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
-from tokenweir.core.sched.scheduler import EngineCoreOutput, Scheduler
+from tokenweir.core.outputs import EngineCoreOutput
+from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.request import Request, SamplingParams
 from tokenweir.sim.sim_runner import DEFAULT_EOS, SimRunner
 from tokenweir.sim.counts import ValueCounts

@@ -36,7 +36,7 @@ from typing import Any, Optional, Union
 
 from tokenweir.config import EngineConfig
 from tokenweir.core.sched.policy import PreemptionCosts
-from tokenweir.core.sched.scheduler import SchedulerStats
+from tokenweir.core.outputs import SchedulerStats
 from tokenweir.request import Request
 from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.disagg import Handoff, KVLinks, TransferRecord

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 from tokenweir.sim.metrics import percentile
 from tokenweir.sim.plots import (format_table, parallel_map, plot_grouped_bars, plot_xy,

@@ -19,10 +19,8 @@ from typing import Iterable, Optional
 
 from tokenweir.config import SchedulerConfig
 from tokenweir.core.kv_cache_manager import KVCacheManager
-# EngineCoreOutput, SchedulerStats and the causes are also imported from here (older paths).
-from tokenweir.core.outputs import (PREEMPTION_CAUSES, SLO_BETWEEN_STEPS, SLO_MID_STEP,  # noqa: F401
-                                    EngineCoreOutput, ModelRunnerOutput, SchedulerOutput,
-                                    SchedulerStats)
+from tokenweir.core.outputs import (SLO_BETWEEN_STEPS, SLO_MID_STEP, EngineCoreOutput,
+                                    ModelRunnerOutput, SchedulerOutput, SchedulerStats)
 from tokenweir.core.sched import admission, stats as count
 from tokenweir.core.sched.integrity import check_integrity
 from tokenweir.core.sched.policies import Pause, SchedulingPolicy, VictimPolicy, make_policies
