@@ -360,10 +360,22 @@ class BenchServeConfig:
 @dataclass(frozen=True)
 class SimTargetConfig:
     """what the simulator models: a model shape on a hardware profile (roofline step times)"""
-    model_shape: str = _f("llama-7b", "model shape the roofline prices",
-                          choices_from="tokenweir.sim.hardware:MODEL_SHAPES")
+    model_shape: str = _f("llama-7b", "model shape the roofline prices: built in, or a "
+                          "shipped config (tokenweir/sim/models)",
+                          choices_from="tokenweir.sim.model_config:MODEL_TABLE")
+    model_name: Optional[str] = _f(
+        None, "a shipped model config by name (same names as --model-shape; replaces it)",
+        flag="--model", choices_from="tokenweir.sim.model_config:MODEL_TABLE")
+    model_config: Optional[str] = _f(
+        None, "a Hugging Face config.json (or a directory holding one) to price instead of "
+        "--model-shape: Llama, Mistral, Qwen2/3 and their MoE relatives (Mixtral, Qwen-MoE)",
+        metavar="PATH")
     hardware: str = _f("h100", "hardware profile the roofline prices",
                        choices_from="tokenweir.sim.hardware:HARDWARE_PROFILES")
+    hardware_dtype: Optional[str] = _f(
+        None, "weights and KV in this dtype on --hardware: its peak FLOP/s and bytes per "
+        "element (default: the profile's own, bf16 on GPUs)",
+        choices=("fp4", "fp8", "int8", "bf16", "fp16", "tf32", "fp32"))
     tp: int = _f(1, "tensor-parallel degree", flag="--tensor-parallel-size", aliases=("--tp",))
 
 

@@ -38,6 +38,9 @@ _SIM_RUN = "tokenweir.sim.cli:run"
 # --tensor-parallel-size, alias --tp): the engine's field of that name would be a second flag
 # that the simulator ignores.
 _SIM_TP = ("tensor_parallel_size",)
+# The simulator prices a model shape, never loads weights: its --model picks a shipped config
+# (SimTargetConfig.model_name), so the engine's --model is left out.
+_SIM_EXCLUDE = _SIM_TP + ("model",)
 
 GROUPS: tuple[CommandGroup, ...] = (
     CommandGroup("bench", "benchmarks", dest="bench_command"),
@@ -53,9 +56,9 @@ COMMANDS: tuple[Command, ...] = (
             "tokenweir.bench.serve:main"),
     Command(("simulate",), "simulate serving a workload on a virtual clock",
             (SimulateConfig, ClusterConfig), _SIM_RUN, engine_flags=True,
-            engine_exclude=_SIM_TP),
+            engine_exclude=_SIM_EXCLUDE),
     Command(("sweep",), "simulate a grid of config values in parallel", (SweepConfig,),
-            _SIM_RUN, engine_flags=True, engine_exclude=_SIM_TP),
+            _SIM_RUN, engine_flags=True, engine_exclude=_SIM_EXCLUDE),
     Command(("study", "frontier"), "TTFT of a long prompt vs p99 ITL of steady decodes, one "
             "point per chunk size", (FrontierStudyConfig,), _SIM_RUN),
     Command(("study", "pool"), "steps and preemptions vs KV pool size (hockey stick)",

@@ -37,7 +37,7 @@ def pool_blocks(config: EngineConfig, kwargs: dict[str, Any], model: RooflineLat
     hw, shape = model.hardware, model.shape
     devices = model.tp * pp_size
     free = (hw.memory_bytes * devices * GPU_MEMORY_UTILIZATION
-            - shape.num_matmul_params * hw.dtype_bytes)
+            - shape.num_weight_params * hw.dtype_bytes)
     if free <= block_bytes:
         raise ValueError(f"{shape.name} weights do not fit {devices} x {hw.name}")
     return int(free // block_bytes) + 1

@@ -18,6 +18,7 @@ from tokenweir.config import CONFIG_CLASSES, engine_kwargs
 
 def run(args: argparse.Namespace) -> int:
     try:
+        _resolve_target(args)
         if args.command == "simulate":
             if _wants_cluster(args):
                 return _simulate_cluster(args)
@@ -29,6 +30,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _resolve_target(args: argparse.Namespace) -> None:
+    """Fold --model / --model-config into args.model_shape (a name or a config.json path,
+    both of which `get_shape` reads) and --hardware-dtype into args.hardware ('NAME:DTYPE'),
+    so everything downstream passes two strings. Checks them here: errors before any work."""
+    from tokenweir.sim.hardware import get_hardware, get_shape
+
+    if getattr(args, "model_config", None) and getattr(args, "model_name", None):
+        raise ValueError("give --model or --model-config, not both")
+    shape = getattr(args, "model_config", None) or getattr(args, "model_name", None)
+    if shape:
+        args.model_shape = shape
+    if getattr(args, "hardware_dtype", None):
+        args.hardware = f"{args.hardware}:{args.hardware_dtype}"
+    get_shape(args.model_shape)
+    get_hardware(args.hardware)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -76,7 +76,18 @@ class RooflineLatencyModel:
          + 2 ring all-reduces per layer of the step's activations (tp > 1 only).
     Attention FLOPs are causal: a chunk of q new tokens on c cached ones costs
     4 * heads * head_dim * q * (c + (q + 1) / 2) per layer. The LM head runs once per scheduled
-    request (logits only at each request's last position).
+    request (logits only at each request's last position). KV bytes follow the KV heads (GQA).
+
+    Mixture of experts (`shape.num_experts` > 0): each token's linear FLOPs are its ACTIVE
+    weights (attention, router, shared expert, `num_experts_per_tok` experts); the weight bytes
+    a step of B tokens reads are the always-read weights plus, per MoE layer, the distinct
+    experts its tokens touch: E * (1 - (1 - k/E) ** B) in expectation under balanced routing
+    (`ModelShape.expected_experts_touched`; at most min(E, B * k)).
+
+    Sliding window (`shape.sliding_window` = W): `attention_window` tells the SimRunner to
+    cap each request's cached context at W in the step's sums, so attention FLOPs and KV
+    reads stop growing past W. Approximation: the causal term inside a chunk longer than W is
+    not capped, and the KV pool still holds every block (vLLM frees blocks that slid out).
     """
 
     def __init__(self, shape: ModelShape, hardware: HardwareProfile, tp: int = 1) -> None:
@@ -87,9 +98,12 @@ class RooflineLatencyModel:
         flops = hardware.effective_flops * tp
         bw = hardware.effective_bandwidth * tp
         # Per-unit costs, precomputed: the hot path is a few multiply-adds per step.
-        self._s_per_token_linear = 2 * shape.num_layers * shape.params_per_layer / flops
+        self._s_per_token_linear = 2 * shape.active_layer_params_per_token / flops
         self._s_per_lm_head_row = 2 * shape.vocab_size * shape.hidden_size / flops
-        self._s_weights = shape.num_matmul_params * dt / bw
+        self._s_weights = shape.dense_matmul_params * dt / bw  # read whatever the routing
+        # seconds to read one expert's weights in every MoE layer (0 for a dense shape)
+        self._s_per_expert_touched = shape.num_moe_layers * shape.expert_params * dt / bw
+        self.attention_window = shape.sliding_window  # read by the SimRunner
         # Attention: 4*H*hd*L * q*(c + (q+1)/2) = 2*H*hd*L * q*(2c + q + 1)
         self._s_per_attn_unit = 2 * shape.num_heads * shape.head_dim * shape.num_layers / flops
         self._s_per_kv_token = shape.kv_bytes_per_token(dt) / bw
@@ -121,8 +135,11 @@ class RooflineLatencyModel:
     def _combine(self, tokens: int, rows: int, attn_units: int, kv_tokens: int) -> float:
         if tokens == 0:
             return 0.0
+        weights = self._s_weights
+        if self._s_per_expert_touched:
+            weights += self._s_per_expert_touched * self.shape.expected_experts_touched(tokens)
         linear = max(tokens * self._s_per_token_linear + rows * self._s_per_lm_head_row,
-                     self._s_weights)
+                     weights)
         attention = max(attn_units * self._s_per_attn_unit, kv_tokens * self._s_per_kv_token)
         comm = tokens * self._s_allreduce_per_token + self._s_allreduce_fixed
         return self._overhead + linear + attention + comm

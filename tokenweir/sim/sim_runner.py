@@ -28,6 +28,9 @@ class SimRunner:
                  eos_token_id: int = DEFAULT_EOS, vocab_size: int = 32000,
                  check: bool = False) -> None:
         self.latency_model = latency_model
+        # A sliding-window model attends at most this many cached tokens: the step's context
+        # sums count min(c, window) (RooflineLatencyModel.attention_window; inf: no window).
+        self._window = getattr(latency_model, "attention_window", None) or float("inf")
         # request id -> output length at which EOS is sampled; the caller may add to it later
         self.target_output_len = target_output_len if target_output_len is not None else {}
         self.eos_token_id = eos_token_id
@@ -123,12 +126,14 @@ class SimRunner:
 
     def _advance(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], StepTotals]:
         """Advance computed counts, sample where a step reaches the known tokens, and sum the
-        step's shape for the latency model (context = computed before the step).
+        step's shape for the latency model (context = computed before the step, capped at the
+        model's sliding window).
 
         The token at position k (0-based over prompt + output) is EOS when it is the
         target-th output token or later, else `_regular_token(rid, k)`, stepped from position
         k - 1's: + stride, wrapped into [FIRST, FIRST + span) (stride % span < span)."""
-        state, eos, token_ids = self._state, self.eos_token_id, self._token_ids
+        state, eos, token_ids, window = (self._state, self.eos_token_id, self._token_ids,
+                                         self._window)
         span = self.vocab_size - _FIRST_REGULAR_TOKEN
         stride, end = _TOKEN_STRIDE % span, _FIRST_REGULAR_TOKEN + span
         sampled: dict[str, list[int]] = {}
@@ -139,6 +144,8 @@ class SimRunner:
             c = st[0]  # _COMPUTED
             done = c + n
             st[0] = done
+            if c > window:  # never true without a sliding window (inf)
+                c = window
             if n == 1:
                 num_decodes += 1
                 decode_context += c
