@@ -3,7 +3,8 @@
 Default: 100,000 chat-like requests on a 7B-class model over the H100 profile, one instance
 (target: under 60 s). `--cluster`: 1,000,000 requests on 64 instances behind the prefix-aware
 router (target: under 10 minutes), the same chat-like lengths plus prefix groups (system
-prompts shared by many requests), arrivals at 25 req/s per instance.
+prompts shared by many requests), arrivals at 30 req/s per instance (the single instance's
+load).
 
 Prints wall time AND process CPU time (on a busy machine wall time overstates), simulated
 requests per second, the cost per generated token, and a digest of everything the run decided
@@ -49,7 +50,7 @@ def run_single(args: argparse.Namespace):
 
 
 def run_cluster(args: argparse.Namespace):
-    rate = args.request_rate or 25.0 * args.num_instances
+    rate = args.request_rate or 30.0 * args.num_instances
     specs = chat_workload(args.num_requests, rate, prefix_groups=args.prefix_groups,
                           prefix_len=args.prefix_len)
     sim = build_cluster(ENGINE_ARGS, specs, model_shape="llama-7b", hardware="h100",
@@ -66,7 +67,7 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--num-instances", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=None,
-                        help="req/s (default: 30 one instance, 25 per instance in a cluster)")
+                        help="req/s (default: 30, per instance in a cluster)")
     parser.add_argument("--prefix-groups", type=int, default=256)
     parser.add_argument("--prefix-len", type=int, default=128)
     parser.add_argument("--profile", action="store_true")

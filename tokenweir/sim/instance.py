@@ -97,7 +97,8 @@ class Instance(SimEngine):
     @property
     def load(self) -> int:
         """Requests here or on their way: what least-loaded routing compares."""
-        return self.scheduler.num_running + self.scheduler.num_waiting + self.num_incoming
+        scheduler = self.scheduler  # read once per instance per arrival: no property chain
+        return len(scheduler.running) + len(scheduler.waiting) + self.num_incoming
 
     # ---- the engine loop -------------------------------------------------------------------
     def can_start(self, now: float) -> bool:

@@ -44,6 +44,13 @@ class LeastLoadedRouter:
 
 
 class PrefixAwareRouter:
+    """See the module docstring. Besides each instance's LRU of block hashes, an inverted
+    index (hash -> instances that hold it) finds the instances matching a chain without
+    visiting the others: a choice costs O(chain + matching instances), plus one C-level pass
+    for the least-loaded fallback, instead of n chain walks (a 64-instance cluster routes a
+    million requests). Decisions are exactly those of the plain definition (`match_len` for
+    every instance, then max/min over the instances as written in `choose`)."""
+
     def __init__(self, num_instances: int, block_size: int, max_blocks: int = 32,
                  capacity: int = 1 << 16, balance_slack: int = 16) -> None:
         self.num_instances = num_instances
@@ -51,6 +58,8 @@ class PrefixAwareRouter:
         self.capacity, self.balance_slack = capacity, balance_slack
         # per instance: chained hashes of routed prompts' leading blocks, oldest first (LRU)
         self._seen: list[dict[int, None]] = [{} for _ in range(num_instances)]
+        self._holders: dict[int, set[int]] = {}  # hash -> instances whose _seen holds it
+        self._sizes = [0] * num_instances  # len(self._seen[i]), for the fallback's key
 
     def block_chain(self, tokens: list[int]) -> list[int]:
         """Hashes of the leading full blocks, each covering every token before it. Python
@@ -69,24 +78,57 @@ class PrefixAwareRouter:
             n += 1
         return n
 
+    def longest_matches(self, chain: list[int]) -> tuple[int, list[int]]:
+        """(the longest match_len over the instances, the instances that reach it); (0, [])
+        when none holds the chain's first block."""
+        holders = self._holders
+        alive = holders.get(chain[0]) if chain else None
+        if not alive:
+            return 0, []
+        n = 1
+        while n < len(chain):
+            nxt = alive & holders.get(chain[n], _EMPTY)
+            if not nxt:
+                break
+            alive, n = nxt, n + 1
+        return n, sorted(alive)
+
     def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
         chain = self.block_chain(tokens)
-        matches = [self.match_len(i, chain) for i in range(self.num_instances)]
-        best = max(range(self.num_instances), key=lambda i: (matches[i], -loads[i], -i))
-        fallback = min(range(self.num_instances),
-                       key=lambda i: (loads[i], len(self._seen[i]), i))
-        if matches[best] == 0 or loads[best] > loads[fallback] + self.balance_slack:
+        longest, matched = self.longest_matches(chain)
+        # fallback: min over (load, blocks seen, index), one C-level pass
+        fallback = min(zip(loads, self._sizes, range(self.num_instances)))[2]
+        if longest == 0:
             best = fallback
+        else:  # the longest match; ties to the less loaded, then the lower index
+            best = min(matched, key=lambda i: (loads[i], i))
+            if loads[best] > loads[fallback] + self.balance_slack:
+                best = fallback
         self._remember(best, chain)
         return best
 
     def _remember(self, instance: int, chain: list[int]) -> None:
-        seen = self._seen[instance]
+        seen, holders = self._seen[instance], self._holders
         for h in chain:
-            seen.pop(h, None)
+            if seen.pop(h, _ABSENT) is _ABSENT:
+                holding = holders.get(h)
+                if holding is None:
+                    holders[h] = {instance}
+                else:
+                    holding.add(instance)
             seen[h] = None
         while len(seen) > self.capacity:
-            del seen[next(iter(seen))]
+            oldest = next(iter(seen))
+            del seen[oldest]
+            holding = holders[oldest]
+            holding.discard(instance)
+            if not holding:
+                del holders[oldest]
+        self._sizes[instance] = len(seen)
+
+
+_EMPTY: frozenset = frozenset()
+_ABSENT = object()
 
 
 def make_router(name: str, num_instances: int, block_size: int):

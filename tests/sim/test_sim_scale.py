@@ -1,0 +1,101 @@
+"""Scale: the cluster benchmark's run is a pure function of its inputs (a small version run
+twice gives the same digest), and the fast paths added for it decide exactly what the plain
+definitions decide (the prefix-aware router's inverted index)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from tokenweir.sim.cluster import build_cluster
+from tokenweir.sim.digest import cluster_digest
+from tokenweir.sim.router import PrefixAwareRouter
+from tokenweir.sim.workload import synthetic
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class PlainPrefixAwareRouter(PrefixAwareRouter):
+    """The router as first written (every instance's chain walked, max/min over all)."""
+
+    def choose(self, tokens, loads):
+        chain = self.block_chain(tokens)
+        n = self.num_instances
+        matches = [self.match_len(i, chain) for i in range(n)]
+        best = max(range(n), key=lambda i: (matches[i], -loads[i], -i))
+        fallback = min(range(n), key=lambda i: (loads[i], len(self._seen[i]), i))
+        if matches[best] == 0 or loads[best] > loads[fallback] + self.balance_slack:
+            best = fallback
+        self._remember(best, chain)
+        return best
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    group = rng.randrange(12)
+    shared = [1000 + group] * (16 * rng.randint(0, 6)) + [group] * rng.randint(0, 20)
+    return shared + [rng.randrange(10**6) for _ in range(rng.randint(0, 40))]
+
+
+def test_the_indexed_router_decides_as_the_plain_one():
+    rng = random.Random(5)
+    fast = PrefixAwareRouter(7, 16, max_blocks=8, capacity=24, balance_slack=3)
+    plain = PlainPrefixAwareRouter(7, 16, max_blocks=8, capacity=24, balance_slack=3)
+    choices, evicted = [], 0
+    for _ in range(3000):
+        tokens = _prompt(rng)
+        loads = [rng.randrange(12) for _ in range(7)]
+        a, b = fast.choose(tokens, loads), plain.choose(tokens, loads)
+        assert a == b
+        choices.append(a)
+        evicted += sum(1 for s in fast._seen if len(s) == fast.capacity)
+    assert len(set(choices)) == 7  # every instance was chosen
+    assert evicted > 0  # the probe: the LRU really evicted (small capacity)
+    # the index is the exact inverse of the per-instance LRUs
+    inverse: dict[int, set[int]] = {}
+    for i, seen in enumerate(fast._seen):
+        for h in seen:
+            inverse.setdefault(h, set()).add(i)
+    assert inverse == fast._holders
+    assert fast._sizes == [len(s) for s in fast._seen]
+
+
+def _small_cluster_digest() -> tuple[str, int]:
+    specs = synthetic(600, 400.0, seed=1, prompt="lognormal:256:0.8",
+                      output="lognormal:64:0.8", max_model_len=4096,
+                      num_prefix_groups=16, prefix_len=128)
+    sim = build_cluster({"max_num_seqs": 64, "max_num_batched_tokens": 1024,
+                         "num_gpu_blocks_override": 400}, specs, num_instances=8,
+                        router="prefix-aware", record_steps=False, itl_counts=True)
+    result = sim.run()
+    return cluster_digest(result), result.overall.stats.num_preemptions
+
+
+def test_a_small_cluster_run_twice_gives_the_same_digest():
+    first, preemptions = _small_cluster_digest()
+    second, _ = _small_cluster_digest()
+    assert first == second
+    assert preemptions > 0  # the probe: the cramped pools really preempted
+
+
+def test_the_digest_changes_when_a_decision_changes():
+    specs = synthetic(60, 100.0, seed=2, max_model_len=1024)
+    digests = set()
+    for router in ("round-robin", "least-loaded"):
+        result = build_cluster({}, specs, "smollm2-135m", num_instances=3,
+                               router=router).run()
+        digests.add(cluster_digest(result))
+    assert len(digests) == 2
+
+
+def test_the_cluster_benchmark_prints_a_digest_that_repeats():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_speed.py"), "--cluster",
+           "--num-requests", "400", "--num-instances", "4"]
+    digests = []
+    for _ in range(2):
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT,
+                             env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}).stdout
+        assert "requests 400/400" in out and "cpu time" in out
+        digests.append(next(line for line in out.splitlines() if line.startswith("digest")))
+    assert digests[0] == digests[1]
