@@ -33,13 +33,29 @@ CHANGES: dict[tuple[str, str], dict[str, str]] = {
     # the one simulator loop runs a fitted profile on every instance of a cluster too
     **{(f"tokenweir {c}", "--profile"): {"help": _PROFILE_HELP} for c in ("simulate", "sweep")},
 }
+# any model from its config (issue 16): the shape and hardware tables grew; the simulator's
+# --model picks a shipped config (the engine's --model, which it ignored, is left out)
+_SIM_COMMANDS = ("simulate", "sweep", "study frontier", "study pool", "study policies")
+_MODELS = sorted(__import__("tokenweir.sim.model_config", fromlist=["x"]).MODEL_TABLE)
+_HARDWARE = sorted(__import__("tokenweir.sim.hardware", fromlist=["x"]).HARDWARE_PROFILES)
+for _c in _SIM_COMMANDS:
+    CHANGES[(f"tokenweir {_c}", "--model-shape")] = {"choices": _MODELS}
+    CHANGES[(f"tokenweir {_c}", "--hardware")] = {"choices": _HARDWARE}
+for _c in ("simulate", "sweep"):
+    CHANGES[(f"tokenweir {_c}", "--model")] = {
+        "dest": "model_name", "default": "None", "choices": _MODELS,
+        "help": "a shipped model config by name (same names as --model-shape; replaces it) "
+                "(default: None)"}
+_SIM_NEW = {"--model-config", "--hardware-dtype"}
 # spellings that did not exist: study gains the simulator's --tensor-parallel-size (alias --tp)
-NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size"}
+NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size", "--model"} | _SIM_NEW
                  for s in ("frontier", "pool", "policies")}
+NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir sweep"] = _SIM_NEW
 # the server's request-body limit (a 413 above it), added with the edge validation, and the
 # live schedule page's ring (GET /timeline)
 NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes", "--timeline-steps"}
-NEW_DESTS = {"max_request_body_bytes", "timeline_steps"}
+NEW_DESTS = {"max_request_body_bytes", "timeline_steps", "model_name", "model_config",
+             "hardware_dtype"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
