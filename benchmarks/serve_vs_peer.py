@@ -34,6 +34,8 @@ import socket
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,6 +47,7 @@ import _workload  # noqa: E402
 from tokenweir.bench import serve as bench_serve  # noqa: E402
 from tokenweir.cli.flags import default_namespace  # noqa: E402
 from tokenweir.config import BenchServeConfig  # noqa: E402
+from tokenweir.engine.serving_profile import format_profile  # noqa: E402
 
 THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput")
 LATENCY_NAMES = ("ttft", "tpot", "itl", "e2el")
@@ -85,6 +88,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="GiB of KV pool (tokenweir --kv-cache-space, VLLM_CPU_KVCACHE_SPACE)")
     e.add_argument("--serve-args", default="",
                    help="extra flags for tokenweir serve only, e.g. '--preemption-mode swap'")
+    e.add_argument("--no-profile-serving", action="store_true",
+                   help="do not run tokenweir with --profile-serving (by default its breakdown "
+                        "of the measured run, from GET /profile, is printed and saved)")
 
     peer = p.add_argument_group("peer")
     peer.add_argument("--peer", metavar="PATH", default=None,
@@ -178,7 +184,18 @@ def tokenweir_command(args: argparse.Namespace, port: int) -> list[str]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--kv-cache-space", f"{args.kv_cache_gib:g}",
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            *([] if args.no_profile_serving else ["--profile-serving"]),
             *shlex.split(args.serve_args)]
+
+
+def fetch_profile(url: str, reset: bool = False) -> Optional[dict]:
+    """tokenweir's serving profile (GET /profile), or None where the server has none."""
+    try:
+        with urllib.request.urlopen(f"{url}/profile{'?reset=1' if reset else ''}",
+                                    timeout=30) as response:
+            return json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def side_status(result: dict, ns: argparse.Namespace) -> tuple[str, Optional[str]]:
@@ -209,9 +226,14 @@ def run_side(name: str, argv: list[str], env: dict, port: int, args: argparse.Na
             rate_holder.update(probe_rate(args, url))
         ns = bench_namespace(args, url, request_rate=rate_holder["request_rate"])
         print(f"[{name}] {ns.num_prompts} requests at {ns.request_rate:.3f} req/s", flush=True)
+        fetch_profile(url, reset=True)  # the profile covers the measured run only
         result = run_bench(ns)
         bench_serve.print_report(result, ns.percentiles)
         side["result"] = result
+        side["profile"] = fetch_profile(url) if name == "tokenweir" else None
+        if side["profile"] is not None:
+            print(f"\n[{name}] where the measured run's time went (GET /profile)\n"
+                  + format_profile(side["profile"]), flush=True)
         side["status"], side["error"] = side_status(result, ns)
     except Exception as exc:  # noqa: BLE001 - a side that fails is reported; the other still runs
         side["error"] = f"{type(exc).__name__}: {exc}"

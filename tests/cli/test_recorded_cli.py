@@ -40,6 +40,9 @@ NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size"}
 # live schedule page's ring (GET /timeline)
 NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes", "--timeline-steps"}
 NEW_DESTS = {"max_request_body_bytes", "timeline_steps"}
+# the serving profile (issue 12) and the old inline output path kept for comparison
+NEW_SPELLINGS["tokenweir serve"] |= {"--profile-serving", "--inline-output"}
+NEW_DESTS |= {"profile_serving", "inline_output"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
