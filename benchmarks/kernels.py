@@ -126,7 +126,12 @@ def _attention_paths(q, cache, meta, scale) -> dict[str, Callable[[], object]]:
     def run(env: str) -> Callable[[], object]:
         os.environ["TOKENWEIR_CPU_KERNELS"] = env
         meta._plan = None
-        plan = A._build_plan(meta, cache)
+        limits = dict(A.PREFILL_IN_PLACE_MAX_ROWS)  # the kernel path: in place at any size
+        A.PREFILL_IN_PLACE_MAX_ROWS.update({isa: 1 << 30 for isa in limits})
+        try:
+            plan = A._build_plan(meta, cache)
+        finally:
+            A.PREFILL_IN_PLACE_MAX_ROWS.update(limits)
 
         def step() -> torch.Tensor:
             out = torch.empty_like(q)
@@ -161,13 +166,17 @@ def bench_attention(dtype: torch.dtype, peak: float, bandwidth: float, repeats: 
                           for c, t in times.items())
         print(f"{n:3d} decodes, ctx {lo}-{hi}   {cells}")
     print(f"\n## prefill over a cached prefix, {str(dtype)[6:]} (GFLOP/s, % of {peak:.0f})")
-    for rows in (16, 64, 256, 512):
+    for rows in (16, 32, 48, 64, 128, 256, 512):
         cache, meta, q, seq = _paged_setup([rows], [512], dtype)
         times = best_of(_attention_paths(q, cache, meta, HEAD_DIM ** -0.5), repeats)
         flop = 4 * HEADS * HEAD_DIM * sum(512 + r + 1 for r in range(rows))
         cells = "  ".join(f"{c} {flop / t / 1e9:6.1f} ({100 * flop / t / 1e9 / peak:3.0f}%)"
                           for c, t in times.items())
         print(f"{rows:4d}-row chunk over 512 cached   {cells}")
+    isa = kernels.cpu_isa()
+    if isa:
+        print(f"(the engine takes chunks of up to {A.PREFILL_IN_PLACE_MAX_ROWS.get(isa)} rows in "
+              f"place on {isa}: attention.PREFILL_IN_PLACE_MAX_ROWS)")
 
 
 def bench_overhead(dtype: torch.dtype, repeats: int) -> None:
