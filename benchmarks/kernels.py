@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 from typing import Callable, Optional
@@ -157,14 +158,18 @@ def bench_attention(dtype: torch.dtype, peak: float, bandwidth: float, repeats: 
     torch.manual_seed(0)
     elem = torch.empty((), dtype=dtype).element_size()
     print(f"\n## decode attention, {str(dtype)[6:]} (GB/s of K/V read, % of {bandwidth:.0f} GB/s)")
-    for n, lo, hi in ((1, 500, 500), (16, 300, 600), (64, 300, 600)):
+    cases = ((1, 500, 500, False), (16, 300, 600, False), (64, 300, 600, False),
+             (64, 300, 600, True))
+    for n, lo, hi, shuffled in cases:
         ctx = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+        if shuffled:  # the same contexts in a seeded random order (sorted: the rows above)
+            random.Random(0).shuffle(ctx)
         cache, meta, q, seq = _paged_setup([1] * n, ctx, dtype)
         times = best_of(_attention_paths(q, cache, meta, HEAD_DIM ** -0.5), repeats)
         nbytes = sum(seq) * 2 * KV_HEADS * HEAD_DIM * elem
         cells = "  ".join(f"{c} {nbytes / t / 1e9:6.1f} ({100 * nbytes / t / 1e9 / bandwidth:3.0f}%)"
                           for c, t in times.items())
-        print(f"{n:3d} decodes, ctx {lo}-{hi}   {cells}")
+        print(f"{n:3d} decodes, ctx {lo}-{hi}{' shuffled' if shuffled else ' sorted  '}   {cells}")
     print(f"\n## prefill over a cached prefix, {str(dtype)[6:]} (GFLOP/s, % of {peak:.0f})")
     for rows in (16, 32, 48, 64, 128, 256, 512):
         cache, meta, q, seq = _paged_setup([rows], [512], dtype)

@@ -428,11 +428,14 @@ class AsyncEngine:
         ran another step for it) are dropped."""
         states = self.engine.outputs.states
         tokens = 0
+        yield_gil = self._output_thread is not None
         for core_output in core_outputs:
             request_id = core_output.request.request_id
             tokens += len(core_output.new_token_ids)
             if request_id not in states:
                 continue
+            if yield_gil:  # let the engine thread's forward take the GIL between requests
+                time.sleep(0)
             try:
                 out = self._process_one(core_output, now)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
