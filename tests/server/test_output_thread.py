@@ -9,6 +9,7 @@ accounts for the steps and tokens it saw."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import sys
 import threading
@@ -200,3 +201,38 @@ def test_profile_accounts_for_every_step_and_token(tiny_path):
     table = format_profile(snap)
     assert "forward" in table and "token -> wire" in table
     _assert_idle(engine)
+
+
+def test_http_stream_with_profile_and_profile_route(tiny_path):
+    """The real app over the output thread: a streamed completion arrives whole (SSE, [DONE]),
+    GET /profile reports its steps, its tokens and SSE writes, and ?reset=1 starts afresh;
+    without --profile-serving the route is 404."""
+    from fastapi.testclient import TestClient
+
+    from tokenweir.server.app import create_app
+    from tokenweir.server.settings import ServerSettings
+
+    offline = _offline(tiny_path, _params())[0].outputs[0]
+    for profiled in (True, False):
+        engine = AsyncEngine(LLM(tiny_path, **ENGINE).llm_engine,
+                             profile=ServingProfile() if profiled else None)
+        app = create_app(engine, ServerSettings(served_model_names=("tiny",), timeline_steps=0))
+        with TestClient(app) as client:
+            body = {"model": "tiny", "prompt": _prompts()[0]["prompt_token_ids"],
+                    "max_tokens": 14, "temperature": 0, "ignore_eos": True, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]
+                           if json.loads(line[6:])["choices"])
+            assert text == offline.text
+            answer = client.get("/profile")
+            if not profiled:
+                assert answer.status_code == 404
+                continue
+            snap = answer.json()
+            assert snap["tokens"] == 14 and snap["steps"] >= 14
+            assert snap["phases"]["SSE writing"]["seconds"] > 0
+            assert snap["latencies"]["token -> wire"]["count"] >= 14
+            client.get("/profile", params={"reset": 1})
+            assert client.get("/profile").json()["tokens"] == 0
