@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 from typing import Callable, Optional
@@ -126,7 +127,12 @@ def _attention_paths(q, cache, meta, scale) -> dict[str, Callable[[], object]]:
     def run(env: str) -> Callable[[], object]:
         os.environ["TOKENWEIR_CPU_KERNELS"] = env
         meta._plan = None
-        plan = A._build_plan(meta, cache)
+        limits = dict(A.PREFILL_IN_PLACE_MAX_ROWS)  # the kernel path: in place at any size
+        A.PREFILL_IN_PLACE_MAX_ROWS.update({isa: 1 << 30 for isa in limits})
+        try:
+            plan = A._build_plan(meta, cache)
+        finally:
+            A.PREFILL_IN_PLACE_MAX_ROWS.update(limits)
 
         def step() -> torch.Tensor:
             out = torch.empty_like(q)
@@ -148,26 +154,67 @@ def _attention_paths(q, cache, meta, scale) -> dict[str, Callable[[], object]]:
     return fns
 
 
+def bench_decode_scaling(dtype: torch.dtype, repeats: int) -> None:
+    """Does the in-place decode kernel scale with threads? 4 decodes (~2 MB of K/V: stays in
+    cache across repeats) and 64 decodes (~40 MB: streamed from memory, as in a real step where
+    30 layers' K/V pass through) at 1 thread and at torch's count, beside a 256 MiB copy at
+    the same counts: a kernel that scales like the copy is bandwidth-bound, not badly threaded."""
+    threads = torch.get_num_threads()
+    if threads < 2 or A.paged_kernel_for(torch.empty(2, 1, 16, 1, 64, dtype=dtype)) is None:
+        return
+    elem = torch.empty((), dtype=dtype).element_size()
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    cases = {"copy 256 MiB": (lambda: dst.copy_(src), 2 * src.numel() * 4)}
+    for n in (4, 64):
+        ctx = [300 + 300 * i // max(1, n - 1) for i in range(n)]
+        cache, meta, q, seq = _paged_setup([1] * n, ctx, dtype)
+        plan = A._build_plan(meta, cache)
+        out = torch.empty_like(q)
+        cases[f"{n} decodes"] = (lambda q=q, c=cache, p=plan, o=out:
+                                 A._decode_attention(q, c, p, HEAD_DIM ** -0.5, o),
+                                 sum(seq) * 2 * KV_HEADS * HEAD_DIM * elem)
+    rates: dict[tuple[str, int], float] = {}
+    for count in (1, threads):
+        torch.set_num_threads(count)
+        best = best_of({k: fn for k, (fn, _) in cases.items()}, repeats)
+        rates.update({(k, count): cases[k][1] / t / 1e9 for k, t in best.items()})
+    torch.set_num_threads(threads)
+    print(f"\n## decode kernel thread scaling, {str(dtype)[6:]} (GB/s at 1 and {threads} threads)")
+    for k in cases:
+        one, many = rates[(k, 1)], rates[(k, threads)]
+        print(f"{k:<14}{one:8.1f} {many:8.1f}   x{many / one:.2f}")
+
+
 def bench_attention(dtype: torch.dtype, peak: float, bandwidth: float, repeats: int) -> None:
     torch.manual_seed(0)
     elem = torch.empty((), dtype=dtype).element_size()
     print(f"\n## decode attention, {str(dtype)[6:]} (GB/s of K/V read, % of {bandwidth:.0f} GB/s)")
-    for n, lo, hi in ((1, 500, 500), (16, 300, 600), (64, 300, 600)):
+    cases = ((1, 500, 500, False), (16, 300, 600, False), (64, 300, 600, False),
+             (64, 300, 600, True))
+    for n, lo, hi, shuffled in cases:
         ctx = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+        if shuffled:  # the same contexts in a seeded random order (sorted: the rows above)
+            random.Random(0).shuffle(ctx)
         cache, meta, q, seq = _paged_setup([1] * n, ctx, dtype)
         times = best_of(_attention_paths(q, cache, meta, HEAD_DIM ** -0.5), repeats)
         nbytes = sum(seq) * 2 * KV_HEADS * HEAD_DIM * elem
         cells = "  ".join(f"{c} {nbytes / t / 1e9:6.1f} ({100 * nbytes / t / 1e9 / bandwidth:3.0f}%)"
                           for c, t in times.items())
-        print(f"{n:3d} decodes, ctx {lo}-{hi}   {cells}")
+        print(f"{n:3d} decodes, ctx {lo}-{hi}{' shuffled' if shuffled else ' sorted  '}   {cells}")
+    bench_decode_scaling(dtype, repeats)
     print(f"\n## prefill over a cached prefix, {str(dtype)[6:]} (GFLOP/s, % of {peak:.0f})")
-    for rows in (16, 64, 256, 512):
+    for rows in (16, 32, 48, 64, 128, 256, 512):
         cache, meta, q, seq = _paged_setup([rows], [512], dtype)
         times = best_of(_attention_paths(q, cache, meta, HEAD_DIM ** -0.5), repeats)
         flop = 4 * HEADS * HEAD_DIM * sum(512 + r + 1 for r in range(rows))
         cells = "  ".join(f"{c} {flop / t / 1e9:6.1f} ({100 * flop / t / 1e9 / peak:3.0f}%)"
                           for c, t in times.items())
         print(f"{rows:4d}-row chunk over 512 cached   {cells}")
+    isa = kernels.cpu_isa()
+    if isa:
+        print(f"(the engine takes chunks of up to {A.PREFILL_IN_PLACE_MAX_ROWS.get(isa)} rows in "
+              f"place on {isa}: attention.PREFILL_IN_PLACE_MAX_ROWS)")
 
 
 def bench_overhead(dtype: torch.dtype, repeats: int) -> None:

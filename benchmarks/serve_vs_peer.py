@@ -34,6 +34,8 @@ import socket
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,6 +47,7 @@ import _workload  # noqa: E402
 from tokenweir.bench import serve as bench_serve  # noqa: E402
 from tokenweir.cli.flags import default_namespace  # noqa: E402
 from tokenweir.config import BenchServeConfig  # noqa: E402
+from tokenweir.engine.serving_profile import format_profile  # noqa: E402
 
 THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput")
 LATENCY_NAMES = ("ttft", "tpot", "itl", "e2el")
@@ -67,6 +70,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="requests/s of the Poisson arrivals, 'inf', or 'auto' (probe tokenweir)")
     w.add_argument("--rate-fraction", type=float, default=0.9,
                    help="auto rate = this x tokenweir's probed saturation throughput")
+    w.add_argument("--also-saturation", action="store_true",
+                   help="first measure each server with every request at once (prompts of "
+                        "the same shape, the probe's seed); with --request-rate auto that run "
+                        "is the probe")
     w.add_argument("--probe-prompts", type=int, default=48,
                    help="requests sent at once to probe saturation (auto rate)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
@@ -85,6 +92,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="GiB of KV pool (tokenweir --kv-cache-space, VLLM_CPU_KVCACHE_SPACE)")
     e.add_argument("--serve-args", default="",
                    help="extra flags for tokenweir serve only, e.g. '--preemption-mode swap'")
+    e.add_argument("--no-profile-serving", action="store_true",
+                   help="do not run tokenweir with --profile-serving (by default its breakdown "
+                        "of the measured run, from GET /profile, is printed and saved)")
 
     peer = p.add_argument_group("peer")
     peer.add_argument("--peer", metavar="PATH", default=None,
@@ -178,7 +188,18 @@ def tokenweir_command(args: argparse.Namespace, port: int) -> list[str]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--kv-cache-space", f"{args.kv_cache_gib:g}",
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            *([] if args.no_profile_serving else ["--profile-serving"]),
             *shlex.split(args.serve_args)]
+
+
+def fetch_profile(url: str, reset: bool = False) -> Optional[dict]:
+    """tokenweir's serving profile (GET /profile), or None where the server has none."""
+    try:
+        with urllib.request.urlopen(f"{url}/profile{'?reset=1' if reset else ''}",
+                                    timeout=30) as response:
+            return json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def side_status(result: dict, ns: argparse.Namespace) -> tuple[str, Optional[str]]:
@@ -191,13 +212,32 @@ def side_status(result: dict, ns: argparse.Namespace) -> tuple[str, Optional[str
     return "ok", None
 
 
+def measure(name: str, args: argparse.Namespace, url: str, rate: float,
+            seed: Optional[int] = None) -> tuple[dict, argparse.Namespace, Optional[dict]]:
+    """One measured run of the workload at `rate` req/s (`seed`: other prompts of the same
+    shape): (result, namespace, tokenweir's serving profile of just this run or None)."""
+    ns = bench_namespace(args, url, request_rate=rate,
+                         seed=args.seed if seed is None else seed)
+    print(f"[{name}] {ns.num_prompts} requests at {ns.request_rate:.3f} req/s", flush=True)
+    fetch_profile(url, reset=True)  # the profile covers the measured run only
+    result = run_bench(ns)
+    bench_serve.print_report(result, ns.percentiles)
+    profile = fetch_profile(url) if name == "tokenweir" else None
+    if profile is not None:
+        print(f"\n[{name}] where the measured run's time went (GET /profile)\n"
+              + format_profile(profile), flush=True)
+    return result, ns, profile
+
+
 def run_side(name: str, argv: list[str], env: dict, port: int, args: argparse.Namespace,
              rate_holder: dict, probe: bool) -> dict:
-    """Start one server, (probe the rate,) warm it up, benchmark it, stop it."""
+    """Start one server, warm it up, (with --also-saturation: measure it with every request
+    at once,) (probe the rate,) benchmark it at the rate, stop it. With --also-saturation the
+    saturation run is the probe: rate = its request throughput x --rate-fraction."""
     os.makedirs(args.log_dir, exist_ok=True)
     log = os.path.join(args.log_dir, f"{name}.log")
     side = {"system": name, "command": argv, "log": log, "status": "failed", "error": None,
-            "ready_s": None, "result": None}
+            "ready_s": None, "result": None, "saturation": None}
     url = f"http://127.0.0.1:{port}"
     print(f"\n### {name}: starting ({log})", flush=True)
     server = _peers.ServerProcess(argv, env, log)
@@ -205,12 +245,18 @@ def run_side(name: str, argv: list[str], env: dict, port: int, args: argparse.Na
         side["ready_s"] = server.wait_ready(url, args.ready_timeout)
         print(f"[{name}] ready in {side['ready_s']:.0f} s", flush=True)
         warm_up(args, url)
-        if probe:
+        if args.also_saturation:
+            # other prompts than the rate run's, so no prefix cache learns them first
+            sat, ns, profile = measure(name, args, url, float("inf"), seed=args.seed + 104729)
+            side["saturation"] = {"result": sat, "profile": profile,
+                                  "status": side_status(sat, ns)[0]}
+            if probe:
+                rate = sat["request_throughput"] * args.rate_fraction
+                rate_holder.update({"saturation_request_throughput": sat["request_throughput"],
+                                    "rate_fraction": args.rate_fraction, "request_rate": rate})
+        elif probe:
             rate_holder.update(probe_rate(args, url))
-        ns = bench_namespace(args, url, request_rate=rate_holder["request_rate"])
-        print(f"[{name}] {ns.num_prompts} requests at {ns.request_rate:.3f} req/s", flush=True)
-        result = run_bench(ns)
-        bench_serve.print_report(result, ns.percentiles)
+        result, ns, side["profile"] = measure(name, args, url, rate_holder["request_rate"])
         side["result"] = result
         side["status"], side["error"] = side_status(result, ns)
     except Exception as exc:  # noqa: BLE001 - a side that fails is reported; the other still runs
@@ -284,7 +330,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                                "machine": platform.machine()},
                "sides": sides, "ratios": None}
     ok_sides = [s for s in sides if s["status"] == "ok"]
+    if len(sides) == 2 and all((s["saturation"] or {}).get("status") == "ok" for s in sides):
+        print("\n== saturation (every request at once) ==")
+        summary["ratios_saturation"] = print_comparison(
+            sides[0]["saturation"]["result"], sides[1]["saturation"]["result"],
+            sides[1]["system"])
     if len(sides) == 2 and len(ok_sides) == 2:
+        if args.also_saturation:
+            print(f"\n== {rate_holder['request_rate']:.3f} req/s "
+                  f"({args.rate_fraction:g} x tokenweir's saturation) ==")
         summary["ratios"] = print_comparison(sides[0]["result"], sides[1]["result"],
                                              sides[1]["system"])
     for s in sides:

@@ -328,6 +328,13 @@ class ServeConfig:
     timeline_steps: int = _f(
         2000, "the most recent steps GET /timeline shows (the schedule page; behind the API "
         "key, which a browser passes as ?key=...); 0 turns the page and its recording off")
+    profile_serving: bool = _f(
+        False, "time where a served token goes (schedule, forward, update, output processing, "
+        "event loop, SSE writing): GET /profile answers it as JSON, and the table is printed "
+        "at shutdown", switch=True)
+    inline_output: bool = _f(
+        False, "process outputs (detokenization, stop strings) on the engine thread instead "
+        "of their own thread (the old path, for comparison)", switch=True)
     log_level: str = _f("info", "log level of the server and of uvicorn")
 
 

@@ -56,6 +56,9 @@ NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir sweep"] = _SIM_NE
 NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes", "--timeline-steps"}
 NEW_DESTS = {"max_request_body_bytes", "timeline_steps", "model_name", "model_config",
              "hardware_dtype"}
+# the serving profile (issue 12) and the old inline output path kept for comparison
+NEW_SPELLINGS["tokenweir serve"] |= {"--profile-serving", "--inline-output"}
+NEW_DESTS |= {"profile_serving", "inline_output"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -140,9 +140,10 @@ def test_cpu_kernel_matches_reference(case, heads, kv_heads, head_dim, dtype, is
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_cpu_kernel_long_contexts_and_odd_blocks(dtype, isa):
+def test_cpu_kernel_long_contexts_and_odd_blocks(dtype, isa, monkeypatch):
     """Contexts of hundreds of tokens, ending mid-block; a 40-row chunk over a 300-token
-    prefix (several row runs of one request)."""
+    prefix (several row runs of one request), in place whatever the ISA's row limit."""
+    monkeypatch.setitem(A.PREFILL_IN_PLACE_MAX_ROWS, isa, 1 << 30)
     _run_case([1] * 6 + [40], [300, 1, 257, 63, 64, 511, 300], 9, 3, dtype,
               atol=KERNEL_ATOL[dtype], expect_kernel=True)
 
@@ -157,10 +158,26 @@ def test_in_place_prefill_is_taken_and_can_be_turned_off(isa, monkeypatch):
     plan = A._build_plan(meta, cache)
     assert plan.in_place_prefill_reqs.tolist() == [2, 3]
     assert [p.in_place for p in plan.prefills] == [False, True, True]
-    monkeypatch.setattr(A, "PREFILL_IN_PLACE_MAX_ROWS", 4)
+    monkeypatch.setitem(A.PREFILL_IN_PLACE_MAX_ROWS, isa, 4)
     plan = A._build_plan(meta, cache)
     assert plan.in_place_prefill_reqs.tolist() == [2]
     _run_case(*CASES["mixed"], 4, 2, torch.float32, expect_kernel=True)
+
+
+def test_in_place_row_limit_is_the_kernels_isa(isa):
+    """A chunk of exactly its ISA's limit goes in place, one row more gathers + SDPA."""
+    limit = A.PREFILL_IN_PLACE_MAX_ROWS[isa]
+    if limit > 4096:
+        pytest.skip(f"{isa}: no row limit (in place at every size)")
+    blocks = -(-(limit + 1 + 8) // BS)
+    meta = A.build_attention_metadata([limit, limit + 1], [8, 8],
+                                      [list(range(1, blocks + 1)),
+                                       list(range(blocks + 1, 2 * blocks + 1))], BS, "cpu")
+    (cache,) = A.allocate_kv_caches(_arch(4, 2), 2 * blocks + 1, BS, torch.float32,
+                                    torch.device("cpu"))
+    plan = A._build_plan(meta, cache)
+    assert plan.kernel.isa == isa
+    assert [p.in_place for p in plan.prefills] == [True, False]
 
 
 def test_paged_attention_bfloat16_torch_path(monkeypatch):

@@ -41,6 +41,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def dtype_line(engine) -> str:
+    """Which dtype runs and why: the auto choice's reason, or 'set by --dtype'."""
+    from tokenweir.model.loader import dtype_choice
+
+    name = str(engine.dtype).replace("torch.", "")
+    if engine.config.model.dtype != "auto":
+        return f"{name} (set by --dtype {engine.config.model.dtype})"
+    return f"{name} (auto: {dtype_choice(engine.device)[1]})"
+
+
 def print_summary(llm, outputs, seconds: float, load_seconds: float) -> None:
     metrics = {m.name.split(":", 1)[1]: m for m in llm.get_metrics()}
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -48,6 +58,7 @@ def print_summary(llm, outputs, seconds: float, load_seconds: float) -> None:
     engine = llm.llm_engine
     print("\n--- tokenweir summary ---")
     print(f"model            {engine.model_name} ({engine.dtype}, {engine.device})")
+    print(f"dtype            {dtype_line(engine)}")
     print(f"load time        {load_seconds:.1f} s")
     print(f"requests         {len(outputs)}  prompt tokens {prompt_tokens}  "
           f"generated tokens {generated}")

@@ -5,12 +5,25 @@ reads only immutable engine state; the Rust tokenizer releases the GIL), never o
 loop, and a text prompt too long to fit max_model_len by its length alone is refused before it
 is tokenized at all. It is handed to the engine with `submit_request`, the
 thread-safe inbox: a step in flight does not delay its arrival, so the SLO monitor can cut that
-step for an urgent request. Every other LLMEngine call (abort_requests, step, get_metrics)
-happens on the engine thread; other threads hand it aborts through `_aborts` (guarded by
-`_cond`), and the engine thread admits submitted requests before it handles aborts, so an
-abort always finds the request it names. Each request's delta outputs go to its own
-asyncio.Queue on the event loop, delivered once per step with `loop.call_soon_threadsafe`.
-When there is nothing to do the thread sleeps on the condition (no busy loop).
+step for an urgent request.
+
+Three threads share the work of a served token:
+- the engine thread owns the scheduler (every EngineCore call: admission, aborts, steps). It
+  goes from one step's update straight to the next schedule: it hands each step's raw
+  engine-core outputs to the output thread and never waits on detokenization, the event loop
+  or a socket. Other threads hand it aborts through `_aborts` (guarded by `_cond`); it admits
+  submitted requests before it handles aborts, so an abort always finds the request it names.
+- the output thread (`output_thread=True`, the default) owns the output processor after
+  admission: incremental detokenization, stop strings, building RequestOutputs, latency stats.
+  A stop string (or a failure while processing) ends the request on the output side at once;
+  the engine thread is asked (`_finishes`) to finish it in the scheduler at its next turn, so
+  the engine may compute one more token for it, which is dropped (vLLM does the same).
+- the event loop: each request's delta outputs go to its own asyncio.Queue, delivered once per
+  step with `loop.call_soon_threadsafe`.
+With `output_thread=False` the output side runs inline on the engine thread (the old path, kept
+for comparison). When there is nothing to do the engine thread sleeps on the condition (no busy
+loop). With a `ServingProfile` every phase of this path is timed (tokenweir serve
+--profile-serving; see engine/serving_profile.py).
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import queue as queue_module
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +40,9 @@ from typing import Any, AsyncIterator, Optional
 
 from tokenweir.engine.llm_engine import LLMEngine, PromptType
 from tokenweir.engine.metrics import _HistogramData
+from tokenweir.engine.serving_profile import ServingProfile, StepTimer
 from tokenweir.outputs import RequestOutput
-from tokenweir.request import SamplingParams
+from tokenweir.request import Request, RequestStatus, SamplingParams
 
 logger = logging.getLogger("tokenweir")
 
@@ -66,7 +81,10 @@ class _Tracked:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, output_thread: bool = True,
+                 profile: Optional[ServingProfile] = None) -> None:
+        """`output_thread`: process outputs on their own thread (else inline on the engine
+        thread); `profile`: time every phase of the serving path into it."""
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -76,6 +94,17 @@ class AsyncEngine:
         self.stats_lock = threading.Lock()
         self._cond = threading.Condition()
         self._aborts: collections.deque[str] = collections.deque()  # request ids
+        # (request id, "" for a stop string or an error message), from the output side
+        self._finishes: collections.deque[tuple[str, str]] = collections.deque()
+        self._outbox: queue_module.SimpleQueue = queue_module.SimpleQueue()
+        self._output_thread: Optional[threading.Thread] = None
+        if output_thread:
+            self._output_thread = threading.Thread(target=self._output_loop, daemon=True,
+                                                   name="tokenweir-output")
+        self.profile = profile
+        self._step_timer = None if profile is None else StepTimer(
+            engine.scheduler, engine.core.executor, profile)
+        self._posted_at: dict[str, float] = {}  # event loop, profiling: request -> last post
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -91,6 +120,8 @@ class AsyncEngine:
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="tokenweir-engine", daemon=True)
+        if self._output_thread is not None:
+            self._output_thread.start()
         self._thread.start()
 
     @property
@@ -212,6 +243,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            self._posted_at.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -221,83 +253,243 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
-    # ---- plumbing -----------------------------------------------------------------------
+    # ---- plumbing (event loop side) ------------------------------------------------------
 
-    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+    def _deliver(self, items: list[tuple[str, Any]], posted: float) -> None:
         """Event-loop side: route one step's outputs to their queues."""
+        profile = self.profile
+        if profile is not None:
+            start = time.perf_counter()
+            profile.wait("loop wait", start - posted)
         for request_id, item in items:
             self._unstarted.discard(request_id)
             queue = self._queues.get(request_id)
             if queue is None:
                 continue
             queue.put_nowait(item)
+            if profile is not None:
+                self._posted_at[request_id] = posted
             if isinstance(item, BaseException) or item.finished:
                 self._queues.pop(request_id, None)
+        if profile is not None:
+            profile.add("loop delivery", time.perf_counter() - start)
+
+    def note_written(self, request_id: str, started: float) -> None:
+        """Event loop, profiling only: a chunk of `request_id` went to the socket; its
+        serialization and write began at `started` (perf_counter)."""
+        if self.profile is None:
+            return
+        now = time.perf_counter()
+        self.profile.add("SSE writing", now - started)
+        posted = self._posted_at.get(request_id)
+        if posted is not None:
+            self.profile.wait("token -> wire", now - posted)
 
     def _post(self, items: list[tuple[str, Any]]) -> None:
         if items:
             try:
-                self._loop.call_soon_threadsafe(self._deliver, items)
+                self._loop.call_soon_threadsafe(self._deliver, items, time.perf_counter())
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
     # ---- engine thread ------------------------------------------------------------------
+    # Owns the scheduler: every EngineCore call happens here. It never touches the output
+    # processor: what a step produced goes to the output side (`_to_output`) as a message,
+    # and the output side asks back (`_finishes`) when a stop string or a processing error
+    # ends a request. Messages keep their order, so a request's outputs, its abort and its
+    # failure reach the output side in the order the engine made them.
+
     def _run(self) -> None:
+        try:
+            self._engine_loop()
+        finally:
+            if self._output_thread is not None:
+                self._outbox.put(None)
+                self._output_thread.join(timeout=30)
+
+    def _engine_loop(self) -> None:
         engine = self.engine
         while True:
-            with self._cond:
-                while not self._aborts and not self._stopping and not \
-                        engine.has_unfinished_requests():
-                    self._cond.wait()
-                aborts = list(self._aborts)
-                self._aborts.clear()
-                stopping = self._stopping
+            aborts, finishes, stopping = self._take_work()
             engine.core.admit_submitted()
-            items: list[tuple[str, Any]] = []
+            self._apply_finishes(finishes)
             for request_id in aborts:
-                self._abort_one(request_id, items)
+                engine.core.abort_requests([request_id])
+                self._to_output(("abort", request_id))
             if stopping:
-                self._abort_all(items)
-                self._post(items)
+                ids = list(engine.scheduler.requests)
+                engine.core.abort_requests(ids)
+                self._to_output(("abort_all", None))
                 self._refresh_metrics()
                 return
             if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step(delta=True)
-                except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
-                    logger.exception("engine step failed; aborting in-flight requests")
-                    self._fail_all(exc, items)
-                    outputs = []
-                for out in outputs:
-                    self._observe(out)
-                    items.append((out.request_id, out))
-            self._post(items)
+                self._step()
             self._refresh_metrics()
 
-    def _abort_one(self, request_id: str, items: list) -> None:
-        engine = self.engine
-        if request_id not in engine.outputs.states:
+    def _take_work(self) -> tuple[list[str], list[tuple[str, str]], bool]:
+        """Sleep until there is something to do; then (aborts, finishes, stopping)."""
+        started = time.perf_counter()
+        with self._cond:
+            while not self._aborts and not self._finishes and not self._stopping and not \
+                    self.engine.has_unfinished_requests():
+                self._cond.wait()
+            aborts = list(self._aborts)
+            self._aborts.clear()
+            finishes = list(self._finishes)
+            self._finishes.clear()
+            stopping = self._stopping
+        if self.profile is not None:
+            self.profile.add("engine idle", time.perf_counter() - started)
+        return aborts, finishes, stopping
+
+    def _apply_finishes(self, finishes: list[tuple[str, str]]) -> None:
+        """Finish in the scheduler what the output side ended: ("stop", "") for a stop
+        string, ("error", message) for a request whose output processing failed."""
+        core = self.engine.core
+        for request_id, message in finishes:
+            if message:
+                core.fail_requests({request_id: message})
+            else:
+                core.abort_requests([request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _step(self) -> None:
+        core = self.engine.core
+        try:
+            core_outputs = core.step()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
+            logger.exception("engine step failed; aborting in-flight requests")
+            ids = list(core.scheduler.requests)
+            for request_id in ids:
+                try:
+                    core.abort_requests([request_id])
+                except Exception:  # noqa: BLE001
+                    logger.exception("abort after a failed step failed")
+            self._to_output(("fail", (ids, exc)))
             return
-        engine.abort_requests([request_id])
-        final = engine.outputs.make_output(request_id, delta=True)
-        engine.outputs.pop(request_id)
+        self._to_output(("step", (core_outputs, core.clock())))
+
+    def _to_output(self, message: tuple[str, Any]) -> None:
+        """Hand a message to the output side: the output thread's inbox, or (without one)
+        handle it here and now."""
+        if self._output_thread is None:
+            self._handle(message)
+            return
+        started = time.perf_counter()
+        self._outbox.put(message)
+        if self.profile is not None:
+            self.profile.add("handoff", time.perf_counter() - started)
+
+    def _refresh_metrics(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.metrics_snapshot = self.engine.get_metrics()
+        except Exception:  # noqa: BLE001
+            logger.exception("metrics snapshot failed")
+        if self.profile is not None:
+            self.profile.add("metrics snapshot", time.perf_counter() - started)
+
+    # ---- output side (the output thread, or the engine thread without one) -----------------
+    # Owns the output processor (detokenizers, stop strings, texts) after admission and the
+    # latency statistics; talks to the event loop with `_post` and to the engine thread with
+    # `_ask_engine`.
+
+    def _output_loop(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                return
+            try:
+                self._handle(message)
+            except Exception:  # noqa: BLE001 - the output side must outlive one bad message
+                logger.exception("output processing failed for %s", message[0])
+
+    def _handle(self, message: tuple[str, Any]) -> None:
+        kind, payload = message
+        items: list[tuple[str, Any]] = []
+        started = time.perf_counter()
+        if kind == "step":
+            self._process_step(*payload, items)
+        elif kind == "abort":
+            self._abort_one(payload, items)
+        elif kind == "abort_all":
+            for request_id in list(self.engine.outputs.states):
+                self._abort_one(request_id, items)
+        elif kind == "fail":
+            self._fail(*payload, items)
+        posting = time.perf_counter()
+        self._post(items)
+        if self.profile is not None:
+            self.profile.add("output processing", posting - started)
+            self.profile.add("handoff", time.perf_counter() - posting)
+
+    def _process_step(self, core_outputs: list, now: float, items: list) -> None:
+        """One step's engine-core outputs -> delta RequestOutputs. Outputs of a request whose
+        state is gone (ended here by a stop string, an error or an abort, while the engine
+        ran another step for it) are dropped."""
+        states = self.engine.outputs.states
+        tokens = 0
+        yield_gil = self._output_thread is not None
+        for core_output in core_outputs:
+            request_id = core_output.request.request_id
+            tokens += len(core_output.new_token_ids)
+            if request_id not in states:
+                continue
+            if yield_gil:  # let the engine thread's forward take the GIL between requests
+                time.sleep(0)
+            try:
+                out = self._process_one(core_output, now)
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                out = self._error_output(core_output.request, exc)
+            self._observe(out)
+            items.append((request_id, out))
+        if self.profile is not None:
+            self.profile.count_step(tokens)
+
+    def _process_one(self, core_output, now: float) -> RequestOutput:
+        outputs = self.engine.outputs
+        request = core_output.request
+        if outputs.process(core_output, now):  # a stop string: the engine must finish it
+            request.finished_time = now
+            self._ask_engine(request.request_id, "")
+        result = outputs.make_output(request.request_id, delta=True)
+        if result.finished:
+            outputs.pop(request.request_id)
+        return result
+
+    def _error_output(self, request: Request, exc: Exception) -> RequestOutput:
+        """The request's output processing failed: its final "error" output, and the engine
+        is asked to fail it (blocks freed)."""
+        message = f"processing the request's output failed: {exc!r}"
+        logger.warning("request %s failed: %s", request.request_id, message)
+        if request.error is None:
+            request.error = message
+        self._ask_engine(request.request_id, message)
+        return self.engine.outputs.error_output(request, delta=True)
+
+    def _ask_engine(self, request_id: str, message: str) -> None:
+        """Finish `request_id` in the scheduler at the engine thread's next turn: stopped
+        (message "") or failed with `message`."""
+        with self._cond:
+            self._finishes.append((request_id, message))
+            self._cond.notify()
+
+    def _abort_one(self, request_id: str, items: list) -> None:
+        outputs = self.engine.outputs
+        if request_id not in outputs.states:
+            return
+        outputs.finish_aborted(request_id)
+        final = outputs.make_output(request_id, delta=True)
+        outputs.pop(request_id)
         self._tracked.pop(request_id, None)
         with self.stats_lock:
             self.stats.finished["abort"] += 1
         items.append((request_id, final))
 
-    def _abort_all(self, items: list) -> None:
-        for request_id in list(self.engine.outputs.states):
-            self._abort_one(request_id, items)
-
-    def _fail_all(self, exc: Exception, items: list) -> None:
+    def _fail(self, request_ids: list[str], exc: Exception, items: list) -> None:
         error = RuntimeError(f"engine error: {exc}")
-        for request_id in list(self.engine.outputs.states):
-            try:
-                self.engine.abort_requests([request_id])
-            except Exception:  # noqa: BLE001
-                logger.exception("abort after a failed step failed")
-            self.engine.outputs.pop(request_id)
+        for request_id in request_ids:
+            if self.engine.outputs.states.pop(request_id, None) is None:
+                continue
             self._tracked.pop(request_id, None)
             with self.stats_lock:
                 self.stats.finished["error"] += 1
@@ -327,12 +519,6 @@ class AsyncEngine:
                 self.stats.finished[out.outputs[0].finish_reason or "stop"] += 1
         if out.finished:
             self._tracked.pop(out.request_id, None)
-
-    def _refresh_metrics(self) -> None:
-        try:
-            self.metrics_snapshot = self.engine.get_metrics()
-        except Exception:  # noqa: BLE001
-            logger.exception("metrics snapshot failed")
 
 
 def _longest_token_chars(tokenizer: Any) -> int:

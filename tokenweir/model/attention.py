@@ -47,9 +47,13 @@ from tokenweir.model.arch import ArchConfig
 # the gather and the attention that reads it, large enough to keep the number of calls low.
 DECODE_GROUP_BYTES = 4 << 20
 
-# A prefill chunk with a cached prefix takes the in-place kernel up to this many query rows;
-# longer ones gather and run SDPA (see benchmarks/kernels.py for the measured crossing).
-PREFILL_IN_PLACE_MAX_ROWS = 1 << 30
+# A prefill chunk with a cached prefix takes the in-place kernel up to this many query rows,
+# per kernel instruction set; longer ones gather and run SDPA, whose GEMMs win on big chunks
+# (the kernel has no GEMM blocking). Measured with benchmarks/kernels.py (prefill section,
+# interleaved A/B): on AVX2 (float32, 2 threads) the kernel is faster up to 32 rows and slower
+# from 64 (46 vs 61-67 GFLOP/s). AVX-512 has not been measured again since the kernel landed:
+# it stays in place at every size, as then.
+PREFILL_IN_PLACE_MAX_ROWS: dict[str, int] = {"avx2": 32, "avx512": 1 << 30}
 
 
 def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int,
@@ -199,11 +203,12 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     elif nd:
         _plan_decodes(plan, meta.seq_lens_cpu[:nd], tables[:nd], bytes_per_token, dtype)
     in_place: list[int] = []
+    max_rows = in_place_max_rows(plan.kernel)
     start = nd
     for i in range(nd, len(meta.query_lens_cpu)):
         q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         p = _PrefillPlan(start=start, end=start + q_len, ctx_before=seq_len - q_len)
-        if p.ctx_before > 0 and plan.kernel is not None and q_len <= PREFILL_IN_PLACE_MAX_ROWS:
+        if p.ctx_before > 0 and plan.kernel is not None and q_len <= max_rows:
             p.in_place = True
             in_place.append(i)
         elif p.ctx_before > 0:
@@ -217,6 +222,14 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     if in_place:
         plan.in_place_prefill_reqs = torch.tensor(in_place, dtype=torch.long, device=device)
     return plan
+
+
+def in_place_max_rows(kernel) -> int:
+    """The longest prefill chunk `kernel` (paged_kernel_for's answer) takes in place: its
+    instruction set's entry of PREFILL_IN_PLACE_MAX_ROWS (0 without a kernel)."""
+    if kernel is None:
+        return 0
+    return PREFILL_IN_PLACE_MAX_ROWS.get(getattr(kernel, "isa", ""), 1 << 30)
 
 
 def paged_kernel_for(kv_cache: torch.Tensor):

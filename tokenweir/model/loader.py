@@ -45,19 +45,48 @@ class LoadedModel:
 
 
 def preferred_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 where it is fast (CUDA with bf16 support; CPUs whose oneDNN has a native bf16
-    matmul, i.e. AVX512-BF16/AMX), else float32. On an AVX2-only CPU a bfloat16 matmul runs
-    ~10x slower than float32 (measured: ~5 vs ~50 GFLOP/s per core)."""
+    """The dtype that runs fastest on `device` (see `dtype_choice`)."""
+    return dtype_choice(device)[0]
+
+
+def dtype_choice(device: torch.device | str) -> tuple[torch.dtype, str]:
+    """(dtype, why) for dtype="auto": bfloat16 on a CPU with native bfloat16 matmul
+    instructions (AVX-512 BF16 or AMX), float32 on any other CPU (on AVX2 a bfloat16 matmul
+    runs ~10x slower than float32: ~5 vs ~50 GFLOP/s per core); on CUDA bfloat16 where the
+    GPU supports it, else float16. Plain AVX-512 without BF16 counts as "other": oneDNN then
+    emulates bfloat16 (its own `_is_mkldnn_bf16_supported` says yes there) with conversions
+    that make it no faster than float32."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu":
-        try:
-            fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            fast = False
-        return torch.bfloat16 if fast else torch.float32
-    return torch.float32
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "CUDA device with bfloat16 support"
+        return torch.float16, "CUDA device without bfloat16 support: float16"
+    if device.type != "cpu":
+        return torch.float32, f"device type {device.type}: float32"
+    capability = _cpu_capability()
+    if _cpu_has("_is_amx_tile_supported"):
+        return torch.bfloat16, f"CPU with AMX tiles (capability {capability}): bfloat16 " \
+                               "matmuls run on the tile unit"
+    if _cpu_has("_is_avx512_bf16_supported"):
+        return torch.bfloat16, f"CPU with AVX-512 BF16 (capability {capability}): native " \
+                               "bfloat16 dot products, ~4x float32's matmul rate"
+    return torch.float32, f"CPU without AVX-512 BF16 or AMX (capability {capability}): " \
+                          "bfloat16 would be emulated, several times slower than float32"
+
+
+def _cpu_has(probe: str) -> bool:
+    """torch.cpu's feature probe `probe` (False where this torch lacks it)."""
+    try:
+        return bool(getattr(torch.cpu, probe)())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _cpu_capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
 
 
 def _alias_path(alias: str) -> str:

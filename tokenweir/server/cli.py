@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from tokenweir.config import DEFAULT_MODEL, engine_kwargs
 
@@ -24,7 +25,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model_tag:
         kwargs["model"] = args.model_tag
     kwargs.setdefault("model", DEFAULT_MODEL)
-    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(**kwargs)))
+    from tokenweir.engine.serving_profile import ServingProfile, format_profile
+
+    profile = ServingProfile() if args.profile_serving else None
+    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(**kwargs)),
+                         output_thread=not args.inline_output, profile=profile)
     names = tuple(args.served_model_name or ()) or (kwargs["model"],)
     if engine.model_name not in names:
         names = (*names, engine.model_name)
@@ -33,4 +38,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("TOKENWEIR_API_KEY") or None,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
         max_request_body_bytes=args.max_request_body_bytes, timeline_steps=args.timeline_steps)
-    return serve(engine, settings, args.host, args.port, args.log_level)
+    status = serve(engine, settings, args.host, args.port, args.log_level)
+    if profile is not None:
+        print(format_profile(profile.snapshot()), file=sys.stderr, flush=True)
+    return status

@@ -5,9 +5,11 @@ tokenweir.server.models, whose schemas the OpenAPI document publishes."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
@@ -56,6 +58,20 @@ async def timeline(request: Request) -> HTMLResponse:
     return HTMLResponse(page)
 
 
+@router.get("/profile")
+async def profile(request: Request) -> dict:
+    """The serving profile so far (tokenweir serve --profile-serving; 404 without it).
+    `?reset=1` starts a new one after answering (e.g. after a warm-up)."""
+    engine = app_state(request).engine
+    if engine.profile is None:
+        raise P.APIError("profiling is off (tokenweir serve --profile-serving)", 404,
+                         "not_found")
+    snapshot = engine.profile.snapshot()
+    if request.query_params.get("reset"):
+        engine.profile.reset()
+    return snapshot
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     state = app_state(request)
@@ -99,17 +115,26 @@ async def _answer(state: AppState, shape: Shape, prompt) -> object:
     queue = await state.submit(prompt, shape.parsed, shape.request_id)
     outputs = state.engine.stream(shape.request_id, queue)
     if shape.parsed.stream:
-        return sse(stream_chunks(shape, outputs))
+        on_write = None
+        if state.engine.profile is not None:
+            on_write = functools.partial(state.engine.note_written, shape.request_id)
+        return sse(stream_chunks(shape, outputs), on_write)
     return await collect(shape, outputs)
 
 
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def sse(chunks: AsyncIterator[dict],
+        on_write: Optional[Callable[[float], None]] = None) -> StreamingResponse:
     """Server-sent events: one `data:` line per chunk, an in-band error if the request fails
-    mid-stream, and `data: [DONE]` always last."""
+    mid-stream, and `data: [DONE]` always last. `on_write(started)` (profiling) is called
+    once each chunk has been handed to the transport, with the perf_counter time its
+    serialization began."""
     async def body() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
+                started = time.perf_counter()
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+                if on_write is not None:  # the response has sent the chunk when we resume
+                    on_write(started)
         except Exception as exc:  # noqa: BLE001 - report mid-stream errors in-band
             logger.exception("stream failed")
             err = P.APIError(str(exc), 500, "internal_error")

@@ -1,0 +1,147 @@
+"""Where a served token's time goes: a breakdown of the serving path by phase.
+
+`ServingProfile` accumulates seconds per named phase from any thread (one lock; a few
+hundred observations per step at most). `StepTimer` times the engine core's three parts
+without touching its code: it wraps one scheduler's `schedule` and `update_from_output` and
+one executor's `execute` as instance attributes (as the timeline's LiveRecorder does) and
+`detach()` restores them.
+
+Phases (the table `ServingProfile.report()` prints):
+- schedule, forward, update: the engine core step (engine thread);
+- output processing: detokenization, stop strings, building each RequestOutput, latency stats
+  (the output thread, or the engine thread when there is none);
+- handoff: handing outputs to the output thread / event loop (engine or output thread);
+- metrics snapshot: refreshing the Prometheus snapshot after each step;
+- engine idle: the engine thread waiting for work (no request in flight);
+- loop delivery: the event loop routing a batch of outputs to request queues;
+- SSE writing: serializing and yielding each streamed chunk (event loop);
+and two latencies that are not CPU time but waiting: loop wait (a batch posted -> the loop
+runs its delivery) and token -> wire (a batch posted -> its chunk is handed to the socket).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# The phases in the order they are printed, and the thread each runs on.
+PHASES: tuple[tuple[str, str], ...] = (
+    ("schedule", "engine"), ("forward", "engine"), ("update", "engine"),
+    ("output processing", "output"), ("handoff", "engine/output"),
+    ("metrics snapshot", "engine"), ("engine idle", "engine"),
+    ("loop delivery", "event loop"), ("SSE writing", "event loop"))
+LATENCIES = ("loop wait", "token -> wire")
+
+
+@dataclass
+class _Latency:
+    """Seconds of waiting, sampled: count, total, max, and the samples for percentiles."""
+
+    samples: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float) -> None:
+        if len(self.samples) < 200_000:
+            self.samples.append(seconds)
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"count": 0, "mean_ms": 0.0, "p50_ms": 0.0, "p99_ms": 0.0}
+        s = sorted(self.samples)
+        return {"count": len(s), "mean_ms": 1000 * sum(s) / len(s),
+                "p50_ms": 1000 * s[len(s) // 2], "p99_ms": 1000 * s[min(len(s) - 1,
+                                                                         int(len(s) * 0.99))]}
+
+
+class ServingProfile:
+    """Thread-safe totals per phase plus step and token counts. `started` is the wall clock
+    the shares are taken against (reset() moves it: call it after a warm-up)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds: dict[str, float] = {name: 0.0 for name, _ in PHASES}
+            self.latencies: dict[str, _Latency] = {name: _Latency() for name in LATENCIES}
+            self.steps = 0
+            self.tokens = 0
+            self.started = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[phase] += seconds
+
+    def wait(self, latency: str, seconds: float) -> None:
+        with self._lock:
+            self.latencies[latency].add(seconds)
+
+    def count_step(self, tokens: int) -> None:
+        with self._lock:
+            self.steps += 1
+            self.tokens += tokens
+
+    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn`, with each call's duration added to `phase`."""
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(phase, time.perf_counter() - start)
+        return wrapper
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything as JSON-ready numbers: per phase total s, share of wall, ms per step and
+        us per token; the latencies' mean, p50 and p99 in ms."""
+        with self._lock:
+            wall = max(1e-9, time.perf_counter() - self.started)
+            steps, tokens = max(1, self.steps), max(1, self.tokens)
+            phases = {name: {"thread": thread, "seconds": self.seconds[name],
+                             "share_of_wall": self.seconds[name] / wall,
+                             "ms_per_step": 1000 * self.seconds[name] / steps,
+                             "us_per_token": 1e6 * self.seconds[name] / tokens}
+                      for name, thread in PHASES}
+            latencies = {name: lat.summary() for name, lat in self.latencies.items()}
+            return {"wall_s": wall, "steps": self.steps, "tokens": self.tokens,
+                    "tokens_per_step": self.tokens / steps, "phases": phases,
+                    "latencies": latencies}
+
+
+def format_profile(snap: dict[str, Any]) -> str:
+    """The breakdown as a table (the --profile-serving report)."""
+    lines = [f"serving profile: {snap['steps']} steps, {snap['tokens']} tokens "
+             f"({snap['tokens_per_step']:.1f}/step) in {snap['wall_s']:.1f} s wall",
+             f"{'phase':<20}{'thread':<15}{'total s':>9}{'% wall':>8}{'ms/step':>9}"
+             f"{'us/token':>10}"]
+    for name, p in snap["phases"].items():
+        lines.append(f"{name:<20}{p['thread']:<15}{p['seconds']:>9.2f}"
+                     f"{100 * p['share_of_wall']:>7.1f}%{p['ms_per_step']:>9.2f}"
+                     f"{p['us_per_token']:>10.1f}")
+    for name, lat in snap["latencies"].items():
+        lines.append(f"{name:<20}{'(latency)':<15} n={lat['count']}  mean {lat['mean_ms']:.2f} "
+                     f"ms  p50 {lat['p50_ms']:.2f} ms  p99 {lat['p99_ms']:.2f} ms")
+    return "\n".join(lines)
+
+
+class StepTimer:
+    """Times `scheduler.schedule`, `scheduler.update_from_output` and `executor.execute` into
+    `profile` (wrapping them as instance attributes; `detach()` undoes it)."""
+
+    def __init__(self, scheduler: Any, executor: Any, profile: ServingProfile) -> None:
+        self._targets = ((scheduler, "schedule", "schedule"),
+                         (scheduler, "update_from_output", "update"),
+                         (executor, "execute", "forward"))
+        self._saved = []
+        for obj, attr, phase in self._targets:
+            self._saved.append((obj, attr, obj.__dict__.get(attr)))
+            setattr(obj, attr, profile.timed(phase, getattr(obj, attr)))
+
+    def detach(self) -> None:
+        for obj, attr, previous in self._saved:
+            if previous is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, previous)
