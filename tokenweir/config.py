@@ -75,6 +75,11 @@ class ModelConfig:
         None, "longest prompt + output, in tokens (default: the model's context length)")
     device: str = _f("auto", "cpu, cuda, or auto (cuda when available)")
     seed: int = _f(0, "seed for requests that do not set their own")
+    step_trace: Optional[str] = _f(
+        None, "write every engine step (its requests, prefill and decode tokens, phase times, "
+        "preemptions, swaps, cuts, KV usage) to FILE as step-record JSON lines, and "
+        "FILE.chrome.json for Perfetto when the engine closes (default: off)",
+        flag="--trace", metavar="FILE")
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

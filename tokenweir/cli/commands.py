@@ -36,8 +36,9 @@ class CommandGroup:
 _SIM_RUN = "tokenweir.sim.cli:run"
 # The simulator's tensor-parallel degree is its own field (SimTargetConfig.tp, spelled
 # --tensor-parallel-size, alias --tp): the engine's field of that name would be a second flag
-# that the simulator ignores.
-_SIM_TP = ("tensor_parallel_size",)
+# that the simulator ignores. Likewise the engine's --trace (step_trace): the simulator's
+# --trace is its workload file.
+_SIM_TP = ("tensor_parallel_size", "step_trace")
 
 GROUPS: tuple[CommandGroup, ...] = (
     CommandGroup("bench", "benchmarks", dest="bench_command"),
