@@ -493,6 +493,12 @@ class CalibrateConfig:
     dtype: str = _f("float32", "dtype of the timed model", choices=DTYPES)
     device: str = _f("cpu", "device of the timed model")
     block_size: int = _f(16, "tokens per KV cache block")
+    from_trace: Optional[tuple[str, ...]] = _f(
+        None, "fit to the steps of these real-engine traces (`--trace FILE` of generate, "
+        "serve, LLM) instead of timing the grid; the model argument is then ignored "
+        "(default: time the grid)", nargs="+", metavar="TRACE")
+    holdout_every: int = _f(5, "with --from-trace: every N-th step is held out of the fit "
+                            "and the fit's error on them reported (0: none)")
 
 
 # The timeline page's limits (tokenweir/timeline/layout.py): more requests are dropped (latest
