@@ -172,8 +172,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.tracer = None  # the step tracer (timeline/tracer.py), when something records
+        self._trace_meta = self._run_settings(config, loaded, num_blocks)
         if config.model.step_trace:
-            self._trace_to_file(config, loaded, num_blocks)
+            self.start_trace(config.model.step_trace)
         logger.info("tokenweir engine: model=%s dtype=%s device=%s max_model_len=%d "
                     "kv blocks=%d x %d tokens", self.model_name, self.dtype, self.device,
                     self.max_model_len, num_blocks, config.cache.block_size)
@@ -191,21 +192,25 @@ class LLMEngine:
             self.slo_monitor = SLOMonitor(policy, signal, self.core.pending_arrivals,
                                           self.core.clock, wake=self.core.arrival_event).start()
 
-    def _trace_to_file(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int) -> None:
-        """--trace FILE: step records as JSON lines, the run's settings in the meta line (what
-        `tokenweir calibrate --from-trace` needs to build a profile); closed at exit."""
-        from tokenweir.timeline.tracer import JsonlSink
-
+    def _run_settings(self, config: EngineConfig, loaded: LoadedModel,
+                      num_blocks: int) -> dict[str, Any]:
+        """A trace's meta line: what `tokenweir calibrate --from-trace` needs for a profile."""
         per_block = kv_cache_bytes_per_block(loaded.arch, config.cache.block_size, self.dtype)
         sched = config.scheduler
-        meta = {"label": f"engine ({sched.scheduling_policy})", "model": self.model_name,
+        return {"label": f"engine ({sched.scheduling_policy})", "model": self.model_name,
                 "path": str(loaded.path), "dtype": str(self.dtype).replace("torch.", ""),
                 "device": str(self.device), "threads": torch.get_num_threads(),
                 "block_size": config.cache.block_size,
                 "kv_bytes_per_token": per_block // config.cache.block_size,
                 "max_model_len": self.max_model_len, "num_gpu_blocks": num_blocks,
                 "max_num_batched_tokens": sched.max_num_batched_tokens}
-        self.add_trace_sink(JsonlSink(config.model.step_trace, meta))
+
+    def start_trace(self, path: str) -> None:
+        """Record every step from now on to `path` (step-record JSON lines; the Chrome form
+        next to it when the engine closes, or at exit). `--trace FILE` starts it at once."""
+        from tokenweir.timeline.tracer import JsonlSink
+
+        self.add_trace_sink(JsonlSink(path, self._trace_meta))
         atexit.register(self.tracer.close)
 
     def add_trace_sink(self, sink) -> None:
@@ -347,6 +352,7 @@ class LLMEngine:
         """Release executor resources (tensor-parallel worker processes); idempotent."""
         if self.tracer is not None:
             self.tracer.close()
+            atexit.unregister(self.tracer.close)
         close = getattr(self.core.executor, "close", None)
         if close is not None:
             close()
