@@ -93,26 +93,27 @@ def test_llm_trace_has_one_record_per_step_with_phases(tiny_llama_path, tmp_path
 
     path = tmp_path / "run.jsonl"
     llm = LLM(model=tiny_llama_path, dtype="float32", device="cpu", step_trace=str(path),
-              num_gpu_blocks_override=24, max_model_len=256, max_num_batched_tokens=64)
+              num_gpu_blocks_override=20, max_model_len=256, max_num_batched_tokens=64)
     engine = llm.llm_engine
     ran = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda now=0.0: ran.append(schedule(now)) or ran[-1]
-    prompts = [f"Tell me about the number {i}. " * (3 + 2 * i) for i in range(6)]
-    llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * k) % 300 + 20 for k in range(40 + 8 * i)]}
+               for i in range(6)]  # 360 prompt tokens + 240 outputs > 19 blocks of 16
+    llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     engine.close()
     trace = load_jsonl(path)
     assert len(trace.steps) == sum(1 for out in ran if not out.is_empty) > 10
-    assert trace.meta["source"] == "engine" and trace.meta["num_gpu_blocks"] == 24
+    assert trace.meta["source"] == "engine" and trace.meta["num_gpu_blocks"] == 20
     for s in trace.steps:
         assert set(s["phases"]) == REAL_PHASES
         assert sum(s["phases"].values()) <= s["duration"] * (1 + 1e-9)
         assert sum(e["prefill"] + e["decode"] for e in s["reqs"]) > 0
     for a, b in zip(trace.steps, trace.steps[1:]):
         assert b["start"] >= a["start"] + a["duration"] - 1e-9
-    assert sum(len(s["preempted"]) for s in trace.steps) > 0  # 24 blocks: preemption fired
+    assert sum(len(s["preempted"]) for s in trace.steps) > 0  # 20 blocks: preemption fired
     assert len(trace.requests) == 6
-    assert all(r["first_token"] <= r["finished"] and r["output_len"] == 12
+    assert all(r["first_token"] <= r["finished"] and r["output_len"] == 40
                for r in trace.requests.values())
     chrome = load_chrome_trace(chrome_path_for(path))
     assert len(chrome.steps) == len(trace.steps) and len(chrome.requests) == 6
