@@ -525,3 +525,7 @@ class TimelineConfig:
     write_records: Optional[str] = _f(
         None, "also write the (first) trace as step records, e.g. to convert a chrome trace "
         "(default: no)", metavar="JSONL")
+    write_chrome: Optional[str] = _f(
+        None, "also write the traces as ONE Chrome/Perfetto JSON, a process each: a real "
+        "run (--trace) and its simulation side by side in ui.perfetto.dev (default: no)",
+        metavar="JSON")
