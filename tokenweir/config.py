@@ -496,7 +496,7 @@ class CalibrateConfig:
     from_trace: Optional[tuple[str, ...]] = _f(
         None, "fit to the steps of these real-engine traces (`--trace FILE` of generate, "
         "serve, LLM) instead of timing the grid; the model argument is then ignored "
-        "(default: time the grid)", nargs="+", metavar="TRACE")
+        "(default: time the grid)", metavar="TRACE")
     holdout_every: int = _f(5, "with --from-trace: every N-th step is held out of the fit "
                             "and the fit's error on them reported (0: none)")
 

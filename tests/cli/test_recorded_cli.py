@@ -40,6 +40,11 @@ NEW_SPELLINGS = {f"tokenweir study {s}": {"--tensor-parallel-size"}
 # live schedule page's ring (GET /timeline)
 NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes", "--timeline-steps"}
 NEW_DESTS = {"max_request_body_bytes", "timeline_steps"}
+# issue 16: the engine's step trace (generate, serve) and calibration from such traces
+NEW_SPELLINGS["tokenweir serve"] |= {"--trace"}
+NEW_SPELLINGS["tokenweir generate"] = {"--trace"}
+NEW_SPELLINGS["tokenweir calibrate"] = {"--from-trace", "--holdout-every"}
+NEW_DESTS |= {"step_trace", "from_trace", "holdout_every"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
