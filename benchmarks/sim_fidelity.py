@@ -1,25 +1,33 @@
-"""Simulator fidelity: the same seeded workload and engine configuration on the real engine
-(CPU, the default model, float32) and in the simulator driven by a calibrated step profile;
-prints the relative error of total time, TTFT p50/p90 and TPOT p50/p90 (target: each within
-10%; Vidur reports < 9%).
+"""Simulator fidelity suite: five workloads on the real engine (CPU, the default model,
+float32) and in the simulator driven by a profile fitted to real-engine step traces.
 
-    python benchmarks/sim_fidelity.py                      # calibrate (default grid), then compare
-    python benchmarks/sim_fidelity.py --profile P.json     # reuse a profile from `tokenweir calibrate`
-    python benchmarks/sim_fidelity.py --quick              # smoke run: quick grid, 24 requests
+    python benchmarks/sim_fidelity.py            # the suite: calibrate on seed 0, validate on seed 1
+    python benchmarks/sim_fidelity.py --quick    # half the requests (development)
+    python benchmarks/sim_fidelity.py --profile P.json   # validate only, with a given profile
+    python benchmarks/sim_fidelity.py --workloads light,slo
 
-Both sides measure the same way. Real engine: a submitter thread submits each request at its
-arrival time (Poisson; `arrival_time` is stamped at submission), the main thread steps the
-engine whenever it has work; TTFT is first-token time minus arrival, the first token's time
-being the engine clock right after the step that sampled it (exactly what the simulator
-reports: the end of that step). TPOT is (finish - first token) / (output tokens - 1); total
-time is last finish minus first arrival. The simulator gets the arrival offsets the engine
-actually saw (submission jitter of a few ms included), the same prompt and output lengths,
-and the same scheduler configuration and KV pool.
+Workloads (all max_model_len 1024, prefix caching on):
+  light     Poisson 1.5/s, prompts lognormal median 64, outputs 8-40: never preempts
+  overload  Poisson 4/s, prompts median 160, outputs 16-64, a 80-block pool: recompute
+            preemptions
+  prefix    prompts median 400 sharing 3 prefixes of 256 tokens, budget 128: chunked
+            prefills and prefix-cache hits
+  swap      the overload workload with preemption_mode swap
+  slo       the slo policy with mid-step cuts; 25% urgent requests (TTFT target 1.3x their
+            predicted solo TTFT), the rest 6x; prompts 64-600, budget 512
 
-Calibration and the engine run use the same torch thread count (`--threads`, default 1: on a
-shared 2-core machine one thread times steadily; use 2 on a quiet one, for both). The engine is
-warmed up (one request of each step kind) before the measured run. Runs ~2-4 minutes
-(calibration ~2-3 more unless --profile is given).
+Calibration: each workload runs on the real engine with seed `--seed` and its steps are traced
+(`LLMEngine.start_trace`, after a warm-up); `tokenweir calibrate --from-trace` fits ONE
+profile to all five traces (runner model + engine overhead, held-out error printed).
+Validation: each workload runs again with seed `--seed + 1`; the simulator gets the arrival
+offsets the engine actually saw, the same prompt and output lengths, prefix groups, TTFT
+targets and the same engine configuration. Per workload: the relative error of total time,
+TTFT p50/p90, TPOT p50/p90, and on both sides the counts of preemptions (recompute), swap-outs,
+prefix-cache hit tokens and mid-step cuts (read from the step records of each side).
+
+Both sides measure the same way (TTFT = first-token time - arrival; TPOT = (finish - first
+token) / (outputs - 1); total = last finish - first arrival). Target: every |error| <= 5%.
+Timings on a shared machine are noisy: run it on a quiet one for figures to quote.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,58 +48,121 @@ from benchmarks._workload import FIRST_TEXT_TOKEN_ID  # noqa: E402
 from tokenweir.sim.metrics import percentile  # noqa: E402
 from tokenweir.sim.workload import RequestSpec, synthetic  # noqa: E402
 
-TARGET = 0.10
+TARGET = 0.05
 METRICS = ("total_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
+COUNTS = ("preemptions", "swap_outs", "prefix_hits", "cuts")
+MAX_MODEL_LEN = 1024
+# The slo policy's TTFT predictor on both sides (explicit, so neither side measures its own):
+# a * prompt tokens + c, roughly this model on two AVX2 cores in float32.
+SLO_A_MS, SLO_C_MS = 1.6, 30.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int
+    rate: float
+    prompt: str
+    output: str
+    engine: dict = field(default_factory=dict)
+    prefix_groups: int = 0
+    prefix_len: int = 0
+    slo: bool = False  # per-request TTFT targets (urgent / generous)
+
+
+BASE = dict(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=16,
+            num_gpu_blocks_override=1024)
+OVERLOAD = dict(BASE, max_num_seqs=32, num_gpu_blocks_override=80)
+WORKLOADS: dict[str, Workload] = {
+    "light": Workload(32, 1.5, "lognormal:64:0.6", "uniform:8:40", BASE),
+    "overload": Workload(40, 4.0, "lognormal:160:0.4", "uniform:16:64", OVERLOAD),
+    "prefix": Workload(30, 2.0, "lognormal:400:0.3", "uniform:8:24",
+                       dict(BASE, max_num_batched_tokens=128), prefix_groups=3, prefix_len=256),
+    "swap": Workload(40, 4.0, "lognormal:160:0.4", "uniform:16:64",
+                     dict(OVERLOAD, preemption_mode="swap", swap_space=0.1)),
+    "slo": Workload(30, 1.5, "uniform:64:600", "uniform:4:16",
+                    dict(BASE, max_num_batched_tokens=512, scheduling_policy="slo",
+                         slo_mid_step_cut=True, slo_ttft_a_ms_per_token=SLO_A_MS,
+                         slo_ttft_c_ms=SLO_C_MS), slo=True),
+}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--profile", help="profile JSON (tokenweir calibrate); else calibrate first")
-    p.add_argument("--save-profile", help="write the profile calibrated here")
-    p.add_argument("--quick", action="store_true", help="quick grid and 24 requests")
-    p.add_argument("--num-requests", type=int, default=None, help="default 80 (quick: 24)")
-    p.add_argument("--request-rate", type=float, default=1.5, help="Poisson arrivals per second")
-    p.add_argument("--prompt-len", default="lognormal:64:0.6")
-    p.add_argument("--output-len", default="uniform:8:40")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=1024, help="KV pool, null block included")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_out", help="write both sides' metrics and errors here")
+    p.add_argument("--profile", help="a profile JSON: skip the calibration runs")
+    p.add_argument("--save-profile", help="write the profile fitted here")
+    p.add_argument("--quick", action="store_true", help="half the requests per workload")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="calibration seed; validation: seed+1")
+    p.add_argument("--trace-dir", help="keep the real-engine traces here (default: a temp dir)")
+    p.add_argument("--json", dest="json_out", help="write every figure here")
     return p.parse_args()
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The configuration both sides run."""
-    return {"max_model_len": args.max_model_len,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_num_seqs": args.max_num_seqs, "num_gpu_blocks_override": args.num_gpu_blocks,
-            "seed": args.seed}
+# ---- workloads -------------------------------------------------------------------------------
+def make_specs(w: Workload, seed: int, quick: bool) -> list[RequestSpec]:
+    n = max(8, w.num_requests // 2) if quick else w.num_requests
+    specs = synthetic(n, w.rate, seed=seed, prompt=w.prompt, output=w.output,
+                      num_prefix_groups=w.prefix_groups, prefix_len=w.prefix_len,
+                      max_model_len=MAX_MODEL_LEN)
+    if not w.slo:
+        return specs
+    rng = random.Random(seed + 1000)
+    out = []
+    for s in specs:
+        urgent = rng.random() < 0.25
+        factor = 1.3 if urgent else 6.0
+        target = factor * (SLO_A_MS * s.prompt_len + SLO_C_MS)
+        out.append(replace(s, ttft_slo_ms=target, priority=0 if urgent else 1))
+    return out
 
 
 def prompts_for(specs: list[RequestSpec], seed: int, vocab_size: int) -> list[list[int]]:
+    """Random token ids; requests of one prefix group share their first prefix_len tokens
+    (at most prompt_len - 1), as the simulator's prompts do (RequestSpec.prompt_tokens)."""
     rng = random.Random(seed)
-    return [[rng.randrange(FIRST_TEXT_TOKEN_ID, vocab_size) for _ in range(s.prompt_len)]
-            for s in specs]
+    groups: dict[int, list[int]] = {}
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(FIRST_TEXT_TOKEN_ID, vocab_size) for _ in range(n)]
+
+    prompts = []
+    for s in specs:
+        shared = min(s.prefix_len, s.prompt_len - 1) if s.prefix_group is not None else 0
+        head = groups.setdefault(s.prefix_group, tokens(max(1, s.prefix_len)))[:shared] \
+            if shared else []
+        prompts.append(head + tokens(s.prompt_len - shared))
+    return prompts
 
 
-# ---- the real engine -----------------------------------------------------------------------
-def run_engine(args: argparse.Namespace, loaded, specs: list[RequestSpec]) -> list[dict]:
-    """Serve `specs` on the real engine with live Poisson arrivals; one record per request:
-    arrival, first_token, finished (engine clock, seconds) and num_output."""
+# ---- the real engine -------------------------------------------------------------------------
+def run_engine(args, loaded, w: Workload, specs: list[RequestSpec],
+               trace_path: Path) -> list[dict]:
+    """Serve `specs` with live arrivals (a submitter thread), steps traced to `trace_path`;
+    one record per request (engine clock)."""
     from tokenweir.config import EngineConfig
     from tokenweir.engine.llm_engine import LLMEngine
-    from tokenweir.request import SamplingParams
 
     config = EngineConfig.from_kwargs(model=args.model, dtype="float32", device="cpu",
-                                      **engine_kwargs(args))
+                                      seed=args.seed, **w.engine)
     engine = LLMEngine(config, loaded=loaded)
-    prompts = prompts_for(specs, args.seed, loaded.arch.vocab_size)
-    _warm_up(engine, prompts[0][:32])
+    try:
+        prompts = prompts_for(specs, args.seed, loaded.arch.vocab_size)
+        _warm_up(engine, [FIRST_TEXT_TOKEN_ID + i for i in range(64)])
+        engine.start_trace(str(trace_path))
+        requests = _serve(engine, specs, prompts)
+    finally:
+        engine.shutdown()  # closes the trace (and writes its Chrome form)
+    return [{"request_id": r.request_id, "arrival": r.arrival_time,
+             "first_token": r.first_token_time, "finished": r.finished_time,
+             "num_output": r.num_output_tokens} for r in requests]
+
+
+def _serve(engine, specs: list[RequestSpec], prompts: list[list[int]]) -> list:
+    from tokenweir.request import SamplingParams
+
     requests = []
 
     def submit() -> None:
@@ -99,7 +172,9 @@ def run_engine(args: argparse.Namespace, loaded, specs: list[RequestSpec]) -> li
             if delay > 0:
                 time.sleep(delay)
             params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
-            request, _ = engine.make_request(prompt, params, request_id=spec.request_id)
+            request, _ = engine.make_request(prompt, params, request_id=spec.request_id,
+                                             priority=spec.priority,
+                                             ttft_slo_ms=spec.ttft_slo_ms)
             requests.append(request)
             engine.submit_request(request, None)
 
@@ -112,9 +187,7 @@ def run_engine(args: argparse.Namespace, loaded, specs: list[RequestSpec]) -> li
         else:
             time.sleep(0.0005)
     submitter.join()
-    return [{"request_id": r.request_id, "arrival": r.arrival_time, "first_token":
-             r.first_token_time, "finished": r.finished_time,
-             "num_output": r.num_output_tokens} for r in requests]
+    return requests
 
 
 def _warm_up(engine, prompt: list[int]) -> None:
@@ -131,20 +204,22 @@ def _warm_up(engine, prompt: list[int]) -> None:
         engine.step()
 
 
-# ---- the simulator -------------------------------------------------------------------------
-def run_sim(args: argparse.Namespace, profile: dict, specs: list[RequestSpec]) -> list[dict]:
+# ---- the simulator ---------------------------------------------------------------------------
+def run_sim(w: Workload, profile: dict, specs: list[RequestSpec]):
+    """(request records, step-record Trace) of the simulated run."""
     from tokenweir.sim.build import build_simulation
     from tokenweir.sim.latency import FittedLatencyModel
+    from tokenweir.timeline.recorder import record_simulation
 
-    sim = build_simulation(engine_kwargs(args), specs,
+    sim = build_simulation(dict(w.engine), specs,
                            latency_model=FittedLatencyModel.from_profile(profile),
                            itl_counts=True)
-    result = sim.run()
+    result, trace = record_simulation(sim)
     return [{"request_id": r.request_id, "arrival": r.arrival, "first_token": r.first_token,
-             "finished": r.finished, "num_output": r.num_output} for r in result.requests]
+             "finished": r.finished, "num_output": r.num_output} for r in result.requests], trace
 
 
-# ---- comparison ----------------------------------------------------------------------------
+# ---- comparison ------------------------------------------------------------------------------
 def summarize(records: list[dict]) -> dict:
     ttft = sorted(r["first_token"] - r["arrival"] for r in records)
     tpot = sorted((r["finished"] - r["first_token"]) / (r["num_output"] - 1)
@@ -155,61 +230,110 @@ def summarize(records: list[dict]) -> dict:
             "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p90_ms": 1000 * percentile(tpot, 90)}
 
 
+def step_counts(trace) -> dict:
+    """Preemptions by recompute, swap-outs (a request newly in `swapped`), prefix-hit tokens
+    and mid-step cuts, from a run's step records."""
+    preempted, swap_outs, hits, cuts = 0, 0, 0, 0
+    swapped_before: set = set()
+    for s in trace.steps:
+        preempted += len(s.get("preempted", []))
+        now = set(s.get("swapped", []))
+        swap_outs += len(now - swapped_before)
+        swapped_before = now
+        hits += s.get("prefix_hits", 0)
+        cuts += len(s.get("cut", []))
+    return {"preemptions": preempted, "swap_outs": swap_outs, "prefix_hits": hits, "cuts": cuts}
+
+
 def realized_specs(specs: list[RequestSpec], records: list[dict]) -> list[RequestSpec]:
     """The workload as the engine saw it: arrival offsets measured from the first arrival."""
     by_id = {r["request_id"]: r for r in records}
     first = min(r["arrival"] for r in records)
-    return [RequestSpec(s.request_id, by_id[s.request_id]["arrival"] - first, s.prompt_len,
-                        s.output_len, index=s.index) for s in specs]
+    return [replace(s, arrival=by_id[s.request_id]["arrival"] - first) for s in specs]
+
+
+def validate(args, loaded, name: str, profile: dict, trace_dir: Path) -> dict:
+    from tokenweir.timeline.records import load_jsonl
+
+    w = WORKLOADS[name]
+    specs = make_specs(w, args.seed + 1, args.quick)
+    started = time.perf_counter()
+    path = trace_dir / f"{name}-seed{args.seed + 1}.jsonl"
+    real = run_engine(args, loaded, w, specs, path)
+    seconds = time.perf_counter() - started
+    simulated, sim_trace = run_sim(w, profile, realized_specs(specs, real))
+    ours, theirs = summarize(simulated), summarize(real)
+    return {"workload": name, "requests": len(specs), "engine_seconds": seconds,
+            "real": theirs, "sim": ours,
+            "rel_error": {k: (ours[k] - theirs[k]) / theirs[k] for k in METRICS},
+            "counts_real": step_counts(load_jsonl(path)), "counts_sim": step_counts(sim_trace)}
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'workload':10s}" + "".join(f"{k:>13s}" for k in METRICS)
+            + "".join(f"{k:>15s}" for k in COUNTS))
+    lines = [head + "   (errors: sim vs real; counts: real/sim)"]
+    for r in rows:
+        errors = "".join(f"{100 * r['rel_error'][k]:+12.1f}%" for k in METRICS)
+        counts = "".join(f"{str(r['counts_real'][k]) + '/' + str(r['counts_sim'][k]):>15s}"
+                         for k in COUNTS)
+        lines.append(f"{r['workload']:10s}{errors}{counts}")
+    worst = max(abs(e) for r in rows for e in r["rel_error"].values())
+    lines.append(f"worst |error| {100 * worst:.1f}% (target <= {100 * TARGET:.0f}% each); "
+                 f"{sum(abs(e) <= TARGET for r in rows for e in r['rel_error'].values())}"
+                 f"/{len(rows) * len(METRICS)} within target")
+    return "\n".join(lines)
+
+
+def calibrate_on_traces(args, loaded, names: list[str], trace_dir: Path) -> dict:
+    from tokenweir.sim.calibrate import format_report
+    from tokenweir.sim.calibrate_trace import calibrate_from_traces
+
+    paths = []
+    for name in names:
+        started = time.perf_counter()
+        path = trace_dir / f"{name}-seed{args.seed}.jsonl"
+        run_engine(args, loaded, WORKLOADS[name], make_specs(WORKLOADS[name], args.seed,
+                                                             args.quick), path)
+        paths.append(str(path))
+        print(f"calibration run {name}: {time.perf_counter() - started:.0f} s", flush=True)
+    profile = calibrate_from_traces(paths)
+    print(format_report(profile), flush=True)
+    return profile
 
 
 def main() -> int:
     args = parse_args()
-    n = args.num_requests or (24 if args.quick else 80)
     import torch
 
     from tokenweir.model.loader import load_model
-    from tokenweir.sim.calibrate import calibrate, format_report, load_profile
+    from tokenweir.sim.calibrate import load_profile
 
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; known: {list(WORKLOADS)}")
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
-    if args.profile:
-        profile = load_profile(args.profile)
-        if profile.get("threads") != args.threads:
-            print(f"warning: the profile was timed with {profile.get('threads')} thread(s), "
-                  f"the engine runs with {args.threads}", file=sys.stderr)
-    else:
-        started = time.perf_counter()
-        profile = calibrate(args.model, "quick" if args.quick else "default",
-                            threads=args.threads, loaded=loaded)
-        print(f"calibrated in {time.perf_counter() - started:.0f} s")
-        if args.save_profile:
-            with open(args.save_profile, "w") as f:
-                json.dump(profile, f, indent=1)
-    print(format_report(profile))
-    specs = synthetic(n, args.request_rate, seed=args.seed, prompt=args.prompt_len,
-                      output=args.output_len, max_model_len=args.max_model_len)
     started = time.perf_counter()
-    real = run_engine(args, loaded, specs)
-    engine_seconds = time.perf_counter() - started
-    simulated = run_sim(args, profile, realized_specs(specs, real))
-    ours, theirs = summarize(simulated), summarize(real)
-    errors = {k: (ours[k] - theirs[k]) / theirs[k] for k in METRICS}
-    print(f"\nworkload: {n} requests, Poisson {args.request_rate}/s, prompts {args.prompt_len}, "
-          f"outputs {args.output_len}; budget {args.max_num_batched_tokens}, "
-          f"max_num_seqs {args.max_num_seqs}, {args.threads} thread(s); "
-          f"engine run {engine_seconds:.0f} s")
-    print(f"{'metric':14s} {'real engine':>12s} {'simulator':>12s} {'rel. error':>11s}")
-    for k in METRICS:
-        flag = "ok" if abs(errors[k]) <= TARGET else "MISS"
-        print(f"{k:14s} {theirs[k]:12.2f} {ours[k]:12.2f} {100 * errors[k]:+10.1f}%  {flag}")
-    worst = max(abs(e) for e in errors.values())
-    print(f"worst |error| {100 * worst:.1f}% (target <= {100 * TARGET:.0f}% each)")
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = Path(args.trace_dir or tmp)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        profile = (load_profile(args.profile) if args.profile
+                   else calibrate_on_traces(args, loaded, names, trace_dir))
+        if args.save_profile:
+            Path(args.save_profile).write_text(json.dumps(profile, indent=1))
+        rows = []
+        for name in names:
+            rows.append(validate(args, loaded, name, profile, trace_dir))
+            print(f"validation run {name}: {rows[-1]['engine_seconds']:.0f} s", flush=True)
+    print(f"\n{len(names)} workloads, {args.threads} thread(s), calibrated on seed {args.seed}, "
+          f"validated on seed {args.seed + 1}; suite {time.perf_counter() - started:.0f} s")
+    print(format_table(rows))
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"real": theirs, "sim": ours, "rel_error": errors,
-                       "engine_seconds": engine_seconds, "profile_fit": profile["fit"]}, f,
-                      indent=1)
+        Path(args.json_out).write_text(json.dumps({"rows": rows, "profile_heldout":
+                                                   profile.get("heldout")}, indent=1))
+    worst = max(abs(e) for r in rows for e in r["rel_error"].values())
     return 0 if worst <= TARGET else 1
 
 

@@ -75,6 +75,11 @@ class ModelConfig:
         None, "longest prompt + output, in tokens (default: the model's context length)")
     device: str = _f("auto", "cpu, cuda, or auto (cuda when available)")
     seed: int = _f(0, "seed for requests that do not set their own")
+    step_trace: Optional[str] = _f(
+        None, "write every engine step (its requests, prefill and decode tokens, phase times, "
+        "preemptions, swaps, cuts, KV usage) to FILE as step-record JSON lines, and "
+        "FILE.chrome.json for Perfetto when the engine closes (default: off)",
+        flag="--trace", metavar="FILE")
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -507,6 +512,12 @@ class CalibrateConfig:
     dtype: str = _f("float32", "dtype of the timed model", choices=DTYPES)
     device: str = _f("cpu", "device of the timed model")
     block_size: int = _f(16, "tokens per KV cache block")
+    from_trace: Optional[tuple[str, ...]] = _f(
+        None, "fit to the steps of these real-engine traces (`--trace FILE` of generate, "
+        "serve, LLM) instead of timing the grid; the model argument is then ignored "
+        "(default: time the grid)", metavar="TRACE")
+    holdout_every: int = _f(5, "with --from-trace: every N-th step is held out of the fit "
+                            "and the fit's error on them reported (0: none)")
 
 
 # The timeline page's limits (tokenweir/timeline/layout.py): more requests are dropped (latest
@@ -533,3 +544,7 @@ class TimelineConfig:
     write_records: Optional[str] = _f(
         None, "also write the (first) trace as step records, e.g. to convert a chrome trace "
         "(default: no)", metavar="JSONL")
+    write_chrome: Optional[str] = _f(
+        None, "also write the traces as ONE Chrome/Perfetto JSON, a process each: a real "
+        "run (--trace) and its simulation side by side in ui.perfetto.dev (default: no)",
+        metavar="JSON")

@@ -59,6 +59,11 @@ NEW_DESTS = {"max_request_body_bytes", "timeline_steps", "model_name", "model_co
 # the serving profile (issue 12) and the old inline output path kept for comparison
 NEW_SPELLINGS["tokenweir serve"] |= {"--profile-serving", "--inline-output"}
 NEW_DESTS |= {"profile_serving", "inline_output"}
+# issue 16: the engine's step trace (generate, serve) and calibration from such traces
+NEW_SPELLINGS["tokenweir serve"] |= {"--trace"}
+NEW_SPELLINGS["tokenweir generate"] = {"--trace"}
+NEW_SPELLINGS["tokenweir calibrate"] = {"--from-trace", "--holdout-every"}
+NEW_DESTS |= {"step_trace", "from_trace", "holdout_every"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -12,7 +12,7 @@ import pytest
 from timeline_gen import run_cramped, run_slo
 from tokenweir.sim.trace import write_chrome_trace
 from tokenweir.cli import main
-from tokenweir.timeline import StepRing, build_page, load_jsonl, render_html, write_jsonl
+from tokenweir.timeline import StepRing, Trace, build_page, load_jsonl, render_html, write_jsonl
 from tokenweir.timeline.chrome import load_chrome_trace
 from tokenweir.timeline.layout import (CUT, DECODE, PAUSED, PREEMPTED, PREFILL, STATES,
                                        SWAPPED, WAITING, page_model)
@@ -167,37 +167,6 @@ def test_step_ring_keeps_the_latest():
     assert "2 older ones were dropped" in trace.meta["note"]
 
 
-def test_live_recorder_matches_the_simulation_recorder():
-    """LiveRecorder (what a server would attach to its engine's scheduler) records the same
-    steps and requests as record_simulation on the same run, into a bounded ring."""
-    from timeline_gen import run_cramped
-    from tokenweir.sim.build import build_simulation
-    from tokenweir.sim.workload import synthetic
-    from tokenweir.timeline.recorder import LiveRecorder
-
-    result, trace = run_cramped("recompute")
-    specs = synthetic(120, 30, seed=0, prompt="lognormal:400:0.6", output="uniform:20:300")
-    sim = build_simulation(dict(num_gpu_blocks_override=400), specs)
-    ring = StepRing(capacity=500)
-    live = LiveRecorder(sim.scheduler, ring)
-    live_result = sim.run()
-    live.detach()
-    assert "schedule" not in vars(sim.scheduler)  # the scheduler's own methods again
-    assert live_result.stats.num_preemptions == result.stats.num_preemptions > 0
-    assert ring.num_dropped == len(trace.steps) - 500 > 0
-    for got, want in zip(ring.steps, trace.steps[-500:]):
-        assert got["duration"] == pytest.approx(want["duration"])
-        assert {**got, "duration": 0} == {**want, "duration": 0}
-    for rec in live_result.requests:
-        if rec.request_id in ring.requests:
-            info = ring.requests[rec.request_id]
-            assert (info["arrival"], info["first_token"], info["finished"]) == (
-                rec.arrival, rec.first_token, rec.finished)
-            assert info["preemptions"] == rec.num_preemptions
-    page = render_html(ring.steps, ring.requests, refresh_seconds=2)
-    assert "timeline-data" in page
-
-
 def test_chrome_converter_picks_one_instance_of_a_cluster_trace():
     from tokenweir.sim.trace import chrome_trace_events
     from tokenweir.timeline.chrome import convert_events
@@ -210,3 +179,25 @@ def test_chrome_converter_picks_one_instance_of_a_cluster_trace():
     assert (len(first.steps), len(second.steps)) == (len(small.steps), len(large.steps))
     assert (first.label, second.label) == ("instance 0", "instance 1")
     assert len(second.requests) == 40 and set(first.requests) < set(second.requests)
+
+
+def test_engine_trace_and_its_simulation_side_by_side(tmp_path):
+    """A real-engine style trace (phases, raw clock) and a simulation open together: one
+    HTML page of two panels, and one Chrome file of two processes whose steps load back."""
+    from tokenweir.timeline.chrome import convert_events
+
+    _, sim = run_cramped("recompute", num_requests=20, blocks=4000)
+    engine = Trace([{**s, "start": s["start"] + 5000.0, "phases": {
+        "schedule": 0.1 * s["duration"], "forward": 0.8 * s["duration"]}} for s in sim.steps],
+        {k: {**r, **{f: r[f] + 5000.0 for f in ("arrival", "first_token", "finished")}}
+         for k, r in sim.requests.items()}, {"source": "engine", "label": "engine"})
+    write_jsonl(engine, tmp_path / "e.jsonl")
+    write_jsonl(sim, tmp_path / "s.jsonl")
+    assert main(["timeline", str(tmp_path / "e.jsonl"), str(tmp_path / "s.jsonl"), "-o",
+                 str(tmp_path / "p.html"), "--write-chrome", str(tmp_path / "both.json")]) == 0
+    events = json.loads((tmp_path / "both.json").read_text())["traceEvents"]
+    first, second = convert_events(events, pid=1), convert_events(events, pid=2)
+    assert len(first.steps) == len(second.steps) == len(sim.steps)
+    # both start at their first arrival: the engine's clock offset is gone
+    assert first.steps[0]["start"] == pytest.approx(second.steps[0]["start"], abs=1e-6)
+    assert sum(e.get("cat") == "phase" for e in events) == 2 * len(sim.steps)

@@ -36,8 +36,9 @@ class CommandGroup:
 _SIM_RUN = "tokenweir.sim.cli:run"
 # The simulator's tensor-parallel degree is its own field (SimTargetConfig.tp, spelled
 # --tensor-parallel-size, alias --tp): the engine's field of that name would be a second flag
-# that the simulator ignores.
-_SIM_TP = ("tensor_parallel_size",)
+# that the simulator ignores. Likewise the engine's --trace (step_trace): the simulator's
+# --trace is its workload file.
+_SIM_TP = ("tensor_parallel_size", "step_trace")
 # The simulator prices a model shape, never loads weights: its --model picks a shipped config
 # (SimTargetConfig.model_name), so the engine's --model is left out.
 _SIM_EXCLUDE = _SIM_TP + ("model",)

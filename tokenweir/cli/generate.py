@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n>>> {prompt}\n{output.outputs[0].text.strip()}")
     if args.summary:
         print_summary(llm, outputs, seconds, load_seconds)
+    llm.llm_engine.close()  # writes the end of a --trace file and its Chrome form
     return 0
 
 

@@ -117,6 +117,10 @@ class ModelRunnerOutput:
     # request has no entry in sampled_token_ids; the engine finishes it with an error before
     # the scheduler's update, which then skips it.
     request_errors: dict[str, str] = field(default_factory=dict)
+    # Optional split of the runner's wall time (seconds): "prepare" (state updates, swaps,
+    # batch building), "forward", "sample" (sampling and advancing its copies). Their sum is
+    # at most `step_seconds`. Runners that do not split leave it None (the simulator's).
+    phase_seconds: Optional[dict[str, float]] = None
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

@@ -51,6 +51,10 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         # Outputs of requests that failed outside a step (at admission), returned by the next.
         self._failed: list[EngineCoreOutput] = []
+        # [trace] Called once per step that ran (not a failed forward), after the update:
+        # step_observer(scheduler_output, runner_output, outputs, (started, scheduled,
+        # executed, updated)), the four on `clock` (timeline/tracer.py is the one observer).
+        self.step_observer: Optional[Callable[..., None]] = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -88,13 +92,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         self.admit_submitted()
         failed, self._failed = self._failed, []
-        scheduler_output = self.scheduler.schedule(now=self.clock())
+        started = self.clock()  # [trace] also the scheduler's `now`
+        scheduler_output = self.scheduler.schedule(now=started)
+        scheduled = self.clock()  # [trace]
         for request_id in scheduler_output.finished_req_ids:
             self._requests.pop(request_id, None)
         try:
             runner_output = self.executor.execute(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - the forward failed: fail its requests
             return failed + self._fail_step(scheduler_output, exc)
+        executed = self.clock()  # [trace]
         cut = runner_output.cut
         if cut is not None:  # the step never happened, except for the work it wasted
             self.scheduler.roll_back_cut_step(scheduler_output, cut.victim_id, cut.layer_index,
@@ -105,6 +112,9 @@ class EngineCore:
                 failed += self.fail_requests(runner_output.request_errors)
             outputs = self._update_isolated(scheduler_output, runner_output)
         self.metrics.record_step(scheduler_output, runner_output, self.scheduler)
+        if self.step_observer is not None:  # [trace]
+            self.step_observer(scheduler_output, runner_output, outputs,
+                               (started, scheduled, executed, self.clock()))
         return failed + outputs
 
     # ---- failures -----------------------------------------------------------------------

@@ -3,6 +3,7 @@ object. `LLM` (offline) drives it in a loop; the server drives it from a backgro
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -170,6 +171,10 @@ class LLMEngine:
             self._start_slo(config, scheduler, runner, loaded.arch.num_layers)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.tracer = None  # the step tracer (timeline/tracer.py), when something records
+        self._trace_meta = self._run_settings(config, loaded, num_blocks)
+        if config.model.step_trace:
+            self.start_trace(config.model.step_trace)
         logger.info("tokenweir engine: model=%s dtype=%s device=%s max_model_len=%d "
                     "kv blocks=%d x %d tokens", self.model_name, self.dtype, self.device,
                     self.max_model_len, num_blocks, config.cache.block_size)
@@ -186,6 +191,33 @@ class LLMEngine:
             runner.cut_signal = signal
             self.slo_monitor = SLOMonitor(policy, signal, self.core.pending_arrivals,
                                           self.core.clock, wake=self.core.arrival_event).start()
+
+    def _run_settings(self, config: EngineConfig, loaded: LoadedModel,
+                      num_blocks: int) -> dict[str, Any]:
+        """A trace's meta line: what `tokenweir calibrate --from-trace` needs for a profile."""
+        per_block = kv_cache_bytes_per_block(loaded.arch, config.cache.block_size, self.dtype)
+        sched = config.scheduler
+        return {"label": f"engine ({sched.scheduling_policy})", "model": self.model_name,
+                "path": str(loaded.path), "dtype": str(self.dtype).replace("torch.", ""),
+                "device": str(self.device), "threads": torch.get_num_threads(),
+                "block_size": config.cache.block_size,
+                "kv_bytes_per_token": per_block // config.cache.block_size,
+                "max_model_len": self.max_model_len, "num_gpu_blocks": num_blocks,
+                "max_num_batched_tokens": sched.max_num_batched_tokens}
+
+    def start_trace(self, path: str) -> None:
+        """Record every step from now on to `path` (step-record JSON lines; the Chrome form
+        next to it when the engine closes, or at exit). `--trace FILE` starts it at once."""
+        from tokenweir.timeline.tracer import JsonlSink
+
+        self.add_trace_sink(JsonlSink(path, self._trace_meta))
+        atexit.register(self.tracer.close)
+
+    def add_trace_sink(self, sink) -> None:
+        """Hand every step record to `sink` (a JsonlSink, a live server's StepRing)."""
+        from tokenweir.timeline.tracer import attach_tracer
+
+        self.tracer = attach_tracer(self.core, sink)
 
     def submit_request(self, request: Request, prompt: Optional[str]) -> None:
         """Like add_request, but safe to call from another thread while step() runs."""
@@ -290,6 +322,8 @@ class LLMEngine:
                 results.append(self._process_output(core_output, now, delta))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 results.append(self._fail_output(core_output.request, exc, delta))
+        if self.tracer is not None:
+            self.tracer.output_processed(self.core.clock())
         return results
 
     def _process_output(self, core_output, now: float, delta: bool) -> RequestOutput:
@@ -316,6 +350,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release executor resources (tensor-parallel worker processes); idempotent."""
+        if self.tracer is not None:
+            self.tracer.close()
+            atexit.unregister(self.tracer.close)
         close = getattr(self.core.executor, "close", None)
         if close is not None:
             close()

@@ -83,21 +83,29 @@ class ModelRunner:
         if faults.ARMED:
             for req_id in batch.req_ids:
                 faults.fire("forward", req_id)
+        prepared = time.perf_counter()
         try:
             hidden = self._forward(batch, hook)
         except StepCut as cut:
             report = CutReport(out.step_id, cut.layer_index, len(self.kv_caches),
                                cut.order.victim_id, cut.order.waiter_id)
-            return ModelRunnerOutput(sampled_token_ids={}, cut=report,
-                                     step_seconds=time.perf_counter() - start)
+            end = time.perf_counter()
+            return ModelRunnerOutput(sampled_token_ids={}, cut=report, step_seconds=end - start,
+                                     phase_seconds={"prepare": prepared - start,
+                                                    "forward": end - prepared})
+        forwarded = time.perf_counter()
         self.sample_errors = {}
         sampled, logprobs = self._sample(batch, hidden, out.step_id)
         for req_id in self.sample_errors:  # a request whose sampling failed gets no token
             sampled.pop(req_id, None)
         self._advance(batch, out, sampled)
+        end = time.perf_counter()
         return ModelRunnerOutput(sampled_token_ids={r: [t] for r, t in sampled.items()},
-                                 logprobs=logprobs, step_seconds=time.perf_counter() - start,
-                                 request_errors=self.sample_errors)
+                                 logprobs=logprobs, step_seconds=end - start,
+                                 request_errors=self.sample_errors,
+                                 phase_seconds={"prepare": prepared - start,
+                                                "forward": forwarded - prepared,
+                                                "sample": end - forwarded})
 
     # ---- measured rates ---------------------------------------------------------------
     @torch.inference_mode()

@@ -65,12 +65,10 @@ def _record_timeline(engine: AsyncEngine, steps: int):
     """A ring of the last `steps` step records for GET /timeline (None: off)."""
     if steps <= 0:
         return None
-    from tokenweir.timeline.recorder import LiveRecorder
     from tokenweir.timeline.records import StepRing
 
     ring = StepRing(capacity=steps)
-    core = engine.engine.core
-    LiveRecorder(core.scheduler, ring, clock=core.clock)
+    engine.engine.add_trace_sink(ring)  # the engine's step observer (timeline/tracer.py)
     return ring
 
 

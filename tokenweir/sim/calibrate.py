@@ -18,6 +18,11 @@ coefficient kept >= 0 (a feature whose coefficient comes out negative is dropped
 refitted). The TTFT line `predicted_ttft = a * uncached_prompt_tokens + c` is an ordinary
 least-squares line through the prefill-only points with no cached context.
 
+`--from-trace TRACE...` fits the same model, plus the engine's own per-step overhead as
+terms of their own, to steps a real engine ran (sim/calibrate_trace.py documents the fit and
+the keys it adds: "source", "overhead", "heldout"). A profile without "overhead" (every one
+written before) loads as before: no overhead.
+
 Profile JSON (format "tokenweir-step-profile/1"); times in seconds:
 
     {
@@ -301,6 +306,9 @@ def format_report(profile: dict) -> str:
              f"max {100 * fit['max_rel_error']:.1f}%",
              f"TTFT line: {1000 * ttft['a']:.3f} ms/token * uncached prompt tokens + "
              f"{1000 * ttft['c']:.1f} ms (R^2 {ttft['r2']:.4f})"]
+    if profile.get("source") == "trace":
+        from tokenweir.sim.calibrate_trace import format_heldout
+        lines.append(format_heldout(profile))
     return "\n".join(lines)
 
 
@@ -312,9 +320,13 @@ def run(args: argparse.Namespace) -> int:
               f"  {1000 * seconds:9.1f} ms", file=sys.stderr, flush=True)
 
     try:
-        profile = calibrate(args.model, "quick" if args.quick else "default", args.repeats,
-                            args.threads, args.dtype, args.device, args.block_size,
-                            progress=progress)
+        if args.from_trace:
+            from tokenweir.sim.calibrate_trace import calibrate_from_traces
+            profile = calibrate_from_traces(args.from_trace, args.holdout_every)
+        else:
+            profile = calibrate(args.model, "quick" if args.quick else "default",
+                                args.repeats, args.threads, args.dtype, args.device,
+                                args.block_size, progress=progress)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

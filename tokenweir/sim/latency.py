@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol
+from typing import Iterable, Mapping, Optional, Protocol
 
 from tokenweir.core.outputs import SchedulerOutput
 from tokenweir.sim.hardware import HardwareProfile, ModelShape
@@ -212,23 +212,45 @@ def fitted_features(t: StepTotals) -> tuple[float, ...]:
             1.0 if t.num_decode_reqs >= 2 else 0.0)
 
 
+# The engine's own per-step work around the runner (schedule, update, output processing,
+# the loop): a constant, per scheduled request, per decode request (one sampled token to
+# append, stop-check, detokenize). Fitted from real-engine traces (`--from-trace`).
+OVERHEAD_FEATURES = ("const", "requests", "decode_requests")
+
+
+def overhead_features(t: StepTotals) -> tuple[float, ...]:
+    """The regressors of the engine overhead, in OVERHEAD_FEATURES order."""
+    return (1.0, float(t.num_reqs), float(t.num_decode_reqs))
+
+
 class FittedLatencyModel:
-    """Step time = sum of coefficient x feature (see `fitted_features`), the coefficients
-    fitted by least squares to a real runner's timings (`tokenweir calibrate`, which writes
-    the profile JSON that `from_profile` reads; its format is documented in sim/calibrate.py).
+    """Step time = runner time + engine overhead. Runner time: sum of coefficient x feature
+    (see `fitted_features`), fitted by least squares to a real runner's timings (`tokenweir
+    calibrate`, which writes the profile JSON that `from_profile` reads; its format is
+    documented in sim/calibrate.py). Engine overhead: sum of `overhead` coefficient x
+    `overhead_features` (all 0 unless the profile was fitted from real-engine traces; a
+    profile without them loads as before and predicts the same floats).
 
     Also carries what the simulator needs to size the KV pool as the real engine would:
     `kv_bytes_per_token`, `block_size` and `max_model_len` of the calibrated model.
     """
 
     def __init__(self, coefficients: Mapping[str, float], kv_bytes_per_token: int = 0,
-                 max_model_len: int = 0, block_size: int = 16, name: str = "fitted") -> None:
+                 max_model_len: int = 0, block_size: int = 16, name: str = "fitted",
+                 overhead: Optional[Mapping[str, float]] = None) -> None:
         unknown = set(coefficients) - set(FITTED_FEATURES)
         if unknown:
             raise ValueError(f"unknown fitted-model coefficients {sorted(unknown)}; "
                              f"known: {list(FITTED_FEATURES)}")
+        unknown = set(overhead or {}) - set(OVERHEAD_FEATURES)
+        if unknown:
+            raise ValueError(f"unknown engine-overhead coefficients {sorted(unknown)}; "
+                             f"known: {list(OVERHEAD_FEATURES)}")
         self.coefficients = {f: float(coefficients.get(f, 0.0)) for f in FITTED_FEATURES}
         self._weights = tuple(self.coefficients[f] for f in FITTED_FEATURES)
+        self.overhead = {f: float((overhead or {}).get(f, 0.0)) for f in OVERHEAD_FEATURES}
+        self._overhead_weights = (tuple(self.overhead[f] for f in OVERHEAD_FEATURES)
+                                  if any(self.overhead.values()) else None)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -251,12 +273,22 @@ class FittedLatencyModel:
                              f"run `tokenweir calibrate MODEL --out PATH`)") from None
         return cls(coefficients, int(data.get("kv_bytes_per_token", 0)),
                    int(data.get("max_model_len", 0)), int(data.get("block_size", 16)),
-                   str(data.get("model", "fitted")))
+                   str(data.get("model", "fitted")), data.get("overhead"))
 
     def predict_totals(self, totals: StepTotals) -> float:
         if not totals.num_tokens:
             return 0.0
+        seconds = self.runner_seconds(totals)
+        if self._overhead_weights is not None:
+            seconds += self.overhead_seconds(totals)
+        return seconds
+
+    def runner_seconds(self, totals: StepTotals) -> float:
         return sum(w * x for w, x in zip(self._weights, fitted_features(totals)))
+
+    def overhead_seconds(self, totals: StepTotals) -> float:
+        return sum(w * x for w, x in zip(self._overhead_weights or (0.0,) * 3,
+                                         overhead_features(totals)))
 
     def predict(self, scheduler_output: SchedulerOutput,
                 context_lens: Mapping[str, int]) -> float:

@@ -2,7 +2,10 @@
 
 - records.py: the step-record JSONL format (read it first), Trace, StepRing (live server)
 - recorder.py: step records from the scheduler (StepRecorder, record_simulation)
-- chrome.py: the simulator's chrome trace -> step records (derived, marked estimated)
+- tracer.py: step records from the real engine (StepTracer, EngineCore's step observer;
+  JsonlSink behind `--trace FILE`, StepRing behind a live server's /timeline)
+- chrome.py: the simulator's chrome trace -> step records (derived, marked estimated), and
+  step records -> a chrome trace (one process per run: runs side by side in Perfetto)
 - layout.py: records -> what the page draws (run-length rows, series, drop notes)
 - page.py: render_html / render_traces / build_page; static/: the page's HTML, CSS, JS
 - cli.py: what `tokenweir timeline TRACE [TRACE2] [-o page.html]` runs (tokenweir/cli)

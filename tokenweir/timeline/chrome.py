@@ -115,3 +115,93 @@ def _request_line(rid: str, span: dict) -> dict:
             "first_token": span.get("decode", [None])[0], "finished": span["finished"],
             "prompt_len": args.get("prompt_len"), "output_len": args.get("output_len"),
             "preemptions": args.get("preemptions"), "priority": args.get("priority")}
+
+
+# ---- step records -> chrome trace (the real engine's --trace, and side-by-side files) ------
+PHASE_ORDER = ("schedule", "prepare", "execute", "forward", "sample", "update", "output")
+
+
+def records_to_chrome_events(trace: Trace, pid: int = 1,
+                             process_name: Optional[str] = None) -> list[dict]:
+    """The events the simulator's chrome trace has (sim/trace.py: steps on one track, KV
+    usage and batch counters, request spans queued / prefill / decode), plus each step's
+    phases as slices nested in it, in the order they ran. Times start at the run's first
+    arrival or step (an engine's clock reads seconds since boot). Loads back with
+    convert_events."""
+    name = process_name or trace.label
+    origin = min([s["start"] for s in trace.steps[:1]]
+                 + [r["arrival"] for r in trace.requests.values()
+                    if r.get("arrival") is not None], default=0.0)
+    events: list[dict] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "engine steps"}}]
+    for s in trace.steps:
+        events += _step_events(s, pid, origin)
+    for rid, r in trace.requests.items():
+        events += _request_events(rid, r, pid, origin)
+    return events
+
+
+def _step_events(s: dict, pid: int, origin: float) -> list[dict]:
+    ts = (s["start"] - origin) * _US
+    decodes = sum(1 for r in s["reqs"] if r.get("decode"))
+    tokens = sum(r.get("prefill", 0) + r.get("decode", 0) for r in s["reqs"])
+    events = [{"ph": "X", "name": "step", "cat": "step", "pid": pid, "tid": 1, "ts": ts,
+               "dur": s["duration"] * _US,
+               "args": {"step": s["step"], "reqs": len(s["reqs"]), "decodes": decodes,
+                        "tokens": tokens, "preempted": s.get("preempted", []),
+                        "swapped": s.get("swapped", []), "cut": s.get("cut", []),
+                        "prefix_hits": s.get("prefix_hits", 0)}},
+              {"ph": "C", "name": "kv_usage", "pid": pid, "ts": ts,
+               "args": {"usage": s.get("kv_usage", 0.0)}},
+              {"ph": "C", "name": "batch", "pid": pid, "ts": ts,
+               "args": {"running": s.get("running", 0), "waiting": s.get("waiting", 0)}}]
+    at = ts
+    phases = s.get("phases", {})
+    for phase in sorted(phases, key=lambda p: PHASE_ORDER.index(p) if p in PHASE_ORDER else 99):
+        dur = phases[phase] * _US
+        events.append({"ph": "X", "name": phase, "cat": "phase", "pid": pid, "tid": 1,
+                       "ts": at, "dur": dur})
+        at += dur
+    return events
+
+
+def _request_events(rid: str, r: dict, pid: int, origin: float) -> list[dict]:
+    arrival, finished = r.get("arrival"), r.get("finished")
+    if arrival is None or finished is None:
+        return []
+    arrival, finished = arrival - origin, finished - origin
+    first_token = r["first_token"] - origin if r.get("first_token") is not None else finished
+    scheduled = (r["first_scheduled"] - origin if r.get("first_scheduled") is not None
+                 else first_token)
+    common = {"cat": "request", "pid": pid, "id": f"{pid}:{rid}"}
+    events = [{**common, "ph": "b", "name": rid, "ts": arrival * _US,
+               "args": {"prompt_len": r.get("prompt_len"), "output_len": r.get("output_len"),
+                        "priority": r.get("priority"), "preemptions": r.get("preemptions")}}]
+    for name, start, end in (("queued", arrival, scheduled), ("prefill", scheduled, first_token),
+                             ("decode", first_token, finished)):
+        events += [{**common, "ph": "b", "name": name, "ts": start * _US},
+                   {**common, "ph": "e", "name": name, "ts": end * _US}]
+    events.append({**common, "ph": "e", "name": rid, "ts": finished * _US})
+    return events
+
+
+def write_chrome_from_records(records_path: str | Path, chrome_path: str | Path) -> Path:
+    """The Chrome/Perfetto form of a step-record JSONL file."""
+    from tokenweir.timeline.records import load_jsonl
+
+    return write_chrome_traces([load_jsonl(records_path)], chrome_path)
+
+
+def write_chrome_traces(traces: list[Trace], path: str | Path) -> Path:
+    """One chrome trace JSON of one or more runs, one process each (pid 1, 2, ...): a real
+    run and its simulation open side by side in Perfetto."""
+    events: list[dict] = []
+    for pid, trace in enumerate(traces, 1):
+        events += records_to_chrome_events(trace, pid)
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid,
+                       "args": {"sort_index": pid}})
+    path = Path(path)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tokenweir.timeline.chrome import is_chrome_trace, load_chrome_trace
+from tokenweir.timeline.chrome import is_chrome_trace, load_chrome_trace, write_chrome_traces
 from tokenweir.timeline.page import build_page, load_trace
 from tokenweir.timeline.records import write_jsonl
 
@@ -19,6 +19,8 @@ def run(args: argparse.Namespace) -> int:
         trace.meta["label"] = f"{Path(path).name} ({trace.label})"
     if args.write_records:
         write_jsonl(traces[0], args.write_records)
+    if args.write_chrome:
+        write_chrome_traces(traces, args.write_chrome)
     out = build_page(traces, args.output, title=args.title, max_rows=args.max_rows,
                      max_columns=args.max_columns)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): "

@@ -1,7 +1,7 @@
 """Step records from the scheduler itself: `StepRecorder` turns a planned step (the
 SchedulerOutput, read right after `schedule()` and before `update_from_output`) into a step
-record; `record_simulation` attaches one to a simulator run. The real engine can use the same
-recorder in its step loop (issue 16); nothing here imports torch."""
+record; `record_simulation` attaches one to a simulator run. The real engine records its steps with
+tracer.py's StepTracer (EngineCore's step observer); nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class StepRecorder:
 
 def request_record(rec) -> dict[str, Any]:
     """A request line from the simulator's RequestRecord."""
-    return {"id": rec.request_id, "arrival": rec.arrival, "first_token": rec.first_token,
+    return {"id": rec.request_id, "arrival": rec.arrival,
+            "first_scheduled": rec.first_scheduled, "first_token": rec.first_token,
             "finished": rec.finished, "ttft_slo_ms": rec.ttft_slo_ms,
             "prompt_len": rec.prompt_len, "output_len": rec.num_output,
             "preemptions": rec.num_preemptions, "priority": rec.priority}
@@ -81,65 +82,3 @@ def record_simulation(simulation, label: Optional[str] = None) -> tuple[Any, Tra
     meta = {"source": "simulator", "label": label or
             f"simulator ({simulation.config.scheduler.scheduling_policy})"}
     return result, Trace(steps, requests, meta)
-
-
-class LiveRecorder:
-    """Step and request records from a running engine, without touching its code: wraps one
-    scheduler's `schedule`, `update_from_output` and `roll_back_cut_step` (instance
-    attributes; `detach()` restores them) and hands each finished step to `ring` (a
-    StepRing, what a live server's `/timeline` renders). Steps that compute nothing are not
-    recorded. `clock` gives a cut step its end (a roll-back carries no time)."""
-
-    def __init__(self, scheduler, ring, clock=None) -> None:
-        self.scheduler, self.ring, self.clock = scheduler, ring, clock
-        self.recorder = StepRecorder(scheduler, scheduler.kv)
-        self._pending: dict[int, dict] = {}  # id(SchedulerOutput) -> its record
-        self._orig = (scheduler.schedule, scheduler.update_from_output,
-                      scheduler.roll_back_cut_step)
-        scheduler.schedule = self._schedule
-        scheduler.update_from_output = self._update
-        scheduler.roll_back_cut_step = self._roll_back
-
-    def detach(self) -> None:
-        for name in ("schedule", "update_from_output", "roll_back_cut_step"):
-            delattr(self.scheduler, name)
-
-    def _schedule(self, now: float = 0.0) -> SchedulerOutput:
-        out = self._orig[0](now)
-        if not out.is_empty:
-            self._pending[id(out)] = self.recorder.record(now, 0.0, out)
-            for new in out.scheduled_new_reqs:
-                self._note_request(self.scheduler.requests[new.req_id])
-        return out
-
-    def _update(self, out, runner_out, now: float = 0.0, *rest):
-        outputs = self._orig[1](out, runner_out, now, *rest)
-        record = self._pending.pop(id(out), None)
-        if record is not None:
-            record["duration"] = now - record["start"]
-            self.ring.add_step(record)
-        for eco in outputs:
-            info = self._note_request(eco.request)
-            if info.get("first_token") is None:
-                info["first_token"] = now
-            if eco.finish_reason is not None:
-                info.update(finished=now, preemptions=eco.request.num_preemptions,
-                            output_len=eco.request.num_output_tokens)
-        return outputs
-
-    def _roll_back(self, out, victim_id, *rest, **kw):
-        record = self._pending.pop(id(out), None)
-        if record is not None:
-            record["cut"] = [victim_id] if victim_id else []
-            record["duration"] = (self.clock() - record["start"]) if self.clock else 0.0
-            self.ring.add_step(record)
-        return self._orig[2](out, victim_id, *rest, **kw)
-
-    def _note_request(self, request) -> dict:
-        info = self.ring.requests.get(request.request_id)
-        if info is None:
-            info = {"id": request.request_id, "arrival": request.arrival_time,
-                    "prompt_len": request.num_prompt_tokens,
-                    "ttft_slo_ms": request.ttft_slo_ms, "first_token": None}
-            self.ring.add_request(info)
-        return info

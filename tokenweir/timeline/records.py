@@ -22,17 +22,31 @@ Two kinds of line; `"type"` tells them apart (absent means "step"):
   slo policy for a more urgent waiter).
 - `running`, `waiting`: queue lengths after planning; `kv_usage`: device pool share in use
   (0..1); `prefix_hits`: prompt tokens found in the prefix cache when this step admitted.
+  (A real engine's trace reads `running`, `waiting`, `kv_usage` and `paused` after the
+  step's update, see timeline/tracer.py.)
+- `phases` (real engine only): where the step's wall time went, seconds by phase, in the
+  order they ran: `schedule` (the scheduler's plan), the runner's `prepare` (its request
+  copies, swaps, the flattened batch), `forward`, `sample` (sampling and advancing its
+  copies) -- or one `execute` for a runner that does not split --, `update` (the scheduler's
+  update: stop rules, freeing) and `output` (output processing: detokenization, stop
+  strings, RequestOutputs). Their sum is at most `duration`, which runs from the step's
+  start to the end of its output processing. A cut step has no `sample` or `output`.
   Every key but `step`, `start`, `duration` and `reqs` is optional (empty / 0).
 
     {"type": "request", "id": "r3", "arrival": 0.70, "first_token": 0.83, "finished": 1.9,
-     "ttft_slo_ms": 500, "prompt_len": 512, "output_len": 40, "preemptions": 1}
+     "ttft_slo_ms": 500, "prompt_len": 512, "output_len": 40, "preemptions": 1,
+     "first_scheduled": 0.71}
 
   One per request when known (any key but `id` may be missing or null): the page draws the
   TTFT target as a marker at arrival + ttft_slo_ms and shows the rest on hover.
 
     {"type": "meta", "source": "simulator", "label": "slo policy"}
 
-  Optional, once: what the trace is (shown as the panel's title).
+  Optional, once: what the trace is (shown as the panel's title). A real engine's trace
+  (`source: "engine"`) adds its settings: model, path, dtype, device, threads, block_size,
+  kv_bytes_per_token, max_model_len, num_gpu_blocks, max_num_batched_tokens (what
+  `tokenweir calibrate --from-trace` builds a profile with). Its times are the engine's
+  clock (time.monotonic); the Chrome form starts at the first arrival.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""`tokenweir calibrate --from-trace` (issue 16): fitting the step model and the engine's
+overhead to traced steps. The traces here are synthetic: simulator runs of a latency model
+with KNOWN coefficients, each step's time split into the runner's part and the overhead."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenweir.sim.build import build_simulation
+from tokenweir.sim.calibrate_trace import calibrate_from_traces, traced_steps
+from tokenweir.sim.latency import (OVERHEAD_FEATURES, FittedLatencyModel, NoisyLatencyModel,
+                                  StepTotals)
+from tokenweir.sim.workload import synthetic
+from tokenweir.timeline.recorder import record_simulation
+from tokenweir.timeline.records import write_jsonl
+
+RUNNER = {"const": 0.004, "prefill_tokens": 1.2e-3, "decode_rows": 2.5e-3,
+          "prefill_attention": 2e-8, "decode_context": 1e-6, "prefill_rows": 5e-4,
+          "multi_decode": 1e-3}
+OVERHEAD = {"const": 3e-4, "requests": 2e-5, "decode_requests": 1e-5}
+ENGINE = dict(max_num_batched_tokens=256, max_num_seqs=16, num_gpu_blocks_override=150,
+              max_model_len=2048)
+
+
+def known_model() -> FittedLatencyModel:
+    return FittedLatencyModel(RUNNER, kv_bytes_per_token=46080, max_model_len=2048,
+                              overhead=OVERHEAD)
+
+
+def engine_like_trace(path, seed: int, noise: float = 0.0):
+    """A simulated run written as a real engine's trace: all requests arrive at once (steps
+    back to back), each step's phases = the runner's known share + the overhead."""
+    model = known_model()
+    specs = synthetic(120, 1e7, seed=seed, prompt="lognormal:200:0.7", output="uniform:2:80",
+                      num_prefix_groups=3, prefix_len=64, max_model_len=2048)
+    timing = NoisyLatencyModel(model, noise, seed=seed) if noise else model
+    sim = build_simulation(ENGINE, specs, latency_model=timing)
+    result, trace = record_simulation(sim)
+    for s in trace.steps:
+        totals = StepTotals.of_chunks((e["prefill"] + e["decode"],
+                                       e["context"] - e["prefill"] - e["decode"])
+                                      for e in s["reqs"])
+        overhead = model.overhead_seconds(totals)
+        s["phases"] = {"schedule": overhead / 2, "forward": s["duration"] - overhead,
+                       "update": overhead / 2}
+    trace.meta.update(model="synthetic", dtype="float32", device="cpu", threads=1,
+                      block_size=16, kv_bytes_per_token=46080, max_model_len=2048,
+                      max_num_batched_tokens=256)
+    write_jsonl(trace, path)
+    return result, trace
+
+
+def test_from_trace_recovers_known_coefficients(tmp_path):
+    result, trace = engine_like_trace(tmp_path / "t.jsonl", seed=1)
+    assert result.stats.num_preemptions > 0  # a busy, cramped run: varied step shapes
+    profile = calibrate_from_traces([str(tmp_path / "t.jsonl")], holdout_every=5)
+    assert profile["num_steps"] == len(traced_steps(trace)) > 100
+    for name, value in RUNNER.items():
+        assert profile["coefficients"][name] == pytest.approx(value, rel=1e-5), name
+    for name, value in OVERHEAD.items():
+        assert profile["overhead"][name] == pytest.approx(value, rel=1e-4, abs=1e-9), name
+    held = profile["heldout"]
+    assert held["num_steps"] == profile["num_steps"] // 5
+    assert held["mean_rel_error"] < 1e-6 and abs(held["total_rel_error"]) < 1e-6
+    model = FittedLatencyModel.from_profile(profile)
+    assert model.step_time([(100, 50), (1, 300)]) == \
+        pytest.approx(known_model().step_time([(100, 50), (1, 300)]), rel=1e-6)
+
+
+def test_from_trace_validates_on_another_seed_with_noise(tmp_path):
+    """Step times with 5% log-normal jitter: the fit on one seed predicts the held-out steps
+    of another seed's run within a few percent in sum (per step, about the jitter)."""
+    engine_like_trace(tmp_path / "a.jsonl", seed=2, noise=0.05)
+    _, other = engine_like_trace(tmp_path / "b.jsonl", seed=3, noise=0.05)
+    profile = calibrate_from_traces([str(tmp_path / "a.jsonl")], holdout_every=4)
+    assert 0.0 < profile["heldout"]["mean_rel_error"] < 0.08
+    model = FittedLatencyModel.from_profile(profile)
+    steps = traced_steps(other)
+    predicted = sum(model.predict_totals(s.totals) for s in steps)
+    assert predicted / sum(s.cycle for s in steps) == pytest.approx(1.0, abs=0.02)
+
+
+def test_profiles_without_overhead_load_and_predict_as_before():
+    old = {"format": "tokenweir-step-profile/1", "coefficients": RUNNER}
+    model = FittedLatencyModel.from_profile(old)
+    assert set(model.overhead) == set(OVERHEAD_FEATURES) and not any(model.overhead.values())
+    totals = StepTotals.of_chunks([(64, 0), (1, 100), (1, 30)])
+    assert model.predict_totals(totals) == model.runner_seconds(totals)
+    with_overhead = FittedLatencyModel.from_profile({**old, "overhead": OVERHEAD})
+    assert with_overhead.predict_totals(totals) == pytest.approx(
+        model.predict_totals(totals) + 3e-4 + 3 * 2e-5 + 2 * 1e-5)
+    with pytest.raises(ValueError, match="engine-overhead"):
+        FittedLatencyModel(RUNNER, overhead={"per_token": 1.0})
+
+
+def test_calibrate_cli_from_trace(tmp_path, capsys):
+    from tokenweir.cli import main
+
+    engine_like_trace(tmp_path / "t.jsonl", seed=4, noise=0.03)
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--from-trace", str(tmp_path / "t.jsonl"), "--out",
+                 str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out steps" in printed and "engine overhead per step" in printed
+    profile = json.loads(out.read_text())
+    assert profile["source"] == "trace" and profile["heldout"]["num_steps"] > 0
+    from tokenweir.sim.calibrate import load_profile
+    assert load_profile(str(out))["overhead"]["const"] > 0

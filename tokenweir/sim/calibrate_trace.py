@@ -1,0 +1,176 @@
+"""`tokenweir calibrate --from-trace TRACE...`: fit the step-time model to steps a real engine
+ran (`--trace FILE` on `tokenweir generate` / `serve` / `LLM`; format: timeline/records.py).
+
+Per traced step (cut steps and steps without phase times are skipped):
+- the runner's seconds: the sum of its phases `prepare`, `forward`, `sample` (or `execute`);
+- the cycle: the step's duration (schedule ... output processing) plus the gap to the next
+  step's start, the gap capped at GAP_CAP_S (a longer gap is the engine idling for arrivals,
+  which the simulator's event loop models itself; a short one is the engine loop's own cost);
+- the engine overhead: cycle - runner.
+
+Two fits, each non-negative least squares: the runner's time on `fitted_features` (relative
+error, as the grid calibration), the overhead on `overhead_features` (a constant, per request,
+per decode request; absolute error: it is a fraction of a millisecond). Every
+`holdout_every`-th step is held out of both fits; the report gives the fitted model's error on
+those steps: per step (mean, p90) and on their summed time (what a run's total time sees).
+
+The profile is calibrate.py's format with, in addition:
+    "source": "trace", "traces": [paths], "num_steps": N,
+    "overhead_features": [...], "overhead": {"const": s, "requests": s/req,
+                                             "decode_requests": s/req},
+    "heldout": {"num_steps": n, "mean_rel_error": e, "p90_rel_error": e,
+                "total_rel_error": e (signed: predicted sum / measured sum - 1),
+                "runner_mean_rel_error": e, "overhead_mean_ms": ms, "overhead_mean_ms_fit": ms}
+and the TTFT line fitted to the model's own solo-TTFT curve (no hand-built grid points).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from tokenweir.sim.latency import (FITTED_FEATURES, OVERHEAD_FEATURES, FittedLatencyModel,
+                                  StepTotals, overhead_features)
+from tokenweir.timeline.records import Trace, load_jsonl
+from tokenweir.timeline.tracer import RUNNER_PHASES
+
+GAP_CAP_S = 0.002
+META_KEYS = ("model", "path", "dtype", "device", "threads", "block_size",
+             "kv_bytes_per_token", "max_model_len")
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    totals: StepTotals
+    runner: float  # seconds in the model runner
+    cycle: float  # seconds from this step's start to the next one's (gap capped)
+
+    @property
+    def overhead(self) -> float:
+        return self.cycle - self.runner
+
+
+def traced_steps(trace: Trace) -> list[TracedStep]:
+    """The fittable steps of one trace (see the module doc)."""
+    steps, out = trace.steps, []
+    for i, s in enumerate(steps):
+        phases = s.get("phases")
+        if s.get("cut") or not s["reqs"] or not phases:
+            continue
+        chunks = [(r["prefill"] + r["decode"], r["context"] - r["prefill"] - r["decode"])
+                  for r in s["reqs"]]
+        runner = sum(phases.get(k, 0.0) for k in RUNNER_PHASES)
+        cycle = s["duration"]
+        if i + 1 < len(steps):
+            gap = steps[i + 1]["start"] - (s["start"] + s["duration"])
+            cycle += min(max(gap, 0.0), GAP_CAP_S)
+        if runner > 0:
+            out.append(TracedStep(StepTotals.of_chunks(chunks), runner, cycle))
+    return out
+
+
+def fit_overhead(totals: Sequence[StepTotals], seconds: Sequence[float]) -> dict[str, float]:
+    """Non-negative least squares (absolute error) of the overhead on overhead_features."""
+    import numpy as np
+
+    x = np.array([overhead_features(t) for t in totals], dtype=float)
+    y = np.array(seconds, dtype=float)
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    coef = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (solution >= 0).all():
+            coef[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return {f: float(c) for f, c in zip(OVERHEAD_FEATURES, coef)}
+
+
+def split(steps: list[TracedStep], holdout_every: int) -> tuple[list, list]:
+    """(fit, held out): every holdout_every-th step is held out (0: none)."""
+    if holdout_every <= 1:
+        return steps, []
+    held = [s for i, s in enumerate(steps) if i % holdout_every == holdout_every - 1]
+    return [s for i, s in enumerate(steps) if i % holdout_every != holdout_every - 1], held
+
+
+def heldout_errors(model: FittedLatencyModel, held: list[TracedStep]) -> dict:
+    if not held:
+        return {"num_steps": 0}
+    predicted = [model.predict_totals(s.totals) for s in held]
+    rel = sorted(abs(p - s.cycle) / s.cycle for p, s in zip(predicted, held))
+    runner_rel = [abs(model.runner_seconds(s.totals) - s.runner) / s.runner for s in held]
+    return {"num_steps": len(held), "mean_rel_error": statistics.fmean(rel),
+            "p90_rel_error": rel[int(0.9 * (len(rel) - 1))],
+            "total_rel_error": sum(predicted) / sum(s.cycle for s in held) - 1.0,
+            "runner_mean_rel_error": statistics.fmean(runner_rel),
+            "overhead_mean_ms": 1000 * statistics.fmean(s.overhead for s in held),
+            "overhead_mean_ms_fit": 1000 * statistics.fmean(
+                model.overhead_seconds(s.totals) for s in held)}
+
+
+def calibrate_from_traces(paths: Sequence[str], holdout_every: int = 5) -> dict:
+    """The profile dict fitted to the traces at `paths` (see the module doc)."""
+    from tokenweir.sim.calibrate import PROFILE_FORMAT, fit_step_model
+
+    started = time.perf_counter()
+    traces = [load_jsonl(p) for p in paths]
+    meta = _common_meta(traces, paths)
+    steps = [s for t in traces for s in traced_steps(t)]
+    fit_steps, held = split(steps, holdout_every)
+    if len(fit_steps) < len(FITTED_FEATURES) + len(OVERHEAD_FEATURES):
+        raise ValueError(f"{len(fit_steps)} fittable steps in {list(paths)}: too few (traces "
+                         f"written with --trace by this version of the engine have phases)")
+    fit = fit_step_model([s.totals for s in fit_steps], [s.runner for s in fit_steps])
+    overhead = fit_overhead([s.totals for s in fit_steps], [s.overhead for s in fit_steps])
+    model = FittedLatencyModel(fit.coefficients, overhead=overhead)
+    budget = int(meta.pop("max_num_batched_tokens", 0) or 2048)
+    return {"format": PROFILE_FORMAT, **meta, "source": "trace", "traces": list(paths),
+            "num_steps": len(steps), "features": list(FITTED_FEATURES),
+            "coefficients": fit.coefficients,
+            "overhead_features": list(OVERHEAD_FEATURES), "overhead": overhead,
+            "fit": {"r2": fit.r2, "mean_rel_error": fit.mean_rel_error,
+                    "max_rel_error": fit.max_rel_error, "num_points": len(fit_steps)},
+            "heldout": heldout_errors(model, held),
+            "ttft": _ttft_line(model, budget, int(meta.get("max_model_len") or 2048)),
+            "grid": "trace", "repeats": 1,
+            "calibration_seconds": round(time.perf_counter() - started, 2)}
+
+
+def _common_meta(traces: list[Trace], paths: Sequence[str]) -> dict:
+    """The run settings of the first trace; ValueError when another disagrees on one that
+    changes step times (model, dtype, device, threads)."""
+    first = traces[0].meta
+    for trace, path in zip(traces[1:], paths[1:]):
+        for key in ("model", "dtype", "device", "threads"):
+            if trace.meta.get(key) != first.get(key):
+                raise ValueError(f"{path}: {key}={trace.meta.get(key)!r} but {paths[0]} has "
+                                 f"{first.get(key)!r}; fit traces of one setting at a time")
+    meta = {k: first.get(k) for k in META_KEYS}
+    meta["max_num_batched_tokens"] = first.get("max_num_batched_tokens")
+    return meta
+
+
+def _ttft_line(model: FittedLatencyModel, budget: int, longest: int) -> dict:
+    from tokenweir.sim.calibrate import fit_line
+    from tokenweir.sim.slo_cuts import solo_ttft
+
+    xs = [max(1, longest * (i + 1) // 9) for i in range(8)]
+    a, c, r2 = fit_line(xs, [solo_ttft(model, x, budget) for x in xs])
+    return {"a": a, "c": c, "r2": r2}
+
+
+def format_heldout(profile: dict) -> str:
+    h, o = profile.get("heldout", {}), profile.get("overhead", {})
+    lines = ["engine overhead per step = " + " + ".join(
+        f"{1000 * o.get(f, 0.0):.4g} ms*{f}" for f in OVERHEAD_FEATURES)]
+    if h.get("num_steps"):
+        lines.append(
+            f"held-out steps ({h['num_steps']}): step time error mean "
+            f"{100 * h['mean_rel_error']:.1f}%, p90 {100 * h['p90_rel_error']:.1f}%; summed "
+            f"time {100 * h['total_rel_error']:+.2f}%; runner alone mean "
+            f"{100 * h['runner_mean_rel_error']:.1f}%; overhead measured "
+            f"{h['overhead_mean_ms']:.3f} ms/step, fitted {h['overhead_mean_ms_fit']:.3f}")
+    return "\n".join(lines)
