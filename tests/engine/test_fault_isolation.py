@@ -127,8 +127,8 @@ def test_corrupt_params_fail_in_the_sampler_alone(tiny_llama_path, baseline):
 @pytest.mark.parametrize("victim", [0, 1, 3])
 def test_corrupt_params_fail_in_the_stop_rules_alone(tiny_llama_path, baseline, victim):
     """A real failure inside the scheduler's update (the token stop rules): stop_token_ids
-    corrupted into an int after admission. Requests updated before the culprit keep their
-    tokens, the ones after it are updated one by one."""
+    corrupted into an int after admission. The per-request guard in update_from_output fails
+    the culprit alone, wherever it sits in the step's order."""
     engine = _engine(tiny_llama_path)
     params = _params()
     params[victim] = SamplingParams(**{**vars(params[victim]), "stop_token_ids": [383]})
@@ -210,3 +210,36 @@ def test_streaming_deltas_end_in_one_error_for_the_victim_only(tiny_llama_path, 
             assert deltas[-1].outputs[0].finish_reason == "length"
             assert [t for d in deltas for t in d.outputs[0].token_ids] == baseline[i]
     _assert_idle(engine)
+
+
+def test_update_guard_fails_one_request_and_updates_the_rest():
+    """The guard inside Scheduler.update_from_output, without the engine: in every step the
+    culprit (corrupted stop_token_ids) sits between neighbours; it fails in its first update
+    with blocks freed, and every neighbour finishes with exactly its fault-free tokens."""
+    from tests.core.harness import FakeRunner, expected_output, make_request, make_scheduler
+    from tokenweir.request import RequestStatus
+
+    scheduler, runner = make_scheduler(num_blocks=64, block_size=4, max_model_len=64), FakeRunner()
+    requests = [make_request(f"r{i}", 5 + i, 6, stop_token_ids=[999]) for i in range(5)]
+    for request in requests:
+        scheduler.add_request(request)
+    requests[2].sampling_params.stop_token_ids = 5  # `token in 5` raises TypeError
+    outputs, steps = {}, 0
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        if steps == 0:
+            assert list(out.num_scheduled_tokens) == [r.request_id for r in requests]
+        for eco in scheduler.update_from_output(out, runner.execute(out)):
+            if eco.finish_reason is not None:
+                assert eco.request.request_id not in outputs
+                outputs[eco.request.request_id] = (eco.finish_reason, eco.new_token_ids)
+        scheduler.check_integrity()
+        steps += 1
+    culprit = requests[2]
+    assert outputs["r2"] == ("error", []) and culprit.status == RequestStatus.FINISHED_ERROR
+    assert "stop rules" in culprit.error and "not iterable" in culprit.error
+    assert culprit.num_output_tokens <= 1  # it failed in its first update (its first token)
+    for request in requests[:2] + requests[3:]:
+        assert outputs[request.request_id][0] == "length"
+        assert request.output_token_ids == expected_output(request, None)
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks, "blocks leaked"
