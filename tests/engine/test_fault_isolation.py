@@ -243,3 +243,91 @@ def test_update_guard_fails_one_request_and_updates_the_rest():
         assert outputs[request.request_id][0] == "length"
         assert request.output_token_ids == expected_output(request, None)
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks, "blocks leaked"
+
+
+class _FirstRequestSeen:
+    """A request-id set for `inject` that holds the first id asked about: a server's request
+    ids are random, so the fault picks the first request that reaches the point."""
+
+    def __init__(self) -> None:
+        self.request_id = None
+
+    def __contains__(self, request_id: str) -> bool:
+        self.request_id = self.request_id or request_id
+        return request_id == self.request_id
+
+
+@pytest.fixture()
+def client(tiny_llama_path):
+    from fastapi.testclient import TestClient
+
+    from tokenweir.engine.async_engine import AsyncEngine
+    from tokenweir.server.app import create_app
+    from tokenweir.server.settings import ServerSettings
+
+    engine = AsyncEngine(_engine(tiny_llama_path))
+    app = create_app(engine, ServerSettings(served_model_names=("tiny",), timeline_steps=0))
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def _sse_events(text: str) -> list:
+    import json
+    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+BODY = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True}
+
+
+def test_the_error_message_reaches_the_streaming_client(client):
+    """A stream whose request fails mid-way ends with its final chunk (finish_reason "error"),
+    then one error event with the engine's message, then [DONE]."""
+    with inject("sampling", _FirstRequestSeen(), skip=3) as record:
+        resp = client.post("/v1/completions", json={**BODY, "stream": True})
+    assert record.fired, "the fault never fired"
+    assert resp.status_code == 200
+    events = _sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    error, final = events[-2], events[-3]
+    assert final["choices"][0]["finish_reason"] == "error"
+    assert "sampling failed: InjectedFault" in error["error"]["message"]
+    assert error["error"]["type"] == "internal_error"
+    assert sum(1 for e in events if isinstance(e, dict) and "error" in e) == 1
+    ok = client.post("/v1/completions", json={**BODY, "stream": True})  # the server serves on
+    assert _sse_events(ok.text)[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_error_message_reaches_the_client_as_a_500(client):
+    with inject("sampling", _FirstRequestSeen(), skip=1) as record:
+        resp = client.post("/v1/completions", json=BODY)
+    assert record.fired
+    assert resp.status_code == 500
+    assert "sampling failed: InjectedFault" in resp.json()["error"]["message"]
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+
+
+def test_an_invalid_request_refused_by_the_engine_is_a_400(tiny_llama_path):
+    """A ValueError at admission (here prompt + max_tokens over max_model_len, set past the
+    edge's check) is the client's error: its message starts with INVALID_REQUEST, which the
+    server answers 400; an injected (internal) admission failure maps to 500."""
+    from tokenweir.engine.engine_core import INVALID_REQUEST, error_http_status
+
+    engine = _engine(tiny_llama_path)
+    first, text = engine.make_request(_prompts()[0], SamplingParams(**vars(GREEDY)))
+    too_long, too_long_text = engine.make_request(_prompts()[1],
+                                                  SamplingParams(**vars(GREEDY)))
+    too_long.max_tokens = 10_000
+    engine.submit_request(first, text)
+    engine.submit_request(too_long, too_long_text)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    errors = [o.error for o in outputs if o.outputs[0].finish_reason == "error"]
+    assert len(errors) == 1 and errors[0].startswith(INVALID_REQUEST), errors
+    assert "exceeds max_model_len" in errors[0]
+    assert [o.outputs[0].finish_reason for o in outputs].count("length") == 1  # the neighbour
+    assert error_http_status(errors[0]) == 400
+    assert error_http_status("admission failed: InjectedFault('x')") == 500
+    assert error_http_status("sampling failed: TypeError()") == 500

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 from tokenweir import faults
 from tokenweir.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -30,6 +30,17 @@ from tokenweir.engine.metrics import EngineMetrics
 from tokenweir.request import Request, RequestStatus
 
 logger = logging.getLogger("tokenweir")
+
+# The error message of a request refused at admission for a bad value (a ValueError: prompt +
+# max_tokens over max_model_len, a duplicate id) starts with this: the client's error (HTTP
+# 400). Every other failure (sampling, stop rules, output, the forward) is the server's (500).
+INVALID_REQUEST = "invalid request"
+
+
+def error_http_status(message: Optional[str]) -> int:
+    """The HTTP status a failed request's error maps to: 400 when the request was invalid,
+    else 500."""
+    return 400 if message is not None and message.startswith(INVALID_REQUEST) else 500
 
 
 class Executor(Protocol):
@@ -129,7 +140,8 @@ class EngineCore:
     def _fail_unadmitted(self, request: Request, exc: Exception) -> EngineCoreOutput:
         logger.warning("request %s refused at admission: %r", request.request_id, exc)
         request.status = RequestStatus.FINISHED_ERROR
-        request.error = f"admission failed: {exc}"
+        reason = INVALID_REQUEST if isinstance(exc, ValueError) else "admission failed"
+        request.error = f"{reason}: {exc}"
         request.finished_time = self.clock()
         return EngineCoreOutput(request, [], finish_reason="error")
 
