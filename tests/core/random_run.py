@@ -11,7 +11,7 @@ recompute), random priorities, and aborts both between steps and while a step is
 device". The runner is `KVContentRunner`: it models the KV bytes, so a wrong prefix hit, swap
 pair or copy order fails its content checks.
 
-Cheap checks: the pools are small on purpose (one max_model_len request plus a few blocks), so
+Cheap checks: the pools are small on purpose (one max_model_len request plus 12 blocks), so
 the full integrity check after every step walks a few dozen blocks and at most `max_num_seqs`
 requests; the per-step checks are O(running requests); the KV-content checks are O(context of
 the step's requests), which the small max_model_len bounds. Nothing is O(history).
@@ -37,6 +37,9 @@ from tokenweir.request import Request
 
 MAX_MODEL_LEN = 96
 SECONDS_PER_TOKEN = 0.001  # the scripted clock: a step takes 1 ms per scheduled token
+# Arrivals per step: about what the cramped pool serves, so queues build and drain (faster,
+# the waiting queue grows without bound and every step pays for it).
+ARRIVAL_P = 0.09
 
 # Every segment has every feature on; segments differ in what only one value can have.
 SEGMENTS = (
@@ -80,7 +83,7 @@ def segment_config(index: int) -> dict:
                scheduler_reserve_full_isl=False, enable_prefix_caching=True, max_preemptions=2,
                scheduling_policy="slo", preemption_policy="cost")
     cfg.update(SEGMENTS[index % len(SEGMENTS)])
-    cfg["num_blocks"] = 1 + cdiv(MAX_MODEL_LEN, cfg["block_size"]) + 4
+    cfg["num_blocks"] = 1 + cdiv(MAX_MODEL_LEN, cfg["block_size"]) + 12
     cfg["num_host_blocks"] = cdiv(MAX_MODEL_LEN, cfg["block_size"])
     return cfg
 
@@ -110,7 +113,7 @@ class Segment:
 
     def step(self) -> None:
         rng, s = self.rng, self.s
-        if self.step_no < self.arrival_steps and rng.random() < 0.12:
+        if self.step_no < self.arrival_steps and rng.random() < ARRIVAL_P:
             for request in fan_out(self.draw_request()):
                 self.added[request.request_id] = request
                 s.add_request(request)
