@@ -29,6 +29,6 @@ def test_random_run_at_scale_with_every_feature_keeps_invariants():
     assert c["recomputed_tokens"] > 0 and c["chunked_prefill_steps"] > 0
     assert c["prefix_hits"] > 0
     assert c["slo_pauses"] > 0 and c["slo_cuts"] > 0 and stats.cuts > 0
-    assert stats.aborted > 0 and stats.finished > 10_000
+    assert stats.aborted > 0 and stats.finished > 5_000
     print(f"{stats.steps} steps, {stats.invariant_checks} invariant checks, "
           f"{stats.requests} requests in {seconds:.1f} s; {c}")
