@@ -11,6 +11,10 @@ the scheduler through `finish_requests`, which frees its blocks. The rest of the
   `Scheduler.update_from_output` (core/sched/failure.py);
 - a failure of the forward itself (`execute` raised) fails the requests of that step, and
   the engine serves the next step as usual.
+  It is not retried: a swap-out's source blocks may have been handed on and written by the
+  failed forward (a second copy would save garbage), the runner may have taken in part of the
+  step's state, and a failure on CPU (a bug, memory, a bad input) is rarely transient; a retry
+  would double the time to the same error.
 
 Detokenization and output building are isolated one layer up (LLMEngine.step).
 """
