@@ -127,8 +127,8 @@ def test_corrupt_params_fail_in_the_sampler_alone(tiny_llama_path, baseline):
 @pytest.mark.parametrize("victim", [0, 1, 3])
 def test_corrupt_params_fail_in_the_stop_rules_alone(tiny_llama_path, baseline, victim):
     """A real failure inside the scheduler's update (the token stop rules): stop_token_ids
-    corrupted into an int after admission. Requests updated before the culprit keep their
-    tokens, the ones after it are updated one by one."""
+    corrupted into an int after admission. The per-request guard in update_from_output fails
+    the culprit alone, wherever it sits in the step's order."""
     engine = _engine(tiny_llama_path)
     params = _params()
     params[victim] = SamplingParams(**{**vars(params[victim]), "stop_token_ids": [383]})
@@ -210,3 +210,124 @@ def test_streaming_deltas_end_in_one_error_for_the_victim_only(tiny_llama_path, 
             assert deltas[-1].outputs[0].finish_reason == "length"
             assert [t for d in deltas for t in d.outputs[0].token_ids] == baseline[i]
     _assert_idle(engine)
+
+
+def test_update_guard_fails_one_request_and_updates_the_rest():
+    """The guard inside Scheduler.update_from_output, without the engine: in every step the
+    culprit (corrupted stop_token_ids) sits between neighbours; it fails in its first update
+    with blocks freed, and every neighbour finishes with exactly its fault-free tokens."""
+    from tests.core.harness import FakeRunner, expected_output, make_request, make_scheduler
+    from tokenweir.request import RequestStatus
+
+    scheduler, runner = make_scheduler(num_blocks=64, block_size=4, max_model_len=64), FakeRunner()
+    requests = [make_request(f"r{i}", 5 + i, 6, stop_token_ids=[999]) for i in range(5)]
+    for request in requests:
+        scheduler.add_request(request)
+    requests[2].sampling_params.stop_token_ids = 5  # `token in 5` raises TypeError
+    outputs, steps = {}, 0
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        if steps == 0:
+            assert list(out.num_scheduled_tokens) == [r.request_id for r in requests]
+        for eco in scheduler.update_from_output(out, runner.execute(out)):
+            if eco.finish_reason is not None:
+                assert eco.request.request_id not in outputs
+                outputs[eco.request.request_id] = (eco.finish_reason, eco.new_token_ids)
+        scheduler.check_integrity()
+        steps += 1
+    culprit = requests[2]
+    assert outputs["r2"] == ("error", []) and culprit.status == RequestStatus.FINISHED_ERROR
+    assert "stop rules" in culprit.error and "not iterable" in culprit.error
+    assert culprit.num_output_tokens <= 1  # it failed in its first update (its first token)
+    for request in requests[:2] + requests[3:]:
+        assert outputs[request.request_id][0] == "length"
+        assert request.output_token_ids == expected_output(request, None)
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks, "blocks leaked"
+
+
+class _FirstRequestSeen:
+    """A request-id set for `inject` that holds the first id asked about: a server's request
+    ids are random, so the fault picks the first request that reaches the point."""
+
+    def __init__(self) -> None:
+        self.request_id = None
+
+    def __contains__(self, request_id: str) -> bool:
+        self.request_id = self.request_id or request_id
+        return request_id == self.request_id
+
+
+@pytest.fixture()
+def client(tiny_llama_path):
+    from fastapi.testclient import TestClient
+
+    from tokenweir.engine.async_engine import AsyncEngine
+    from tokenweir.server.app import create_app
+    from tokenweir.server.settings import ServerSettings
+
+    engine = AsyncEngine(_engine(tiny_llama_path))
+    app = create_app(engine, ServerSettings(served_model_names=("tiny",), timeline_steps=0))
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def _sse_events(text: str) -> list:
+    import json
+    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+BODY = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True}
+
+
+def test_the_error_message_reaches_the_streaming_client(client):
+    """A stream whose request fails mid-way ends with its final chunk (finish_reason "error"),
+    then one error event with the engine's message, then [DONE]."""
+    with inject("sampling", _FirstRequestSeen(), skip=3) as record:
+        resp = client.post("/v1/completions", json={**BODY, "stream": True})
+    assert record.fired, "the fault never fired"
+    assert resp.status_code == 200
+    events = _sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    error, final = events[-2], events[-3]
+    assert final["choices"][0]["finish_reason"] == "error"
+    assert "sampling failed: InjectedFault" in error["error"]["message"]
+    assert error["error"]["type"] == "internal_error"
+    assert sum(1 for e in events if isinstance(e, dict) and "error" in e) == 1
+    ok = client.post("/v1/completions", json={**BODY, "stream": True})  # the server serves on
+    assert _sse_events(ok.text)[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_error_message_reaches_the_client_as_a_500(client):
+    with inject("sampling", _FirstRequestSeen(), skip=1) as record:
+        resp = client.post("/v1/completions", json=BODY)
+    assert record.fired
+    assert resp.status_code == 500
+    assert "sampling failed: InjectedFault" in resp.json()["error"]["message"]
+    assert client.post("/v1/completions", json=BODY).status_code == 200
+
+
+def test_an_invalid_request_refused_by_the_engine_is_a_400(tiny_llama_path):
+    """A ValueError at admission (here prompt + max_tokens over max_model_len, set past the
+    edge's check) is the client's error: its message starts with INVALID_REQUEST, which the
+    server answers 400; an injected (internal) admission failure maps to 500."""
+    from tokenweir.engine.engine_core import INVALID_REQUEST, error_http_status
+
+    engine = _engine(tiny_llama_path)
+    first, text = engine.make_request(_prompts()[0], SamplingParams(**vars(GREEDY)))
+    too_long, too_long_text = engine.make_request(_prompts()[1],
+                                                  SamplingParams(**vars(GREEDY)))
+    too_long.max_tokens = 10_000
+    engine.submit_request(first, text)
+    engine.submit_request(too_long, too_long_text)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    errors = [o.error for o in outputs if o.outputs[0].finish_reason == "error"]
+    assert len(errors) == 1 and errors[0].startswith(INVALID_REQUEST), errors
+    assert "exceeds max_model_len" in errors[0]
+    assert [o.outputs[0].finish_reason for o in outputs].count("length") == 1  # the neighbour
+    assert error_http_status(errors[0]) == 400
+    assert error_http_status("admission failed: InjectedFault('x')") == 500
+    assert error_http_status("sampling failed: TypeError()") == 500

@@ -7,16 +7,20 @@ the scheduler through `finish_requests`, which frees its blocks. The rest of the
 
 - admission: a submitted request the scheduler refuses fails alone;
 - sampling: the runner reports the requests whose sampling failed (`request_errors`);
-- the scheduler's update (stop rules): see `_update_isolated`;
+- the scheduler's update (stop rules): each request is guarded inside
+  `Scheduler.update_from_output` (core/sched/failure.py);
 - a failure of the forward itself (`execute` raised) fails the requests of that step, and
   the engine serves the next step as usual.
+  It is not retried: a swap-out's source blocks may have been handed on and written by the
+  failed forward (a second copy would save garbage), the runner may have taken in part of the
+  step's state, and a failure on CPU (a bug, memory, a bad input) is rarely transient; a retry
+  would double the time to the same error.
 
 Detokenization and output building are isolated one layer up (LLMEngine.step).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -30,6 +34,17 @@ from tokenweir.engine.metrics import EngineMetrics
 from tokenweir.request import Request, RequestStatus
 
 logger = logging.getLogger("tokenweir")
+
+# The error message of a request refused at admission for a bad value (a ValueError: prompt +
+# max_tokens over max_model_len, a duplicate id) starts with this: the client's error (HTTP
+# 400). Every other failure (sampling, stop rules, output, the forward) is the server's (500).
+INVALID_REQUEST = "invalid request"
+
+
+def error_http_status(message: Optional[str]) -> int:
+    """The HTTP status a failed request's error maps to: 400 when the request was invalid,
+    else 500."""
+    return 400 if message is not None and message.startswith(INVALID_REQUEST) else 500
 
 
 class Executor(Protocol):
@@ -47,7 +62,7 @@ class EngineCore:
         self.inbox: deque[Request] = deque()
         self.arrival_event = threading.Event()  # set on each submit (wakes the SLO monitor)
         # Every request handed to the scheduler, until it shows up in a SchedulerOutput's
-        # finished_req_ids: lets a failed update find the requests it already finished.
+        # finished_req_ids: lets the runner's failures (sampling, forward) name requests by id.
         self._requests: dict[str, Request] = {}
         # Outputs of requests that failed outside a step (at admission), returned by the next.
         self._failed: list[EngineCoreOutput] = []
@@ -110,7 +125,8 @@ class EngineCore:
         else:
             if runner_output.request_errors:
                 failed += self.fail_requests(runner_output.request_errors)
-            outputs = self._update_isolated(scheduler_output, runner_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                        now=self.clock())
         self.metrics.record_step(scheduler_output, runner_output, self.scheduler)
         if self.step_observer is not None:  # [trace]
             self.step_observer(scheduler_output, runner_output, outputs,
@@ -138,7 +154,8 @@ class EngineCore:
     def _fail_unadmitted(self, request: Request, exc: Exception) -> EngineCoreOutput:
         logger.warning("request %s refused at admission: %r", request.request_id, exc)
         request.status = RequestStatus.FINISHED_ERROR
-        request.error = f"admission failed: {exc}"
+        reason = INVALID_REQUEST if isinstance(exc, ValueError) else "admission failed"
+        request.error = f"{reason}: {exc}"
         request.finished_time = self.clock()
         return EngineCoreOutput(request, [], finish_reason="error")
 
@@ -153,82 +170,3 @@ class EngineCore:
             victims += sorted(scheduler_output.preempted_req_ids)
         message = f"the model forward failed in step {scheduler_output.step_id}: {exc!r}"
         return self.fail_requests({request_id: message for request_id in victims})
-
-    # ---- update ---------------------------------------------------------------------------
-    def _update_isolated(self, scheduler_output: SchedulerOutput,
-                         runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """update_from_output, with one request's failure confined to that request.
-
-        Relies on update_from_output's contract: it walks `num_scheduled_tokens` in order, one
-        request at a time, advancing a request's num_computed_tokens before anything else about
-        it can fail, and reads only `num_scheduled_tokens` from the SchedulerOutput; a runner
-        samples at most one token per request per step. When it raises, the requests it had
-        finished with are recovered, the culprit fails, and the rest are updated one by one.
-        """
-        try:
-            return self.scheduler.update_from_output(scheduler_output, runner_output,
-                                                     now=self.clock())
-        except Exception as exc:  # noqa: BLE001 - find the request to blame
-            return self._recover_update(scheduler_output, runner_output, exc)
-
-    def _recover_update(self, scheduler_output: SchedulerOutput,
-                        runner_output: ModelRunnerOutput,
-                        exc: Exception) -> list[EngineCoreOutput]:
-        # The requests the update walked or would have walked (not the ones the runner failed).
-        order = [r for r in scheduler_output.num_scheduled_tokens if r in self._requests
-                 and self._requests[r].status != RequestStatus.FINISHED_ERROR]
-        computed_before = _computed_before(scheduler_output)
-        touched = [i for i, r in enumerate(order)
-                   if self._was_updated(self._requests[r], computed_before.get(r))]
-        last = touched[-1] if touched else -1
-        outputs = [o for r in order[:last] if (o := self._recovered_output(r, runner_output))]
-        suspect = order[last] if last >= 0 and not self._requests[order[last]].is_finished \
-            else None
-        if last >= 0 and suspect is None:
-            outputs += filter(None, [self._recovered_output(order[last], runner_output)])
-        rest = [r for r in order[last + 1:] if self._requests[r].status == RequestStatus.RUNNING]
-        first_failed = False
-        for i, request_id in enumerate(rest):
-            one = dataclasses.replace(
-                scheduler_output, num_scheduled_tokens={
-                    request_id: scheduler_output.num_scheduled_tokens[request_id]},
-                total_num_scheduled_tokens=scheduler_output.num_scheduled_tokens[request_id])
-            try:
-                outputs += self.scheduler.update_from_output(one, runner_output,
-                                                             now=self.clock())
-            except Exception as alone_exc:  # noqa: BLE001 - this one fails on its own
-                first_failed = first_failed or i == 0
-                outputs += self.fail_requests({request_id: _update_error(alone_exc)})
-        if suspect is not None:
-            if first_failed:  # the update broke on the next request, not on this one
-                outputs += filter(None, [self._recovered_output(suspect, runner_output)])
-            else:
-                outputs += self.fail_requests({suspect: _update_error(exc)})
-        return outputs
-
-    @staticmethod
-    def _was_updated(request: Request, computed_before: Optional[int]) -> bool:
-        return request.is_finished or request.num_computed_tokens != computed_before
-
-    def _recovered_output(self, request_id: str,
-                          runner_output: ModelRunnerOutput) -> Optional[EngineCoreOutput]:
-        """The output update_from_output made for a request before it raised on a later one:
-        its one sampled token (if any), appended already, and its finish reason."""
-        request = self._requests[request_id]
-        if not runner_output.sampled_token_ids.get(request_id):
-            return None
-        return EngineCoreOutput(request, request.all_token_ids[-1:],
-                                logprobs=runner_output.logprobs.get(request_id),
-                                finish_reason=request.status.finish_reason)
-
-
-def _computed_before(scheduler_output: SchedulerOutput) -> dict[str, int]:
-    """Request id -> num_computed_tokens before this step, as the SchedulerOutput tells it."""
-    before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
-    before.update(zip(scheduler_output.cached_req_ids,
-                      scheduler_output.cached_num_computed_tokens))
-    return before
-
-
-def _update_error(exc: Exception) -> str:
-    return f"updating the request after its step failed (stop rules): {exc!r}"

@@ -8,6 +8,7 @@ computed in float32 then cast to the activation dtype) so float32 results agree 
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -34,9 +35,46 @@ def skinny_matmul_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int):
     return kernels.skinny_linear_kernel()
 
 
+# Bounded memory (issue 14, item 8). A CPU bfloat16 matmul goes to oneDNN, which JIT-builds and
+# caches a primitive per distinct shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY entries, default 1024),
+# each holding native memory (measured ~0.7 MB with oneDNN's f32 linear on this AVX2 machine:
+# 768 distinct shapes took RSS from 246 to 777 MB). The rows M of a step's matmuls (its tokens)
+# take every value up to the token budget, so RSS grew by hundreds of MB until the cache filled.
+# Padding M up to a bucket bounds the distinct shapes: exact up to 16 rows (decode batches),
+# then 8 buckets per power of two (at most 12.5% padded rows); 88 shapes per weight up to 8192
+# rows. float32 needs none (MKL's sgemm and the C++ kernels keep no per-shape state).
+# TOKENWEIR_MATMUL_ROW_BUCKETS=0 turns it off (to measure the difference).
+BUCKET_ROWS = os.environ.get("TOKENWEIR_MATMUL_ROW_BUCKETS", "1") != "0"
+EXACT_ROWS = 16
+
+
+def row_bucket(rows: int) -> int:
+    """The number of rows `rows` is padded to: itself up to EXACT_ROWS, else the next multiple
+    of 2**(k-3) for rows in [2**k, 2**(k+1))."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def bucketed_linear(x: torch.Tensor, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), with a 2-D CPU bfloat16/float16 x padded to row_bucket rows
+    (the pad rows are zeros; the result has x's rows)."""
+    rows = x.shape[0]
+    if (not BUCKET_ROWS or x.dim() != 2 or x.device.type != "cpu"
+            or x.dtype not in (torch.bfloat16, torch.float16)
+            or (padded := row_bucket(rows)) == rows):
+        return F.linear(x, weight, bias)
+    x_padded = x.new_zeros((padded, x.shape[1]))
+    x_padded[:rows] = x
+    return F.linear(x_padded, weight, bias)[:rows]
+
+
 class Linear(nn.Linear):
     """nn.Linear without random init: parameters start uninitialized (weights are loaded).
-    A few rows on CPU float32 take the C++ few-rows kernel (see SKINNY_MAX_ROWS)."""
+    A few rows on CPU float32 take the C++ few-rows kernel (see SKINNY_MAX_ROWS); CPU bfloat16
+    rows are padded to a bucket (see BUCKET_ROWS)."""
 
     def reset_parameters(self) -> None:
         pass
@@ -44,7 +82,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = skinny_matmul_kernel(x, self.weight, SKINNY_MAX_ROWS)
         if kernel is None:
-            return F.linear(x, self.weight, self.bias)
+            return bucketed_linear(x, self.weight, self.bias)
         out = kernel(x, self.weight)
         return out if self.bias is None else out.add_(self.bias)
 

@@ -20,7 +20,8 @@ from torch import nn
 from tokenweir.model.arch import ArchConfig
 from tokenweir.model.attention import AttentionMetadata, paged_attention
 from tokenweir.model.layers import (SKINNY_MAX_ROWS_LM_HEAD, Embedding, GatedMLP, Linear,
-                                    RMSNorm, RotaryEmbedding, RotaryStep, skinny_matmul_kernel)
+                                    RMSNorm, RotaryEmbedding, RotaryStep, bucketed_linear,
+                                    skinny_matmul_kernel)
 
 
 # Called with the layer index before each decoder layer (an attention-layer boundary). It may
@@ -162,7 +163,9 @@ class CausalLM(nn.Module):
         kernel = skinny_matmul_kernel(hidden, weight, SKINNY_MAX_ROWS_LM_HEAD)
         if kernel is not None:
             return kernel(hidden, weight)
-        return torch.matmul(hidden, weight.t()).float()
+        if hidden.dtype == torch.float32:
+            return torch.matmul(hidden, weight.t()).float()
+        return bucketed_linear(hidden, weight).float()  # rows bucketed: bounded memory
 
     # ---- weights ---------------------------------------------------------------------------
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tokenweir.engine.engine_core import error_http_status
 from tokenweir.outputs import Logprob, RequestOutput
 from tokenweir.request import SamplingParams
 
@@ -168,6 +169,7 @@ class Accumulator:
         self.num_logprobs_seen = 0
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
+        self.error: Optional[str] = None  # the engine's message when finish_reason is "error"
         self.prompt_tokens = 0
 
     def add(self, out: RequestOutput) -> tuple[str, list[int], list]:
@@ -183,7 +185,19 @@ class Accumulator:
         if out.finished:
             self.finish_reason = c.finish_reason
             self.stop_reason = c.stop_reason
+            self.error = out.error
         return c.text, list(c.token_ids), entries
+
+
+def request_failed(acc: Accumulator) -> Optional[APIError]:
+    """The error a finished request's answer carries (finish_reason "error"), as vLLM and
+    OpenAI send it: 400 when the engine refused the request as invalid, else 500."""
+    if acc.finish_reason != "error":
+        return None
+    message = acc.error or "the request failed in the engine"
+    status = error_http_status(acc.error)
+    return APIError(message, status, "invalid_request_error" if status == 400
+                    else "internal_error")
 
 
 def now() -> int:

@@ -4,7 +4,9 @@ One `Shape` per endpoint says how a choice looks; the loop that folds the engine
 outputs into chunks (`stream_chunks`) and the one that collects a whole answer (`collect`) are
 shared. Contract of a stream: zero or more opening chunks, one chunk per engine step that
 produced text or tokens, the last of them carrying finish_reason, then (with include_usage) a
-usage chunk with no choices.
+usage chunk with no choices. A request that failed in the engine (finish_reason "error") then
+gets one `{"error": {...}}` event with the engine's message (as vLLM sends it) before [DONE];
+not streamed, it is answered with that error: 500, or 400 when the engine refused it as invalid.
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ async def stream_chunks(shape: Shape, outputs: AsyncIterator[RequestOutput]
         yield shape.chunk([shape.delta_choice(acc, text, token_ids, entries, out.finished)])
     if shape.parsed.include_usage:
         yield shape.usage_chunk(acc)
+    failed = P.request_failed(acc)
+    if failed is not None:  # after the final chunk (finish_reason "error"), before [DONE]
+        yield failed.body()
 
 
 async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput]) -> dict:
@@ -130,4 +135,7 @@ async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput]) -> dict:
     async for out in outputs:
         _, _, new = acc.add(out)
         entries.extend(new)
+    failed = P.request_failed(acc)
+    if failed is not None:  # a 500 (or 400) with the engine's message, not a 200
+        raise failed
     return shape.whole(acc, entries)

@@ -22,6 +22,7 @@ from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import (SLO_BETWEEN_STEPS, SLO_MID_STEP, EngineCoreOutput,
                                     ModelRunnerOutput, SchedulerOutput, SchedulerStats)
 from tokenweir.core.sched import admission, stats as count
+from tokenweir.core.sched.failure import fail_in_update
 from tokenweir.core.sched.integrity import check_integrity
 from tokenweir.core.sched.policies import Pause, SchedulingPolicy, VictimPolicy, make_policies
 from tokenweir.core.sched.policy import PreemptionCosts, num_tokens_to_schedule
@@ -192,56 +193,58 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, apply stop rules, free the finished.
 
         Requests aborted or preempted since `scheduler_output` was made are skipped.
+        Fault isolation: a request whose update raises fails alone (failure.fail_in_update);
+        the other requests of the step are updated as usual.
         `decoded` (the simulator's bulk path; not with logprobs): when given, a request that
         got one token that is neither its first nor its last is listed there by id instead of
         getting an EngineCoreOutput; its token is in `all_token_ids` as always.
         """
-        # The per-token path of the whole engine (and of the simulator): locals, not
-        # attribute chains; calls only where something may happen.
+        # The per-token path of engine and simulator: locals, calls only where needed.
         outputs: list[EngineCoreOutput] = []
         requests, running = self.requests, RequestStatus.RUNNING
         sampled, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
-        kv = self.kv
+        kv, fast_length_cap, num_fast = self.kv, self._fast_length_cap, 0
         register = kv.register_computed_blocks if kv.enable_prefix_caching else None
         # Publishing has work only where a step filled a block, unless some lag (swap-outs).
         block_size, lagging = kv.block_size, kv.has_lagging_registrations()
-        fast_length_cap = self._fast_length_cap
-        num_fast = 0
         bulk = decoded.append if decoded is not None and not logprobs else None
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(request_id)
             if request is None or request.status is not running:  # statuses are the members
                 continue
-            if request.num_preemptions:
-                count.count_recomputed_tokens(self.stats, request, num_tokens)
-            computed = request.num_computed_tokens + num_tokens
-            request.num_computed_tokens = computed
-            if computed > request.max_computed_tokens:
-                request.max_computed_tokens = computed
-            if register is not None and (lagging or computed % block_size < num_tokens):
-                register(request)
-            new_token_ids = sampled.get(request_id)
-            if not new_token_ids:
-                continue
-            # Decode fast path: one token, not the first, that no stop rule can end (not an
-            # EOS token id, the request has no stop token ids, below the length cap): append
-            # it and move on. Everything else takes _append_tokens and stop.stop_status.
-            token_id = new_token_ids[0]
-            all_token_ids = request.all_token_ids
-            if (len(all_token_ids) + 1 < fast_length_cap[request_id]
-                    and request.first_token_time is not None and len(new_token_ids) == 1
-                    and token_id not in request.eos_token_ids):
-                all_token_ids.append(token_id)
-                num_fast += 1
-                if bulk is not None:
-                    bulk(request_id)
+            try:  # the per-request guard: free (zero-cost) unless it raises
+                if request.num_preemptions:
+                    count.count_recomputed_tokens(self.stats, request, num_tokens)
+                computed = request.num_computed_tokens + num_tokens
+                request.num_computed_tokens = computed
+                if computed > request.max_computed_tokens:
+                    request.max_computed_tokens = computed
+                if register is not None and (lagging or computed % block_size < num_tokens):
+                    register(request)
+                new_token_ids = sampled.get(request_id)
+                if not new_token_ids:
                     continue
-                output = EngineCoreOutput(request, [token_id])
-            else:
-                output = self._append_tokens(request, new_token_ids, now)
-            if logprobs:
-                output.logprobs = logprobs.get(request_id)
-            outputs.append(output)
+                # Decode fast path: one token, not the first, that no stop rule can end (not an
+                # EOS token id, the request has no stop token ids, below the length cap): append
+                # it and move on. Everything else takes _append_tokens and stop.stop_status.
+                token_id = new_token_ids[0]
+                all_token_ids = request.all_token_ids
+                if (len(all_token_ids) + 1 < fast_length_cap[request_id]
+                        and request.first_token_time is not None and len(new_token_ids) == 1
+                        and token_id not in request.eos_token_ids):
+                    all_token_ids.append(token_id)
+                    num_fast += 1
+                    if bulk is not None:
+                        bulk(request_id)
+                        continue
+                    output = EngineCoreOutput(request, [token_id])
+                else:
+                    output = self._append_tokens(request, new_token_ids, now)
+                if logprobs:
+                    output.logprobs = logprobs.get(request_id)
+                outputs.append(output)
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                outputs.append(fail_in_update(self, request, exc, now))
         self.stats.generation_tokens += num_fast
         return outputs
 
