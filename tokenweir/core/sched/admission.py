@@ -57,10 +57,12 @@ class Admission:
         if plan.preempted or not waiting:
             return
         num_partial = PartialPrefills(running, plan.paused)
+        reserved = sched.forks.reserved_seats() if max_num_seqs > 0 else 0
         while waiting and plan.token_budget > 0 and not plan.prefills_closed:
-            if 0 < max_num_seqs <= len(running):
-                break
             request = waiting.peek()
+            seats = num_seats(request)
+            if 0 < max_num_seqs < len(running) + reserved + seats:
+                break
             if request.request_id in plan.paused:
                 break  # vetoed by the policy: it and what sorts after it wait
             admitted = self._try_admit(request, plan, num_partial)
@@ -71,6 +73,7 @@ class Admission:
             if num_tokens < request.num_tokens - request.num_computed_tokens:
                 num_partial.add_one()
             _admit(request, plan.now, running)
+            reserved += seats - 1
             plan.add(request, num_tokens, block_ids, is_new=True)
             sched.policy.on_scheduled(sched, request, plan)
 
@@ -89,7 +92,10 @@ class Admission:
             return None
         if config.scheduler_reserve_full_isl:
             full_len = min(request.max_num_tokens, self.sched.max_model_len)
-            needed = self.kv.num_blocks_to_admit(full_len, hits)
+            group = request.group
+            num_forks = group.size - 1 if group is not None and not group.forked else 0
+            needed = self.kv.num_blocks_to_admit(full_len, hits, num_forks,
+                                                 request.num_prompt_tokens)
             if not full_sequence_fits(needed, self.kv.num_free_blocks, reserved):
                 return None
         block_ids = self.kv.allocate_slots(request, num_tokens, computed_blocks=hits,
@@ -125,6 +131,13 @@ class Admission:
         if num_tokens < owed and num_partial.value() >= config.max_num_partial_prefills:
             return 0
         return num_tokens
+
+
+def num_seats(request: Request) -> int:
+    """Running seats (max_num_seqs) admitting the request takes: a parallel-sampling parent
+    not yet forked takes one per sample, as its samples join `running` when it forks."""
+    group = request.group
+    return 1 if group is None or group.forked else group.size
 
 
 def _admit(request: Request, now: float, running: list[Request]) -> None:
