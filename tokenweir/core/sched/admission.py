@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from tokenweir.config import SchedulerConfig
-from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from tokenweir.core.sched.policy import full_sequence_fits, num_tokens_to_schedule
 from tokenweir.core.sched.step_plan import PartialPrefills, StepPlan
 from tokenweir.request import Request, RequestStatus
@@ -92,10 +92,7 @@ class Admission:
             return None
         if config.scheduler_reserve_full_isl:
             full_len = min(request.max_num_tokens, self.sched.max_model_len)
-            group = request.group
-            num_forks = group.size - 1 if group is not None and not group.forked else 0
-            needed = self.kv.num_blocks_to_admit(full_len, hits, num_forks,
-                                                 request.num_prompt_tokens)
+            needed = self._blocks_to_reserve(request, full_len, hits)
             if not full_sequence_fits(needed, self.kv.num_free_blocks, reserved):
                 return None
         block_ids = self.kv.allocate_slots(request, num_tokens, computed_blocks=hits,
@@ -105,6 +102,19 @@ class Admission:
         request.num_computed_tokens = num_hit_tokens
         self.kv.record_admission(request, num_hit_tokens)
         return num_tokens, block_ids
+
+    def _blocks_to_reserve(self, request: Request, full_len: int,
+                           hits: ComputedBlocks) -> int:
+        """Free blocks the full-sequence check asks for: a parallel-sampling parent not yet
+        forked reserves for all its samples at full length (their shared prompt blocks once),
+        unless even an empty pool could not hold that; then, as any request, for itself."""
+        group = request.group
+        single = self.kv.num_blocks_to_admit(full_len, hits)
+        if group is None or group.forked:
+            return single
+        whole = self.kv.num_blocks_to_admit(full_len, hits, group.size - 1,
+                                            request.num_prompt_tokens)
+        return whole if whole <= self.kv.num_usable_blocks else single
 
     def _try_swap_in(self, request: Request, plan: StepPlan, num_partial: PartialPrefills,
                      reserved: int) -> Optional[tuple[int, list[int]]]:
