@@ -2,9 +2,10 @@
 
 One `Shape` per endpoint says how a choice looks; the loop that folds the engine's delta
 outputs into chunks (`stream_chunks`) and the one that collects a whole answer (`collect`) are
-shared. Contract of a stream: zero or more opening chunks, one chunk per engine step that
-produced text or tokens, the last of them carrying finish_reason, then (with include_usage) a
-usage chunk with no choices.
+shared. Contract of a stream: zero or more opening chunks, then per choice (`index`; n of them
+with parallel sampling) one chunk per engine step that produced text or tokens for it, its
+last carrying its finish_reason, then (with include_usage) a usage chunk with no choices:
+the prompt's tokens once, the completion tokens of every choice.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ class Shape:
             extra["usage"] = None
         return self.envelope(choices, self.chunk_object_name, **extra)
 
-    def whole(self, acc: P.Accumulator, entries: list) -> dict:
+    def whole(self, choices: P.Choices, entries: dict[int, list]) -> dict:
         self.created = P.now()
-        return self.envelope([self.whole_choice(acc, entries)], self.object_name,
-                             usage=P.usage(acc.prompt_tokens, len(acc.token_ids)))
+        return self.envelope([self.whole_choice(acc, entries.get(acc.index, []))
+                              for acc in choices.in_order()], self.object_name,
+                             usage=choices.usage())
 
-    def usage_chunk(self, acc: P.Accumulator) -> dict:
-        return self.chunk([], usage=P.usage(acc.prompt_tokens, len(acc.token_ids)))
+    def usage_chunk(self, choices: P.Choices) -> dict:
+        return self.chunk([], usage=choices.usage())
 
     # ---- per endpoint -----------------------------------------------------------------------
     def opening_chunks(self) -> list[dict]:
@@ -61,7 +63,7 @@ class CompletionShape(Shape):
     def __init__(self, *args: Any, echo: Optional[str] = None) -> None:
         super().__init__(*args)
         self.echo = echo  # the prompt text, when the client asked for it back
-        self.offset = 0  # characters streamed so far (logprobs text_offset)
+        self.offsets: dict[int, int] = {}  # choice -> characters streamed (text_offset)
 
     def _logprobs(self, token_ids: list[int], entries: list, offset: int) -> Optional[dict]:
         if self.k is None:
@@ -69,15 +71,16 @@ class CompletionShape(Shape):
         return P.completion_logprobs(self.tokenizer, token_ids, entries, self.k, offset)
 
     def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
-        choice = {"index": 0, "text": text,
-                  "logprobs": self._logprobs(token_ids, entries, self.offset),
+        offset = self.offsets.get(acc.index, 0)
+        choice = {"index": acc.index, "text": text,
+                  "logprobs": self._logprobs(token_ids, entries, offset),
                   "finish_reason": acc.finish_reason if finished else None,
                   "stop_reason": acc.stop_reason if finished else None}
-        self.offset += len(text)
+        self.offsets[acc.index] = offset + len(text)
         return choice
 
     def whole_choice(self, acc, entries) -> dict:
-        return {"index": 0, "text": (self.echo or "") + acc.text,
+        return {"index": acc.index, "text": (self.echo or "") + acc.text,
                 "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
                 "logprobs": self._logprobs(acc.token_ids, entries, 0)}
 
@@ -91,11 +94,12 @@ class ChatShape(Shape):
         return P.chat_logprobs(self.tokenizer, token_ids, entries, self.k)
 
     def opening_chunks(self) -> list[dict]:
-        return [self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])]
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+                for i in range(self.parsed.params.n)]
 
     def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
-        choice = {"index": 0, "delta": {"content": text} if text else {},
+        choice = {"index": acc.index, "delta": {"content": text} if text else {},
                   "logprobs": self._logprobs(token_ids, entries),
                   "finish_reason": acc.finish_reason if finished else None}
         if finished:
@@ -103,7 +107,7 @@ class ChatShape(Shape):
         return choice
 
     def whole_choice(self, acc, entries) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": acc.text},
+        return {"index": acc.index, "message": {"role": "assistant", "content": acc.text},
                 "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
                 "logprobs": self._logprobs(acc.token_ids, entries)}
 
@@ -113,21 +117,24 @@ async def stream_chunks(shape: Shape, outputs: AsyncIterator[RequestOutput]
     """The chunks of a streamed answer (see the module contract)."""
     for chunk in shape.opening_chunks():
         yield chunk
-    acc = P.Accumulator()
+    choices = P.Choices()
     async for out in outputs:
-        text, token_ids, entries = acc.add(out)
-        if not text and not token_ids and not out.finished:
-            continue
-        yield shape.chunk([shape.delta_choice(acc, text, token_ids, entries, out.finished)])
+        for completion in out.outputs:
+            acc = choices.of(completion.index)
+            text, token_ids, entries = acc.add(out, completion)
+            if not text and not token_ids and not acc.finished:
+                continue
+            yield shape.chunk([shape.delta_choice(acc, text, token_ids, entries, acc.finished)])
     if shape.parsed.include_usage:
-        yield shape.usage_chunk(acc)
+        yield shape.usage_chunk(choices)
 
 
 async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput]) -> dict:
     """The whole answer of a request that was not streamed."""
-    acc = P.Accumulator()
-    entries: list = []
+    choices = P.Choices()
+    entries: dict[int, list] = {}
     async for out in outputs:
-        _, _, new = acc.add(out)
-        entries.extend(new)
-    return shape.whole(acc, entries)
+        for completion in out.outputs:
+            _, _, new = choices.of(completion.index).add(out, completion)
+            entries.setdefault(completion.index, []).extend(new)
+    return shape.whole(choices, entries)
