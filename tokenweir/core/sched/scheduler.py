@@ -154,8 +154,7 @@ class Scheduler:
                     or (paused and rid in paused) or (owed > 1 and plan.prefills_closed):
                 i += 1  # owed > 1: policy.is_prefilling
                 continue
-            fresh = bool(fresh_forks) and rid in fresh_forks
-            if owed == 1 and computed % block_size and not fresh:
+            if owed == 1 and computed % block_size and not (fresh_forks and rid in fresh_forks):
                 # The hot case: a decode (1 token, as the budget is > 0) whose computed tokens
                 # end inside a block; a running request's blocks cover its computed tokens, so
                 # it has room for its next one (allocate_slots would give []). No chunk, no
@@ -166,6 +165,7 @@ class Scheduler:
                 plan.token_budget -= 1
                 i += 1
                 continue
+            fresh = rid in fresh_forks
             num_tokens = 1 if owed == 1 else num_tokens_to_schedule(
                 owed, plan.token_budget, self.config.long_prefill_token_threshold)
             assert num_tokens > 0, f"running request {rid} owes no tokens"
