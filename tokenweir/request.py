@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 
@@ -41,6 +41,7 @@ _FINISH_REASONS = {
 
 
 _INT64_MAX = 2**63 - 1
+MAX_SAMPLES = 256  # most samples (n, best_of) one request may ask for
 
 
 def _is_int(value: object) -> bool:
@@ -118,6 +119,13 @@ class SamplingParams:
     whatever else shares the batch. `logprobs=n` returns the top-n log-probabilities of every
     sampled token (plus the sampled one's).
 
+    Parallel sampling: `n` samples of one prompt come back in one RequestOutput; with
+    `best_of` (>= n), best_of samples are drawn and the n with the highest cumulative logprob
+    are kept. Sample i of a request seeded with `seed` is drawn with seed `seed + i`: it is
+    the output a lone request (n=1) seeded with `seed + i` would get, and reproducible on its
+    own whatever the other samples do. The samples share the prompt's KV blocks (see
+    `SampleGroup`). best_of > 1 needs random sampling (temperature > 0), as in vLLM.
+
     Contract: construction (and `validate()`, which the engine calls again when a request is
     made) checks every field's type and range, NaN and infinities included, and raises
     ValueError naming the field; a SamplingParams that validates cannot make the sampler or
@@ -126,6 +134,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -149,14 +158,19 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field; called on construction."""
-        if self.n != 1 or not _is_int(self.n):
-            raise ValueError(f"n must be 1, got {_show(self.n)}")
+        _check_int("n", self.n, 1, MAX_SAMPLES)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, self.n, MAX_SAMPLES)
         _check_real("temperature", self.temperature, 0.0)
+        if self.best_of is not None and self.best_of > 1 and self.temperature == 0.0:
+            raise ValueError(f"best_of must be 1 with greedy sampling (temperature 0), got "
+                             f"best_of={self.best_of}")
         _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, -1)
         _check_real("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, -_INT64_MAX - 1, 2**64 - 1)
+            # sample i draws with seed + i (parallel sampling): every one must be a valid seed
+            _check_int("seed", self.seed, -_INT64_MAX - 1, 2**64 - self.num_samples)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
@@ -180,6 +194,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn for the request: best_of when given, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params sample `index` of a parallel-sampling request runs with: one sample
+        (n=1), seed + index when seeded, and (for best_of > n) logprobs on, as the ranking
+        needs each sampled token's logprob."""
+        logprobs = self.logprobs
+        if logprobs is None and self.num_samples > self.n:
+            logprobs = 0
+        return replace(self, n=1, best_of=None, logprobs=logprobs,
+                       seed=None if self.seed is None else self.seed + index)
 
 
 @dataclass(slots=True, eq=False)
@@ -217,6 +246,9 @@ class Request:
     finished_time: Optional[float] = None
     # Why handling this request failed (status FINISHED_ERROR); None otherwise.
     error: Optional[str] = None
+    # Parallel sampling (n / best_of > 1): the group this request is sample `sample_index` of.
+    group: Optional["SampleGroup"] = None
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -261,3 +293,59 @@ class Request:
 
     def __hash__(self) -> int:
         return id(self)
+
+
+@dataclass(slots=True, eq=False)
+class SampleGroup:
+    """The samples of one parallel-sampling request (SamplingParams n or best_of > 1).
+
+    Contract: `samples[0]` is the parent, the only one handed to the scheduler; its request id
+    is the user's, and sample i > 0 is named `f"{request_id}#{i}"`. The parent prefills the
+    prompt alone and samples its first token; in that step's update the scheduler forks the
+    other samples (`forked` turns True): each shares the parent's KV blocks (ref counts) and
+    owes one token, the prompt's last, whose logits give it its own first token; its first
+    write copies the shared last block (copy-on-write). After the fork every sample is an
+    ordinary request: preempting one frees only its own blocks and it recomputes like any
+    preempted request (its prompt's full blocks are prefix-cache hits when caching is on).
+    If the parent finishes before the fork (abort, error), the other samples finish with it.
+    `params` are the user's (n, best_of, logprobs as asked); each sample runs with
+    `params.for_sample(i)`.
+    """
+
+    request_id: str
+    params: SamplingParams
+    samples: list[Request] = field(default_factory=list)
+    forked: bool = False
+
+    @property
+    def parent(self) -> Request:
+        return self.samples[0]
+
+    @property
+    def size(self) -> int:
+        return len(self.samples)
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The request id of sample `index` of a parallel-sampling request (0: the user's id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def make_sample_group(request: Request) -> Optional[SampleGroup]:
+    """Turn a request whose params ask for several samples into its group's parent (its params
+    become sample 0's) and make the other samples; None (nothing changed) for one sample."""
+    params = request.sampling_params
+    if params.num_samples == 1:
+        return None
+    group = SampleGroup(request.request_id, params)
+    for i in range(params.num_samples):
+        sample = request if i == 0 else Request(
+            request_id=sample_id(request.request_id, i),
+            prompt_token_ids=request.prompt_token_ids, sampling_params=params,
+            max_tokens=request.max_tokens, arrival_time=request.arrival_time,
+            priority=request.priority, eos_token_ids=request.eos_token_ids,
+            ttft_slo_ms=request.ttft_slo_ms, deadline=request.deadline)
+        sample.sampling_params = params.for_sample(i)
+        sample.group, sample.sample_index = group, i
+        group.samples.append(sample)
+    return group

@@ -139,7 +139,8 @@ def kv_chain(token_ids: list[int], start: list[int] | None = None) -> list[int]:
 class KVContentRunner(FakeRunner):
     """FakeRunner that also models the KV bytes in device and host blocks.
 
-    Before the forward it copies swap-ins, then swap-outs (the outputs.py contract). Then, for
+    Before the forward it copies swap-ins, then swap-outs, reading copy-on-write sources
+    before both and writing their destinations after (the outputs.py contract). Then, for
     every scheduled request, it checks that each position below `num_computed_tokens` holds that
     request's KV in its block table (prefix hits, swapped-in blocks, its own earlier steps), and
     writes the KV of the positions computed this step, asserting each written block is held by
@@ -156,13 +157,19 @@ class KVContentRunner(FakeRunner):
         self.tokens: dict[str, list[int]] = {}
         self.context_checks = 0  # positions verified (a probe that checking happened)
         self.writes = 0
+        self.copies = 0  # copy-on-write block copies made
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         garbage = [None] * self.bs  # a block never written (its copy is garbage too)
+        # copy-on-write sources are read before the swaps, destinations written after them
+        pending = [list(self.device.get(s, garbage)) for s, _ in out.blocks_to_copy]
         for h, d in out.blocks_to_swap_in:
             self.device[d] = list(self.host.get(h, garbage))
         for d, h in out.blocks_to_swap_out:
             self.host[h] = list(self.device.get(d, garbage))
+        for (_, d), content in zip(out.blocks_to_copy, pending):
+            self.device[d] = content
+        self.copies += len(out.blocks_to_copy)
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.chain.pop(rid, None)
             self.tokens.pop(rid, None)

@@ -42,7 +42,7 @@ OK = SamplingParams(temperature=0, max_tokens=3)
     (dict(logprobs=1.5), "logprobs"),
     (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(skip_special_tokens=None), "skip_special_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"), (dict(n=2, best_of=1), "best_of"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

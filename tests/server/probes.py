@@ -165,7 +165,7 @@ BAD_REQUESTS: dict[str, tuple[str, Any, Optional[bytes]]] = {
         "/v1/completions", completion(stop_token_ids=["a"], min_tokens=2), None),
     "top_k 1e400": ("/v1/completions", None,
                     b'{"prompt": "Hi", "max_tokens": 4, "top_k": 1' + b"0" * 400 + b"}"),
-    "best_of 2": ("/v1/completions", completion(best_of=2), None),
+    "best_of 3 streamed": ("/v1/completions", completion(best_of=3, stream=True), None),
     "logit_bias": ("/v1/completions", completion(logit_bias={"50": 100}), None),
     "response_format json": ("/v1/chat/completions",
                              {"messages": CHAT_MESSAGES,
@@ -178,7 +178,7 @@ BAD_REQUESTS: dict[str, tuple[str, Any, Optional[bytes]]] = {
     "suffix": ("/v1/completions", completion(suffix="!"), None),
     "presence_penalty 1.5": ("/v1/completions", completion(presence_penalty=1.5), None),
     "frequency_penalty 'x'": ("/v1/completions", completion(frequency_penalty="x"), None),
-    "n 2": ("/v1/completions", completion(n=2), None),
+    "n 300": ("/v1/completions", completion(n=300), None),
     "10 MB body, unknown field": ("/v1/completions", None,
                                   b'{"prompt": "Hi", "max_tokens": 2, "junk": "'
                                   + b"a" * 10_000_000 + b'"}'),

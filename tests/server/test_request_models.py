@@ -103,7 +103,9 @@ def test_sampling_turns_a_valid_model_into_params():
 
 @pytest.mark.parametrize("fields, param", [
     ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
 ])
 def test_sampling_refusals_name_the_field(fields, param):

@@ -23,7 +23,7 @@ EXPECTED = {
     "chat text part 5": (400, "messages"),
     "stop_token_ids ['a'] + min_tokens 2": (400, "stop_token_ids"),
     "top_k 1e400": (400, "top_k"),
-    "best_of 2": (400, "best_of"),
+    "best_of 3 streamed": (400, "best_of"),
     "logit_bias": (400, "logit_bias"),
     "response_format json": (400, "response_format"),
     "tools": (400, "tools"),
@@ -31,7 +31,7 @@ EXPECTED = {
     "suffix": (400, "suffix"),
     "presence_penalty 1.5": (400, "presence_penalty"),
     "frequency_penalty 'x'": (400, "frequency_penalty"),
-    "n 2": (400, "n"),
+    "n 300": (400, "n"),
     "10 MB body, unknown field": (413, None),
 }
 

@@ -171,6 +171,25 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
+    # ---- sharing (forks) ----------------------------------------------------------------
+    def share(self, blocks: Iterable[KVBlock]) -> None:
+        """One more holder for each of these held blocks (a fork of their holder's table)."""
+        for block in blocks:
+            if block.ref_cnt <= 0 or block is self.null_block:
+                raise ValueError(f"sharing {block}, which is not held")
+            block.ref_cnt += 1
+
+    def copy_on_write(self, block: KVBlock) -> KVBlock:
+        """A private block for a holder about to write into `block`, which others still hold
+        (ref_cnt > 1): a new block (ref 1) is taken and this holder's reference to `block`
+        dropped. The caller copies the content (the pool knows no content). Caller checks
+        that a block is free."""
+        if block.ref_cnt <= 1:
+            raise ValueError(f"copy-on-write of {block}, which has no other holder")
+        [private] = self.get_new_blocks(1)
+        block.ref_cnt -= 1
+        return private
+
     def usage(self) -> float:
         """Fraction of allocatable blocks held, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks

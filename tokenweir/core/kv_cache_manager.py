@@ -15,6 +15,15 @@ manager's bookkeeping (tests/core/test_kv_api.py holds it to that).
 
 Swap: `swap_out` moves a request's blocks to a bounded host pool (ids only: the runner copies
 the bytes) and frees its device blocks; `swap_in` does the reverse.
+
+Forks (parallel sampling, request.SampleGroup): `fork` gives each child a reference to every
+block of its parent that holds the child's computed tokens and the slot of its next one; the
+blocks are shared (ref count > 1), never copied up front. Parent and children are then "fresh
+forks": the next allocation of each (`allocate_fork_slots`) copies the block its next token
+is written into when another holder still has it (copy-on-write: a (source, destination) pair
+the runner copies before the step's forward), and writes in place when it is the block's last
+holder. So every write goes into a block its writer holds alone (tests/core/harness.py's
+KVContentRunner checks it).
 """
 
 from __future__ import annotations
@@ -75,6 +84,14 @@ class PreemptionFootprint:
 
 
 @dataclass(frozen=True, slots=True)
+class ForkSlots:
+    """A fork's first allocation: copies to make, and its whole block table after them."""
+
+    copies: list[tuple[int, int]]  # (source device block, destination device block)
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class SwapIn:
     """A swapped-out request brought back: copies to make, and the block ids it got."""
 
@@ -118,6 +135,8 @@ class KVCacheManager:
         # (`needs_registration`; the scheduler inlines that test).
         self.registration_behind: set[str] = set()
         self.req_to_host_blocks: dict[str, list[int]] = {}
+        # Forks not allocated since `fork`: their next write goes into a shared block.
+        self._fresh_forks: set[str] = set()
         self.prefix_stats = PrefixCacheStats()
         self._no_hits = ComputedBlocks((), block_size)
 
@@ -149,7 +168,10 @@ class KVCacheManager:
 
     def num_shared_tokens(self, request: Request) -> int:
         """Computed tokens in blocks someone else also holds: they survive this request's
-        preemption for certain."""
+        preemption for certain, and a recompute finds them again through the prefix cache
+        (none without it: a fork's shared blocks are then lost to its recompute)."""
+        if not self.enable_prefix_caching:
+            return 0
         blocks = self.req_to_blocks.get(request.request_id, ())
         shared = sum(1 for b in blocks if b.ref_cnt > 1)
         return min(shared * self.block_size, request.num_computed_tokens)
@@ -172,10 +194,16 @@ class KVCacheManager:
             parent = (block.block_id, block.generation)
         return ComputedBlocks(tuple(hits), self.block_size)
 
-    def num_blocks_to_admit(self, num_tokens: int, computed: ComputedBlocks) -> int:
+    def num_blocks_to_admit(self, num_tokens: int, computed: ComputedBlocks,
+                            num_forks: int = 0, num_prompt_tokens: int = 0) -> int:
         """Free blocks an admission holding `num_tokens` would take, `computed` included (a
-        hit in the free list takes one; a hit held by another request takes none)."""
-        return self.blocks_for_tokens(num_tokens) - computed.num_blocks + computed.num_evictable
+        hit in the free list takes one; a hit held by another request takes none), plus, for
+        a parallel-sampling parent, what each of its `num_forks` other samples of
+        `num_tokens` takes at most: all but the blocks it shares for good (the full ones
+        before the prompt's last token)."""
+        per_fork = self.blocks_for_tokens(num_tokens) - (num_prompt_tokens - 1) // self.block_size
+        return self.blocks_for_tokens(num_tokens) - computed.num_blocks \
+            + computed.num_evictable + (num_forks * per_fork if num_forks else 0)
 
     def _key(self, parent: tuple[int, int], tokens: list[int], k: int) -> BlockKey:
         bs = self.block_size
@@ -257,6 +285,49 @@ class KVCacheManager:
         held.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
+    # ---- forks (parallel sampling) ----------------------------------------------------------
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Each child (its num_computed_tokens set, at most the parent's) takes a reference to
+        each of the parent's blocks that holds its computed tokens or its next token's slot;
+        parent and children become fresh forks."""
+        parent_blocks = self.req_to_blocks[parent.request_id]
+        parent_registered = self.num_registered.get(parent.request_id, 0)
+        self._fresh_forks.add(parent.request_id)
+        for child in children:
+            blocks = parent_blocks[:self.blocks_for_tokens(child.num_computed_tokens + 1)]
+            self.pool.share(blocks)
+            rid = child.request_id
+            self.req_to_blocks[rid] = list(blocks)
+            self.num_registered[rid] = min(parent_registered,
+                                           child.num_computed_tokens // self.block_size)
+            self._fresh_forks.add(rid)
+
+    def fresh_forks(self) -> set[str]:
+        """Ids of the forks whose next allocation must be `allocate_fork_slots` (read-only)."""
+        return self._fresh_forks
+
+    def allocate_fork_slots(self, request: Request, num_new_tokens: int) -> Optional[ForkSlots]:
+        """A fresh fork's room for `num_new_tokens` after its computed ones, copying the block
+        they start in when it is shared (see the module contract); None (nothing changed) when
+        the pool lacks the blocks."""
+        rid = request.request_id
+        blocks, bs = self.req_to_blocks[rid], self.block_size
+        k = request.num_computed_tokens // bs  # the block its next token is written into
+        copy = k < len(blocks) and blocks[k].ref_cnt > 1
+        grow = max(0, self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
+                   - len(blocks))
+        if grow + copy > self.pool.num_free_blocks:
+            return None
+        copies: list[tuple[int, int]] = []
+        if copy:
+            shared = blocks[k]
+            blocks[k] = private = self.pool.copy_on_write(shared)
+            copies.append((shared.block_id, private.block_id))
+            self.num_registered[rid] = min(self.num_registered[rid], k)
+        blocks.extend(self.pool.get_new_blocks(grow))
+        self._fresh_forks.discard(rid)
+        return ForkSlots(copies, [b.block_id for b in blocks])
+
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_prefix_caching:
             return
@@ -269,6 +340,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_registered.pop(request.request_id, None)
         self.registration_behind.discard(request.request_id)
+        self._fresh_forks.discard(request.request_id)
         self.pool.free_blocks(reversed(blocks))
         self.host_pool.free(self.req_to_host_blocks.pop(request.request_id, []))
 
@@ -307,6 +379,7 @@ class KVCacheManager:
             del self.req_to_blocks[rid]
         self.num_registered[rid] = min(self.num_registered.get(rid, 0), keep)
         self.registration_behind.add(rid)
+        self._fresh_forks.discard(rid)  # its moved blocks come back private
         host_ids = self.host_pool.allocate(len(moved))
         self.req_to_host_blocks[rid] = host_ids
         self.pool.free_blocks(reversed(moved))  # content stays cached for prefix hits

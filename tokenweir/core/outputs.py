@@ -64,6 +64,11 @@ class SchedulerOutput:
     # (host block, device block) and (device block, host block) pairs.
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # Copy-on-write of forks' shared blocks (parallel sampling), device to device, (source,
+    # destination) pairs, also before the forward: every source is read before the swaps and
+    # every destination written after them (a destination may be a block a swap-out of this
+    # step reads; a source, a block a swap-in of this step writes).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     _cached_reqs: Optional[list[CachedRequestData]] = None
 
     @property

@@ -74,6 +74,8 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
+        if request.group is not None:  # parallel sampling: the samples it forks into
+            self._requests.update((s.request_id, s) for s in request.group.samples[1:])
 
     def submit(self, request: Request) -> None:
         """Thread-safe add: may be called while step() runs (the SLO monitor sees it at once,

@@ -21,7 +21,7 @@ from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
 from tokenweir.model.attention import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model, preferred_dtype
 from tokenweir.outputs import RequestOutput
-from tokenweir.request import Request, RequestStatus, SamplingParams
+from tokenweir.request import Request, RequestStatus, SamplingParams, make_sample_group
 from tokenweir.runner.interrupt import CutSignal
 from tokenweir.runner.model_runner import ModelRunner
 
@@ -263,6 +263,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority, eos_token_ids=self.eos_token_ids, ttft_slo_ms=ttft_slo_ms,
             deadline=deadline)
+        make_sample_group(request)  # n / best_of > 1: the parent of its samples
         return request, text
 
     def check_params(self, params: SamplingParams) -> None:
@@ -297,10 +298,19 @@ class LLMEngine:
         self.outputs.add_request(request, prompt)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests by output id (a parallel-sampling request: all its samples)."""
         request_ids = list(request_ids)
-        self.core.abort_requests(request_ids)
+        self.core.abort_requests(self._sample_ids(request_ids))
         for request_id in request_ids:
             self.outputs.finish_aborted(request_id)
+
+    def _sample_ids(self, request_ids: list[str]) -> list[str]:
+        """The scheduler's ids behind these output ids (a group's: its samples')."""
+        ids: list[str] = []
+        for request_id in request_ids:
+            group = self.outputs.groups.get(request_id)
+            ids += [s.request_id for s in group.group.samples] if group else [request_id]
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -316,30 +326,49 @@ class LLMEngine:
         """
         core_outputs = self.core.step()
         now = self.core.clock()
-        results: list[RequestOutput] = []
+        # Output id -> the request to build its output from, or its final error output. A
+        # parallel-sampling group gets one output per step, however many samples moved.
+        results: dict[str, Request | RequestOutput] = {}
         for core_output in core_outputs:
+            request = core_output.request
+            output_id = self.outputs.output_id(request)
+            if isinstance(results.get(output_id), RequestOutput):
+                continue  # its group failed earlier in this step
             try:
-                results.append(self._process_output(core_output, now, delta))
-            except Exception as exc:  # noqa: BLE001 - this request alone fails
-                results.append(self._fail_output(core_output.request, exc, delta))
+                self._process_output(core_output, now)
+                results.setdefault(output_id, request)
+            except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
+                results[output_id] = self._fail_output(request, exc, delta)
+        made = [r for r in (self._make_output(output_id, r, delta)
+                            for output_id, r in results.items()) if r is not None]
         if self.tracer is not None:
             self.tracer.output_processed(self.core.clock())
-        return results
+        return made
 
-    def _process_output(self, core_output, now: float, delta: bool) -> RequestOutput:
-        request_id = core_output.request.request_id
+    def _process_output(self, core_output, now: float) -> None:
         if self.outputs.process(core_output, now):
-            self.core.abort_requests([request_id], RequestStatus.FINISHED_STOPPED)
+            self.core.abort_requests([core_output.request.request_id],
+                                     RequestStatus.FINISHED_STOPPED)
             core_output.request.finished_time = now
-        result = self.outputs.make_output(request_id, delta=delta)
-        if result.finished:
-            self.outputs.pop(request_id)
+
+    def _make_output(self, output_id: str, made: Request | RequestOutput,
+                     delta: bool) -> Optional[RequestOutput]:
+        if isinstance(made, RequestOutput):
+            return made
+        try:
+            result = self.outputs.make_output(output_id, delta=delta)
+        except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
+            return self._fail_output(made, exc, delta)
+        if result is not None and result.finished:
+            self.outputs.pop(output_id)
         return result
 
     def _fail_output(self, request: Request, exc: Exception, delta: bool) -> RequestOutput:
-        """Finish `request` with an error (blocks freed) and build its final output."""
+        """Finish `request` (a sample: its whole group) with an error (blocks freed) and build
+        its final output."""
         message = f"processing the request's output failed: {exc!r}"
-        self.core.fail_requests({request.request_id: message})
+        samples = request.group.samples if request.group is not None else [request]
+        self.core.fail_requests({sample.request_id: message for sample in samples})
         if request.error is None:  # it had finished already; its last output failed
             logger.warning("request %s failed: %s", request.request_id, message)
             request.error = message

@@ -4,7 +4,15 @@ one matches, the processor reports the request id so the engine finishes it.
 
 A request that finished with an error (finish reason "error") carries the message in
 `RequestOutput.error`. When processing itself fails for one request, the engine builds that
-request's final output with `error_output`, which reads only the Request."""
+request's final output with `error_output`, which reads only the Request.
+
+Parallel sampling (request.SampleGroup): each sample has its own state (detokenizer, stop
+strings, logprobs), keyed by its request id; the group is one output, under the user's request
+id (`output_id`), with a CompletionOutput per sample (`index` = the sample's). It is finished
+when every sample is. A delta output carries the samples that changed since the last one (new
+tokens, or a finish not yet shown). With best_of > n there is no partial output: one output
+when all are finished, holding the n samples with the highest cumulative logprob, best first,
+re-indexed 0..n-1 (vLLM's ranking)."""
 
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from tokenweir.core.outputs import TokenLogprobs
 from tokenweir.core.outputs import EngineCoreOutput
 from tokenweir.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenweir.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenweir.request import Request
+from tokenweir.request import Request, SampleGroup
 
 
 @dataclass
@@ -25,32 +33,87 @@ class _RequestState:
     prompt: Optional[str]
     detokenizer: IncrementalDetokenizer
     text: str = ""
-    logprobs: Optional[list[dict[int, Logprob]]] = None
+    logprobs: Optional[list[dict[int, Logprob]]] = None  # None: not asked for
+    ranks_only: bool = False  # logprobs come only to rank best_of samples: sum, keep none
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
     last_token_time: Optional[float] = None
     new_text: str = ""  # text added by the latest update (for streaming)
     new_token_ids: list[int] = field(default_factory=list)
+    changed: bool = False  # got an update since its group's last output
+    finish_shown: bool = False  # its finish went out in a group output
+
+
+@dataclass
+class _GroupState:
+    group: SampleGroup
+    samples: list[_RequestState]  # by sample index
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    @property
+    def ranked(self) -> bool:
+        """best_of > n: only the n best, and only when all are finished."""
+        return self.group.size > self.group.params.n
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        # By output id (the user's request id; a group's is its parent's): every request in
+        # flight. A group's other samples are in `_samples`, its outputs built from `groups`.
         self.states: dict[str, _RequestState] = {}
+        self.groups: dict[str, _GroupState] = {}
+        self._samples: dict[str, _RequestState] = {}
 
     def add_request(self, request: Request, prompt: Optional[str]) -> None:
+        """A request, or a group's parent (its samples come with it)."""
+        group = request.group
+        samples = [request] if group is None else group.samples
+        states = [self._new_state(sample, prompt) for sample in samples]
+        self.states[request.request_id] = states[0]
+        if group is not None:
+            self.groups[request.request_id] = _GroupState(group, states)
+            self._samples.update((s.request.request_id, s) for s in states[1:])
+
+    def _new_state(self, request: Request, prompt: Optional[str]) -> _RequestState:
         params = request.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                        skip_special_tokens=params.skip_special_tokens)
-        self.states[request.request_id] = _RequestState(
-            request=request, prompt=prompt, detokenizer=detok,
-            logprobs=[] if params.logprobs is not None else None)
+        asked = (params if request.group is None else request.group.params).logprobs
+        return _RequestState(request=request, prompt=prompt, detokenizer=detok,
+                             logprobs=[] if asked is not None else None,
+                             ranks_only=asked is None and params.logprobs is not None)
+
+    @staticmethod
+    def output_id(request: Request) -> str:
+        """The id the request's outputs go out under (a sample's: its group's)."""
+        return request.request_id if request.group is None else request.group.request_id
 
     def process(self, output: EngineCoreOutput, now: float) -> bool:
         """Fold one step's tokens in. Returns True when a stop string ended the request
         (the caller must then finish it in the scheduler)."""
-        state = self.states[output.request.request_id]
+        request_id = output.request.request_id
+        state = self.states.get(request_id) or self._samples[request_id]
+        stopped = self._process(state, output, now)
+        group = output.request.group
+        if group is not None:
+            state.changed = True
+            if state.finish_reason is not None and not group.forked:
+                self._finish_unforked(self.groups[group.request_id], state)
+        return stopped
+
+    @staticmethod
+    def _finish_unforked(group: _GroupState, parent: _RequestState) -> None:
+        """The parent finished before forking (abort, error): so did the other samples."""
+        for state in group.samples[1:]:
+            if state.finish_reason is None:
+                state.finish_reason = parent.finish_reason
+
+    def _process(self, state: _RequestState, output: EngineCoreOutput, now: float) -> bool:
         state.last_token_time = now
         state.new_token_ids = list(output.new_token_ids)
         if faults.ARMED:
@@ -60,6 +123,8 @@ class OutputProcessor:
             delta += state.detokenizer.flush()  # a trailing partial UTF-8 character, if any
         if output.logprobs is not None and state.logprobs is not None:
             self._add_logprobs(state, output.new_token_ids[-1], output.logprobs)
+        elif output.logprobs is not None and state.ranks_only:
+            state.cumulative_logprob += output.logprobs.sampled_logprob
         stopped_by_string = self._append_text(state, delta)
         if stopped_by_string:
             state.finish_reason = "stop"
@@ -104,54 +169,117 @@ class OutputProcessor:
         state.logprobs.append(entry)
         state.cumulative_logprob += lp.sampled_logprob
 
-    def make_output(self, request_id: str, delta: bool = False) -> RequestOutput:
-        """The request's output so far; `delta=True` gives only the latest text and tokens."""
+    def make_output(self, request_id: str, delta: bool = False) -> Optional[RequestOutput]:
+        """The output so far of a request (or group) by its output id; `delta=True` gives only
+        the latest text and tokens. None: a best_of group with nothing to show yet."""
         if faults.ARMED:
             faults.fire("output", request_id)
+        group = self.groups.get(request_id)
+        if group is not None:
+            return self._group_output(group, delta)
         state = self.states[request_id]
         request = state.request
-        completion = CompletionOutput(
-            index=0,
-            text=state.new_text if delta else state.text,
-            token_ids=state.new_token_ids if delta else list(request.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-            logprobs=state.logprobs, finish_reason=state.finish_reason,
-            stop_reason=state.stop_reason)
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time, last_token_time=state.last_token_time,
-            finished_time=request.finished_time or (state.last_token_time
-                                                     if state.finish_reason else None),
-            num_preemptions=request.num_preemptions)
         return RequestOutput(
             request_id=request_id, prompt=state.prompt,
-            prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
-            finished=state.finish_reason is not None, metrics=metrics,
+            prompt_token_ids=list(request.prompt_token_ids),
+            outputs=[self._completion(state, 0, delta)],
+            finished=state.finish_reason is not None, metrics=self._metrics([state]),
             num_cached_tokens=max(0, request.num_cached_tokens),
             error=request.error if state.finish_reason == "error" else None)
 
-    def error_output(self, request: Request, delta: bool = False) -> RequestOutput:
-        """The final output of a request whose processing failed, finish reason "error" and
-        `request.error` as the message. Built from the Request (and the text already shown),
-        never through the code that failed; the request's state is forgotten."""
-        state = self.states.pop(request.request_id, None)
-        text = state.text if state is not None and not delta else ""
-        completion = CompletionOutput(
-            index=0, text=text if isinstance(text, str) else "",
-            token_ids=[] if delta else list(request.output_token_ids), finish_reason="error")
-        metrics = RequestMetrics(
+    @staticmethod
+    def _completion(state: _RequestState, index: int, delta: bool) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            text=state.new_text if delta else state.text,
+            token_ids=state.new_token_ids if delta else list(state.request.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob
+            if state.logprobs is not None or state.ranks_only else None,
+            logprobs=state.logprobs, finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason)
+
+    @staticmethod
+    def _metrics(states: list[_RequestState]) -> RequestMetrics:
+        """A request's metrics; a group's are its parent's, with the latest token and finish
+        of any sample and the preemptions of all."""
+        request = states[0].request
+        last = max((s.last_token_time for s in states if s.last_token_time is not None),
+                   default=None)
+        finished = [s.request.finished_time or (s.last_token_time if s.finish_reason else None)
+                    for s in states]
+        return RequestMetrics(
             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time, finished_time=request.finished_time,
-            num_preemptions=request.num_preemptions)
+            first_token_time=request.first_token_time, last_token_time=last,
+            finished_time=None if None in finished else max(finished),
+            num_preemptions=sum(s.request.num_preemptions for s in states))
+
+    def _group_output(self, group: _GroupState, delta: bool) -> Optional[RequestOutput]:
+        finished = group.finished
+        if group.ranked and not finished:
+            return None
+        shown = [(i, s) for i, s in enumerate(group.samples) if not delta or group.ranked
+                 or s.changed or (s.finish_reason is not None and not s.finish_shown)]
+        for _, state in shown:
+            state.changed, state.finish_shown = False, state.finish_reason is not None
+        completions = [self._completion(s, i, delta and not group.ranked) for i, s in shown]
+        if group.ranked:
+            completions = _best(completions, group.group.params.n)
+        parent = group.samples[0]
+        request = parent.request
+        errors = [s.request.error for s in group.samples if s.finish_reason == "error"]
         return RequestOutput(
-            request_id=request.request_id, prompt=state.prompt if state is not None else None,
-            prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
+            request_id=group.group.request_id, prompt=parent.prompt,
+            prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
+            finished=finished, metrics=self._metrics(group.samples),
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            error=next((e for e in errors if e), None))
+
+    def error_output(self, request: Request, delta: bool = False) -> RequestOutput:
+        """The final output of a request (or of the whole group of a sample) whose processing
+        failed, finish reason "error" and `request.error` as the message. Built from the
+        Requests (and the text already shown), never through the code that failed; the
+        state is forgotten."""
+        output_id = self.output_id(request)
+        group = self.groups.get(output_id)
+        states = group.samples if group is not None else [self.states.get(output_id)]
+        samples = request.group.samples if request.group is not None else [request]
+        self.pop(output_id)
+        completions = [CompletionOutput(
+            index=i, text=state.text if state is not None and not delta
+            and isinstance(state.text, str) else "",
+            token_ids=[] if delta else list(sample.output_token_ids), finish_reason="error")
+            for i, (sample, state) in enumerate(zip(samples, states))]
+        first = samples[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time, finished_time=request.finished_time,
+            num_preemptions=sum(sample.num_preemptions for sample in samples))
+        return RequestOutput(
+            request_id=output_id, prompt=states[0].prompt if states[0] is not None else None,
+            prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
             finished=True, metrics=metrics, error=request.error)
 
     def finish_aborted(self, request_id: str) -> None:
-        state = self.states.get(request_id)
-        if state is not None and state.finish_reason is None:
-            state.finish_reason = "abort"
+        """The request (or every sample of the group) by its output id was aborted."""
+        group = self.groups.get(request_id)
+        states = group.samples if group is not None else [self.states.get(request_id)]
+        for state in states:
+            if state is not None and state.finish_reason is None:
+                state.finish_reason = "abort"
 
     def pop(self, request_id: str) -> None:
+        """Forget a request (or group) by its output id."""
         self.states.pop(request_id, None)
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            for state in group.samples[1:]:
+                self._samples.pop(state.request.request_id, None)
+
+
+def _best(completions: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The n completions with the highest cumulative logprob (ties: lower index), best first,
+    re-indexed 0..n-1."""
+    ranked = sorted(completions, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[:n]
+    for index, completion in enumerate(ranked):
+        completion.index = index
+    return ranked

@@ -189,11 +189,16 @@ class ModelRunner:
                 f"scheduler says {cached.num_computed_tokens}")
 
     def _swap(self, out: SchedulerOutput) -> None:
-        """Swap-ins first, then swap-outs (see SchedulerOutput), before the forward."""
+        """Block copies before the forward (see SchedulerOutput): copy-on-write sources read,
+        swap-ins, swap-outs, then copy-on-write destinations written."""
+        copies = out.blocks_to_copy
+        pending = gather_blocks(self.kv_caches, [s for s, _ in copies]) if copies else None
         if out.blocks_to_swap_in:
             copy_blocks(self.host_caches, self.kv_caches, out.blocks_to_swap_in)
         if out.blocks_to_swap_out:
             copy_blocks(self.kv_caches, self.host_caches, out.blocks_to_swap_out)
+        if pending is not None:
+            scatter_blocks(self.kv_caches, [d for _, d in copies], pending)
 
     def _advance(self, batch: _Batch, out: SchedulerOutput, sampled: dict[str, int]) -> None:
         for req_id in batch.req_ids:
@@ -253,3 +258,17 @@ def copy_blocks(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
     dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_layers[0].device)
     for src, dst in zip(src_layers, dst_layers):
         dst.index_copy_(1, dst_ids, src.index_select(1, src_ids).to(dst.device))
+
+
+def gather_blocks(layers: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
+    """A copy of these blocks (K and V) of every layer, in order."""
+    ids = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
+    return [layer.index_select(1, ids) for layer in layers]
+
+
+def scatter_blocks(layers: list[torch.Tensor], block_ids: list[int],
+                   blocks: list[torch.Tensor]) -> None:
+    """Write `blocks` (from gather_blocks) into these block ids of every layer."""
+    ids = torch.tensor(block_ids, dtype=torch.long, device=layers[0].device)
+    for layer, content in zip(layers, blocks):
+        layer.index_copy_(1, ids, content)

@@ -27,7 +27,7 @@ TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
 
 # name -> its neutral values: sending one of these (or null) changes nothing, so it is allowed.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
     "repetition_penalty": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
     "functions": ([],), "function_call": ("none",), "use_beam_search": (False,),
@@ -48,7 +48,10 @@ class SamplingFields(StrictModel):
     """What completions and chat share: OpenAI's sampling fields and vLLM's extras."""
 
     model: Optional[StrictStr] = None
-    n: Optional[Int64] = Field(None, description="only 1 is supported")
+    n: Optional[Int64] = Field(None, description="samples to return (1..256)")
+    best_of: Optional[Int64] = Field(
+        None, description="samples to draw (>= n), of which the n with the highest cumulative "
+                          "logprob are returned; not with stream")
     stream: Optional[StrictBool] = None
     stream_options: Optional[StreamOptions] = None
     temperature: Optional[Annotated[Float, Field(ge=0)]] = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenweir.engine.engine_core import error_http_status
-from tokenweir.outputs import Logprob, RequestOutput
+from tokenweir.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenweir.request import SamplingParams
 
 
@@ -42,8 +42,9 @@ def sampling(req: Any, chat: bool, vocab_size: int) -> Parsed:
     fields with their defaults, plus vLLM's extras. APIError(400) naming the field for what
     only the engine's state can tell (a token id outside the vocabulary) or SamplingParams
     refuses."""
-    if req.n not in (None, 1):
-        raise APIError(f"only n=1 is supported, got n={req.n}", param="n")
+    if req.stream and req.best_of is not None and req.best_of != (req.n or 1):
+        raise APIError("'best_of' cannot be streamed: the best n samples are known only once "
+                       "all best_of have finished (as in vLLM)", param="best_of")
     stop_ids = req.stop_token_ids or []
     bad = next((t for t in stop_ids if t >= vocab_size), None)
     if bad is not None:
@@ -74,7 +75,8 @@ def _sampling_kwargs(req: Any, chat: bool) -> dict:
             "max_tokens": max_tokens, "logprobs": logprobs}
 
 
-_PLAIN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
+_PLAIN_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
+                 "stop",
                  "stop_token_ids", "ignore_eos", "skip_special_tokens",
                  "include_stop_str_in_output")
 
@@ -161,9 +163,10 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, Logpr
 
 
 class Accumulator:
-    """Folds a request's delta outputs together: text, token ids, logprobs, finish."""
+    """Folds one choice's delta outputs together: text, token ids, logprobs, finish."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.text = ""
         self.token_ids: list[int] = []
         self.num_logprobs_seen = 0
@@ -172,9 +175,9 @@ class Accumulator:
         self.error: Optional[str] = None  # the engine's message when finish_reason is "error"
         self.prompt_tokens = 0
 
-    def add(self, out: RequestOutput) -> tuple[str, list[int], list]:
-        """Returns this delta's (text, token_ids, logprob entries)."""
-        c = out.outputs[0]
+    def add(self, out: RequestOutput, c: CompletionOutput) -> tuple[str, list[int], list]:
+        """Fold in `c`, this choice's part of `out`; returns this delta's (text, token_ids,
+        logprob entries)."""
         self.prompt_tokens = len(out.prompt_token_ids)
         self.text += c.text
         self.token_ids.extend(c.token_ids)
@@ -182,11 +185,39 @@ class Accumulator:
         if c.logprobs is not None:
             entries = c.logprobs[self.num_logprobs_seen:]
             self.num_logprobs_seen = len(c.logprobs)
-        if out.finished:
+        if c.finish_reason is not None:
             self.finish_reason = c.finish_reason
             self.stop_reason = c.stop_reason
             self.error = out.error
         return c.text, list(c.token_ids), entries
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Choices:
+    """The Accumulators of one answer's choices (n of them), by index."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, Accumulator] = {}
+
+    def of(self, index: int) -> Accumulator:
+        if index not in self.by_index:
+            self.by_index[index] = Accumulator(index)
+        return self.by_index[index]
+
+    def in_order(self) -> list[Accumulator]:
+        return [self.by_index[i] for i in sorted(self.by_index)] or [Accumulator()]
+
+    def usage(self) -> dict:
+        """The prompt once, the completion tokens of every choice."""
+        accs = self.in_order()
+        return usage(accs[0].prompt_tokens, sum(len(a.token_ids) for a in accs))
+
+    def failed(self) -> Optional["APIError"]:
+        """The error of the first choice that failed in the engine, if any."""
+        return next(filter(None, map(request_failed, self.in_order())), None)
 
 
 def request_failed(acc: Accumulator) -> Optional[APIError]:

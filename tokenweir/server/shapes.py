@@ -2,11 +2,13 @@
 
 One `Shape` per endpoint says how a choice looks; the loop that folds the engine's delta
 outputs into chunks (`stream_chunks`) and the one that collects a whole answer (`collect`) are
-shared. Contract of a stream: zero or more opening chunks, one chunk per engine step that
-produced text or tokens, the last of them carrying finish_reason, then (with include_usage) a
-usage chunk with no choices. A request that failed in the engine (finish_reason "error") then
-gets one `{"error": {...}}` event with the engine's message (as vLLM sends it) before [DONE];
-not streamed, it is answered with that error: 500, or 400 when the engine refused it as invalid.
+shared. Contract of a stream: zero or more opening chunks, then per choice (`index`; n of them
+with parallel sampling) one chunk per engine step that produced text or tokens for it, its
+last carrying its finish_reason, then (with include_usage) a usage chunk with no choices:
+the prompt's tokens once, the completion tokens of every choice. A request that failed in the
+engine (finish_reason "error") then gets one `{"error": {...}}` event with the engine's message
+(as vLLM sends it) before [DONE]; not streamed, it is answered with that error: 500, or 400 when
+the engine refused it as invalid.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ class Shape:
             extra["usage"] = None
         return self.envelope(choices, self.chunk_object_name, **extra)
 
-    def whole(self, acc: P.Accumulator, entries: list) -> dict:
+    def whole(self, choices: P.Choices, entries: dict[int, list]) -> dict:
         self.created = P.now()
-        return self.envelope([self.whole_choice(acc, entries)], self.object_name,
-                             usage=P.usage(acc.prompt_tokens, len(acc.token_ids)))
+        return self.envelope([self.whole_choice(acc, entries.get(acc.index, []))
+                              for acc in choices.in_order()], self.object_name,
+                             usage=choices.usage())
 
-    def usage_chunk(self, acc: P.Accumulator) -> dict:
-        return self.chunk([], usage=P.usage(acc.prompt_tokens, len(acc.token_ids)))
+    def usage_chunk(self, choices: P.Choices) -> dict:
+        return self.chunk([], usage=choices.usage())
 
     # ---- per endpoint -----------------------------------------------------------------------
     def opening_chunks(self) -> list[dict]:
@@ -63,7 +66,7 @@ class CompletionShape(Shape):
     def __init__(self, *args: Any, echo: Optional[str] = None) -> None:
         super().__init__(*args)
         self.echo = echo  # the prompt text, when the client asked for it back
-        self.offset = 0  # characters streamed so far (logprobs text_offset)
+        self.offsets: dict[int, int] = {}  # choice -> characters streamed (text_offset)
 
     def _logprobs(self, token_ids: list[int], entries: list, offset: int) -> Optional[dict]:
         if self.k is None:
@@ -71,15 +74,16 @@ class CompletionShape(Shape):
         return P.completion_logprobs(self.tokenizer, token_ids, entries, self.k, offset)
 
     def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
-        choice = {"index": 0, "text": text,
-                  "logprobs": self._logprobs(token_ids, entries, self.offset),
+        offset = self.offsets.get(acc.index, 0)
+        choice = {"index": acc.index, "text": text,
+                  "logprobs": self._logprobs(token_ids, entries, offset),
                   "finish_reason": acc.finish_reason if finished else None,
                   "stop_reason": acc.stop_reason if finished else None}
-        self.offset += len(text)
+        self.offsets[acc.index] = offset + len(text)
         return choice
 
     def whole_choice(self, acc, entries) -> dict:
-        return {"index": 0, "text": (self.echo or "") + acc.text,
+        return {"index": acc.index, "text": (self.echo or "") + acc.text,
                 "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
                 "logprobs": self._logprobs(acc.token_ids, entries, 0)}
 
@@ -93,11 +97,12 @@ class ChatShape(Shape):
         return P.chat_logprobs(self.tokenizer, token_ids, entries, self.k)
 
     def opening_chunks(self) -> list[dict]:
-        return [self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])]
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+                for i in range(self.parsed.params.n)]
 
     def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
-        choice = {"index": 0, "delta": {"content": text} if text else {},
+        choice = {"index": acc.index, "delta": {"content": text} if text else {},
                   "logprobs": self._logprobs(token_ids, entries),
                   "finish_reason": acc.finish_reason if finished else None}
         if finished:
@@ -105,7 +110,7 @@ class ChatShape(Shape):
         return choice
 
     def whole_choice(self, acc, entries) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": acc.text},
+        return {"index": acc.index, "message": {"role": "assistant", "content": acc.text},
                 "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
                 "logprobs": self._logprobs(acc.token_ids, entries)}
 
@@ -115,27 +120,30 @@ async def stream_chunks(shape: Shape, outputs: AsyncIterator[RequestOutput]
     """The chunks of a streamed answer (see the module contract)."""
     for chunk in shape.opening_chunks():
         yield chunk
-    acc = P.Accumulator()
+    choices = P.Choices()
     async for out in outputs:
-        text, token_ids, entries = acc.add(out)
-        if not text and not token_ids and not out.finished:
-            continue
-        yield shape.chunk([shape.delta_choice(acc, text, token_ids, entries, out.finished)])
+        for completion in out.outputs:
+            acc = choices.of(completion.index)
+            text, token_ids, entries = acc.add(out, completion)
+            if not text and not token_ids and not acc.finished:
+                continue
+            yield shape.chunk([shape.delta_choice(acc, text, token_ids, entries, acc.finished)])
     if shape.parsed.include_usage:
-        yield shape.usage_chunk(acc)
-    failed = P.request_failed(acc)
+        yield shape.usage_chunk(choices)
+    failed = choices.failed()
     if failed is not None:  # after the final chunk (finish_reason "error"), before [DONE]
         yield failed.body()
 
 
 async def collect(shape: Shape, outputs: AsyncIterator[RequestOutput]) -> dict:
     """The whole answer of a request that was not streamed."""
-    acc = P.Accumulator()
-    entries: list = []
+    choices = P.Choices()
+    entries: dict[int, list] = {}
     async for out in outputs:
-        _, _, new = acc.add(out)
-        entries.extend(new)
-    failed = P.request_failed(acc)
+        for completion in out.outputs:
+            _, _, new = choices.of(completion.index).add(out, completion)
+            entries.setdefault(completion.index, []).extend(new)
+    failed = choices.failed()
     if failed is not None:  # a 500 (or 400) with the engine's message, not a 200
         raise failed
-    return shape.whole(acc, entries)
+    return shape.whole(choices, entries)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from tokenweir.config import SchedulerConfig
-from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from tokenweir.core.sched.policy import full_sequence_fits, num_tokens_to_schedule
 from tokenweir.core.sched.step_plan import PartialPrefills, StepPlan
 from tokenweir.request import Request, RequestStatus
@@ -57,10 +57,12 @@ class Admission:
         if plan.preempted or not waiting:
             return
         num_partial = PartialPrefills(running, plan.paused)
+        reserved = sched.forks.reserved_seats() if max_num_seqs > 0 else 0
         while waiting and plan.token_budget > 0 and not plan.prefills_closed:
-            if 0 < max_num_seqs <= len(running):
-                break
             request = waiting.peek()
+            seats = num_seats(request)
+            if 0 < max_num_seqs < len(running) + reserved + seats:
+                break
             if request.request_id in plan.paused:
                 break  # vetoed by the policy: it and what sorts after it wait
             admitted = self._try_admit(request, plan, num_partial)
@@ -71,6 +73,7 @@ class Admission:
             if num_tokens < request.num_tokens - request.num_computed_tokens:
                 num_partial.add_one()
             _admit(request, plan.now, running)
+            reserved += seats - 1
             plan.add(request, num_tokens, block_ids, is_new=True)
             sched.policy.on_scheduled(sched, request, plan)
 
@@ -89,7 +92,7 @@ class Admission:
             return None
         if config.scheduler_reserve_full_isl:
             full_len = min(request.max_num_tokens, self.sched.max_model_len)
-            needed = self.kv.num_blocks_to_admit(full_len, hits)
+            needed = self._blocks_to_reserve(request, full_len, hits)
             if not full_sequence_fits(needed, self.kv.num_free_blocks, reserved):
                 return None
         block_ids = self.kv.allocate_slots(request, num_tokens, computed_blocks=hits,
@@ -99,6 +102,19 @@ class Admission:
         request.num_computed_tokens = num_hit_tokens
         self.kv.record_admission(request, num_hit_tokens)
         return num_tokens, block_ids
+
+    def _blocks_to_reserve(self, request: Request, full_len: int,
+                           hits: ComputedBlocks) -> int:
+        """Free blocks the full-sequence check asks for: a parallel-sampling parent not yet
+        forked reserves for all its samples at full length (their shared prompt blocks once),
+        unless even an empty pool could not hold that; then, as any request, for itself."""
+        group = request.group
+        single = self.kv.num_blocks_to_admit(full_len, hits)
+        if group is None or group.forked:
+            return single
+        whole = self.kv.num_blocks_to_admit(full_len, hits, group.size - 1,
+                                            request.num_prompt_tokens)
+        return whole if whole <= self.kv.num_usable_blocks else single
 
     def _try_swap_in(self, request: Request, plan: StepPlan, num_partial: PartialPrefills,
                      reserved: int) -> Optional[tuple[int, list[int]]]:
@@ -125,6 +141,13 @@ class Admission:
         if num_tokens < owed and num_partial.value() >= config.max_num_partial_prefills:
             return 0
         return num_tokens
+
+
+def num_seats(request: Request) -> int:
+    """Running seats (max_num_seqs) admitting the request takes: a parallel-sampling parent
+    not yet forked takes one per sample, as its samples join `running` when it forks."""
+    group = request.group
+    return 1 if group is None or group.forked else group.size
 
 
 def _admit(request: Request, now: float, running: list[Request]) -> None:

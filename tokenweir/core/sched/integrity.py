@@ -29,4 +29,4 @@ def check_integrity(sched: "Scheduler") -> None:
                 "waiting request holds blocks"
             assert request.num_computed_tokens == 0, "a waiting request kept computed tokens"
     if 0 < sched.config.max_num_seqs:
-        assert len(sched.running) <= sched.config.max_num_seqs
+        assert len(sched.running) + sched.forks.reserved_seats() <= sched.config.max_num_seqs

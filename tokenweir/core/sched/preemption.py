@@ -29,12 +29,15 @@ class Preemption:
         self.sched, self.kv = sched, sched.kv
         self.preempted_ids: set[str] = set()  # since the last step's output
 
-    def allocate_or_preempt(self, request: Request, num_tokens: int,
-                            plan: StepPlan) -> Optional[list[int]]:
+    def allocate_or_preempt(self, request: Request, num_tokens: int, plan: StepPlan,
+                            fork: bool = False) -> Optional[list[int]]:
         """Room for the running `request`'s next `num_tokens`, preempting victims until it
-        fits; None when the request itself was preempted."""
+        fits; None when the request itself was preempted. `fork`: the request is a fresh fork
+        (parallel sampling): its copy-on-write goes into the plan and its whole block table is
+        returned (the runner first meets it in this step)."""
         while True:
-            block_ids = self.kv.allocate_slots(request, num_tokens)
+            block_ids = (self._allocate_fork(request, num_tokens, plan) if fork
+                         else self.kv.allocate_slots(request, num_tokens))
             if block_ids is not None:
                 return block_ids
             victim = self.sched.victim_policy.choose(self.sched.running, request,
@@ -42,6 +45,15 @@ class Preemption:
             self.preempt(victim, plan)
             if victim is request:
                 return None
+
+    def _allocate_fork(self, request: Request, num_tokens: int,
+                       plan: StepPlan) -> Optional[list[int]]:
+        slots = self.kv.allocate_fork_slots(request, num_tokens)
+        if slots is None:
+            return None
+        if slots.copies:
+            plan.copies[request.request_id] = slots.copies
+        return slots.block_ids
 
     def plan_for(self, request: Request) -> PreemptionPlan:
         """Swap or recompute, and what it costs; prefix-cache blocks shared with other holders
@@ -55,8 +67,10 @@ class Preemption:
         """Send a running request back to the waiting queue."""
         stats = self.sched.stats
         self.sched.running.remove(request)
+        # A fork that copied a block this step is recomputed: its copy is dropped with it.
+        copied = request.request_id in plan.copies
         plan.drop(request)
-        if cause == MEMORY and self.plan_for(request).action == SWAP:
+        if cause == MEMORY and not copied and self.plan_for(request).action == SWAP:
             pairs = self.kv.swap_out(request)
             plan.swap_out.extend(pairs)
             stats.num_swapped_out += 1

@@ -7,12 +7,10 @@ A request asks for what it still owes (`num_tokens - num_computed_tokens`), clam
 to a long prompt. When `allocate_slots` returns None the scheduler sheds load: the victim
 policy names a victim and preemption.py applies recompute or swap; a step that preempted for
 memory admits nobody new. The scheduling policy (policies/) orders the queues and may pause,
-veto or free; this file never asks which policy it holds. Stop rules: stop.py. Counting:
-stats.py. The boundary objects: core/outputs.py.
-
-No torch, no clocks: `now` is passed in by whoever drives the scheduler.
+veto or free; this file never asks which policy it holds. Stop rules: stop.py; counting:
+stats.py; parallel-sampling groups: forks.py; a request whose update raises: failure.py; the
+boundary objects: core/outputs.py. No torch, no clocks: `now` comes from the scheduler's driver.
 """
-
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -23,6 +21,7 @@ from tokenweir.core.outputs import (SLO_BETWEEN_STEPS, SLO_MID_STEP, EngineCoreO
                                     ModelRunnerOutput, SchedulerOutput, SchedulerStats)
 from tokenweir.core.sched import admission, stats as count
 from tokenweir.core.sched.failure import fail_in_update
+from tokenweir.core.sched.forks import Forks
 from tokenweir.core.sched.integrity import check_integrity
 from tokenweir.core.sched.policies import Pause, SchedulingPolicy, VictimPolicy, make_policies
 from tokenweir.core.sched.policy import PreemptionCosts, num_tokens_to_schedule
@@ -52,12 +51,12 @@ class Scheduler:
         # (the simulator hides a pipeline's in-flight requests around one schedule()).
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Request id -> the length the decode fast path of update_from_output stays below
-        # (stop.fast_length_cap); read per token instead of the request's own params.
+        # Request id -> the length update_from_output's decode fast path stays below (stop.py)
         self._fast_length_cap: dict[str, int] = {}
         self._finished_since_last_step: set[str] = set()
         self.stats = SchedulerStats()
         self.admission, self.preemption = admission.Admission(self), Preemption(self)
+        self.forks = Forks(self)
         self.watermark_blocks = self.admission.watermark_blocks
 
     # ---- requests in and out -----------------------------------------------------------
@@ -67,6 +66,7 @@ class Scheduler:
         if request.max_num_tokens > self.max_model_len:
             raise ValueError(f"request {request.request_id}: prompt + max_tokens = "
                              f"{request.max_num_tokens} exceeds max_model_len={self.max_model_len}")
+        self.forks.add(request)  # parallel sampling: a group's parent (forks.py)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._fast_length_cap[request.request_id] = fast_length_cap(request)
@@ -91,6 +91,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._fast_length_cap[request.request_id]
         self._finished_since_last_step.add(request.request_id)
+        self.forks.finished(request, status, self._finished_since_last_step)
 
     @property
     def num_running(self) -> int:
@@ -140,6 +141,7 @@ class Scheduler:
         # requests the first one scheduled.
         check_scheduled = bool(scheduled)
         allocate, block_size = self.kv.allocate_slots, self.kv.block_size
+        fresh_forks = self.kv.fresh_forks()  # parallel sampling: new to the runner, may copy
         cached_req_ids, cached_num_computed = plan.cached_req_ids, plan.cached_num_computed
         while i < len(running) and plan.token_budget > 0:
             request = running[i]
@@ -150,7 +152,7 @@ class Scheduler:
                     or (paused and rid in paused) or (owed > 1 and plan.prefills_closed):
                 i += 1  # owed > 1: policy.is_prefilling
                 continue
-            if owed == 1 and computed % block_size:
+            if owed == 1 and computed % block_size and not (fresh_forks and rid in fresh_forks):
                 # The hot case: a decode (1 token, as the budget is > 0) whose computed tokens
                 # end inside a block; a running request's blocks cover its computed tokens, so
                 # it has room for its next one (allocate_slots would give []). No chunk, no
@@ -161,19 +163,20 @@ class Scheduler:
                 plan.token_budget -= 1
                 i += 1
                 continue
+            fresh = rid in fresh_forks
             num_tokens = 1 if owed == 1 else num_tokens_to_schedule(
                 owed, plan.token_budget, self.config.long_prefill_token_threshold)
             assert num_tokens > 0, f"running request {rid} owes no tokens"
-            block_ids = allocate(request, num_tokens)
+            block_ids = None if fresh else allocate(request, num_tokens)
             if block_ids is None:
-                block_ids = self.preemption.allocate_or_preempt(request, num_tokens, plan)
+                block_ids = self.preemption.allocate_or_preempt(request, num_tokens, plan, fresh)
                 if block_ids is None:
                     break  # the request itself was preempted: nothing later can be cheaper
             if plan.preempted:
                 # A victim ahead of `request` in `running` (priority policy) shifted it left.
                 while i >= len(running) or running[i] is not request:
                     i -= 1
-            plan.add(request, num_tokens, block_ids, is_new=False)
+            plan.add(request, num_tokens, block_ids, is_new=fresh)
             if owed > 1:
                 self.policy.on_scheduled(self, request, plan)
             i += 1
@@ -253,6 +256,7 @@ class Scheduler:
         if request.first_token_time is None:
             request.first_token_time = now
             count.count_first_token(self.stats, request, now)
+            self.forks.first_token(request, now)  # before a stop rule can free its blocks
         appended: list[int] = []
         status: Optional[RequestStatus] = None
         for token_id in token_ids:

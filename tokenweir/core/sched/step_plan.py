@@ -36,6 +36,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)  # for memory: admits nobody new
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
+    copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # forks' copy-on-write
     paused: set[str] = field(default_factory=set)
     prefills_closed: bool = False
 
@@ -67,7 +68,8 @@ class StepPlan:
             cached_num_computed_tokens=self.cached_num_computed,
             new_block_ids=self.new_block_ids, preempted_req_ids=preempted_ids,
             finished_req_ids=finished_ids, step_id=step_id,
-            blocks_to_swap_in=self.swap_in, blocks_to_swap_out=self.swap_out)
+            blocks_to_swap_in=self.swap_in, blocks_to_swap_out=self.swap_out,
+            blocks_to_copy=[pair for pairs in self.copies.values() for pair in pairs])
 
     def drop(self, request: Request) -> None:
         """Undo `add` for a request preempted later in the same step."""
@@ -77,6 +79,7 @@ class StepPlan:
             return
         self.token_budget += num_tokens
         self.new_block_ids.pop(rid, None)
+        self.copies.pop(rid, None)  # its blocks went back: nothing to copy into them
         if stops_short_of_prompt(request, num_tokens):
             self.num_chunked -= 1
         if request in self.new_reqs:
