@@ -228,7 +228,8 @@ class ModelRunner:
         result, errors = sample_isolated(
             logits, [s.params for s in states],
             [len(s.token_ids) - s.num_prompt_tokens for s in states],
-            self.eos_token_ids, self.seed, step_id, batch.sample_req_ids)
+            self.eos_token_ids, self.seed, step_id, batch.sample_req_ids,
+            token_ids=[s.token_ids for s in states])  # read only for rows with penalties
         # Rows that failed alone keep a placeholder token here (every rank must return one
         # per row); execute() drops them and reports the errors.
         self.sample_errors = {batch.sample_req_ids[i]: message for i, message in errors.items()}

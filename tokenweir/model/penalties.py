@@ -1,0 +1,101 @@
+"""Per-request logit bias and penalties of one sampling step, batched over the rows.
+
+`apply_penalties(x, params, token_ids, num_output_tokens)` applies, in vLLM's order:
+
+1. logit_bias: `x[token] += bias` (OpenAI's `logit_bias`; transformers' SequenceBiasLogitsProcessor
+   for one-token sequences);
+2. repetition_penalty `r` (vLLM's and transformers' RepetitionPenaltyLogitsProcessor rule): for
+   every token seen in the prompt OR the output, a positive logit is divided by `r`, a negative
+   one multiplied by it;
+3. frequency and presence penalties as OpenAI documents them, over the OUTPUT tokens only:
+   `x[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`, `c[j]` being how many
+   times token j was sampled so far.
+
+Contract: `x` is not modified. When no row uses any of them, `x` itself is returned and nothing
+else is done (one pass over `params`). Otherwise a new tensor is returned, whose rows without
+penalties equal `x`'s. The work is batched: one host-to-device copy of the penalty rows'
+token ids (flattened), one scatter (`index_put_` with accumulation) into a per-step
+[rows, vocab] count matrix, and elementwise tensor ops with per-row penalty vectors; there is
+no per-row tensor operation.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Optional, Sequence
+
+import torch
+
+from tokenweir.request import SamplingParams
+
+__all__ = ["apply_penalties"]
+
+
+def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
+                    token_ids: Optional[Sequence[Sequence[int]]],
+                    num_output_tokens: Sequence[int]) -> torch.Tensor:
+    """`x` ([N, vocab]) with each row's logit bias and penalties applied (see the module
+    docstring). `token_ids[i]` is row i's prompt followed by its output so far, the last
+    `num_output_tokens[i]` of them being the output; only rows with penalties are read."""
+    rows = [i for i, p in enumerate(params) if p.uses_penalties]
+    if not rows:
+        return x
+    if token_ids is None:
+        raise ValueError("penalties and logit_bias need each row's token ids")
+    sub_params = [params[i] for i in rows]
+    all_rows = len(rows) == x.shape[0]
+    idx = None if all_rows else torch.tensor(rows, dtype=torch.long, device=x.device)
+    sub = x.clone() if all_rows else x.index_select(0, idx)
+    _add_bias(sub, sub_params)
+    if any(_has_penalty(p) for p in sub_params):
+        _penalize(sub, sub_params, [token_ids[i] for i in rows],
+                  [num_output_tokens[i] for i in rows])
+    if all_rows:
+        return sub
+    return x.index_copy(0, idx, sub)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0)
+
+
+def _add_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """x[row, token] += bias for every (token, bias) of every row's logit_bias, in place."""
+    r_idx = [r for r, p in enumerate(params) for _ in (p.logit_bias or ())]
+    if not r_idx:
+        return
+    c_idx = [t for p in params for t in (p.logit_bias or ())]
+    values = [float(b) for p in params for b in (p.logit_bias or {}).values()]
+    dev = x.device
+    x.index_put_((torch.tensor(r_idx, dtype=torch.long, device=dev),
+                  torch.tensor(c_idx, dtype=torch.long, device=dev)),
+                 torch.tensor(values, dtype=x.dtype, device=dev), accumulate=True)
+
+
+def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
+              seqs: Sequence[Sequence[int]], num_output: Sequence[int]) -> None:
+    """Repetition, then frequency and presence penalties, in place on every row of `x`."""
+    num_rows, vocab = x.shape
+    dev = x.device
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=dev)
+    flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=dev)
+    row_of = torch.repeat_interleave(torch.arange(num_rows, device=dev), lengths)
+    # Position of each flat token inside its row; outputs start at len - num_output.
+    pos = torch.arange(flat.numel(), device=dev) - (lengths.cumsum(0) - lengths)[row_of]
+    first_output = lengths - torch.tensor(list(num_output), dtype=torch.long, device=dev)
+    is_output = pos >= first_output[row_of]
+    counts = torch.zeros(num_rows, vocab, dtype=x.dtype, device=dev)
+    counts.index_put_((row_of[is_output], flat[is_output]),
+                      torch.ones(1, dtype=x.dtype, device=dev).expand(int(is_output.sum())),
+                      accumulate=True)
+    scalars = torch.tensor([[p.repetition_penalty for p in params],
+                            [p.frequency_penalty for p in params],
+                            [p.presence_penalty for p in params]], dtype=x.dtype, device=dev)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=dev)
+        seen.index_put_((row_of, flat), torch.ones(1, dtype=torch.bool, device=dev)
+                        .expand(flat.numel()))
+        r = scalars[0][:, None]
+        x.copy_(torch.where(seen, torch.where(x > 0, x / r, x * r), x))
+    x.sub_(scalars[1][:, None] * counts + scalars[2][:, None] * (counts > 0).to(x.dtype))
