@@ -167,15 +167,18 @@ class AsyncEngine:
         finally:
             self._tokenizing -= 1
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """The chat template applied off the event loop; ValueError if it fails."""
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          **template_kwargs: Any) -> str:
+        """The chat template applied off the event loop (`template_kwargs`, e.g. tools, go to
+        it); ValueError if it fails."""
         total = sum(len(m["content"]) for m in messages)
         if total > self.max_prompt_chars:
             raise ValueError(f"the messages have {total} characters: more tokens than "
                              f"max_model_len ({self.max_model_len}) allows")
         try:
             return await self.off_loop(self.tokenizer.apply_chat_template, messages,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt,
+                                       **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
 

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Optional
 
 from tokenweir.outputs import RequestOutput
 from tokenweir.server import protocol as P
+from tokenweir.server.tool_calls import ToolCallStream, parse_tool_calls, stream_deltas
 
 
 class Shape:
@@ -83,7 +84,17 @@ class CompletionShape(Shape):
 
 
 class ChatShape(Shape):
+    """With `tool_calls`, the generated text is parsed for tool calls (server/tool_calls.py):
+    a whole answer gets `message.tool_calls` and finish_reason "tool_calls"; a stream holds
+    back the text from `<tool_call>` on and sends the parsed calls in its final chunk."""
+
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tool_calls: bool = False,
+                 parallel_tool_calls: bool = True) -> None:
+        super().__init__(*args)
+        self.parallel_tool_calls = parallel_tool_calls
+        self.tool_stream = ToolCallStream(parallel_tool_calls) if tool_calls else None
 
     def _logprobs(self, token_ids: list[int], entries: list) -> Optional[dict]:
         if self.k is None:
@@ -95,16 +106,33 @@ class ChatShape(Shape):
                              "logprobs": None, "finish_reason": None}])]
 
     def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
-        choice = {"index": 0, "delta": {"content": text} if text else {},
-                  "logprobs": self._logprobs(token_ids, entries),
-                  "finish_reason": acc.finish_reason if finished else None}
+        calls: list[dict] = []
+        if self.tool_stream is not None:
+            text = self.tool_stream.feed(text)
+            if finished:
+                rest, calls = self.tool_stream.finish()
+                text += rest
+        delta: dict = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = stream_deltas(calls)
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(token_ids, entries),
+                  "finish_reason": ("tool_calls" if calls else acc.finish_reason)
+                  if finished else None}
         if finished:
             choice["stop_reason"] = acc.stop_reason
         return choice
 
     def whole_choice(self, acc, entries) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": acc.text},
-                "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+        message: dict = {"role": "assistant", "content": acc.text}
+        finish_reason = acc.finish_reason
+        if self.tool_stream is not None:
+            parsed = parse_tool_calls(acc.text, self.parallel_tool_calls)
+            if parsed.tool_calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": parsed.tool_calls}
+                finish_reason = "tool_calls"
+        return {"index": 0, "message": message, "finish_reason": finish_reason,
+                "stop_reason": acc.stop_reason,
                 "logprobs": self._logprobs(acc.token_ids, entries)}
 
 
