@@ -14,9 +14,9 @@
 Contract: `x` is not modified. When no row uses any of them, `x` itself is returned and nothing
 else is done (one pass over `params`). Otherwise a new tensor is returned, whose rows without
 penalties equal `x`'s. The work is batched: one host-to-device copy of the penalty rows'
-token ids (flattened), one scatter (`index_put_` with accumulation) into a per-step
-[rows, vocab] count matrix, and elementwise tensor ops with per-row penalty vectors; there is
-no per-row tensor operation.
+token ids (flattened), a `unique` over (row, token) keys that yields the seen pairs and the
+output counts, and gather / scatter of just those logits with per-row penalty vectors; there
+is no per-row tensor operation and no [rows, vocab] temporary besides the output.
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ def _add_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
 def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
               seqs: Sequence[Sequence[int]], num_output: Sequence[int]) -> None:
-    """Repetition, then frequency and presence penalties, in place on every row of `x`."""
+    """Repetition, then frequency and presence penalties, in place on every row of `x`.
+
+    Sparse: only the (row, token) pairs that occur are touched, found with one `unique` over
+    `row * vocab + token` keys; no [rows, vocab] temporary is made."""
     num_rows, vocab = x.shape
     dev = x.device
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=dev)
@@ -85,17 +88,19 @@ def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
     pos = torch.arange(flat.numel(), device=dev) - (lengths.cumsum(0) - lengths)[row_of]
     first_output = lengths - torch.tensor(list(num_output), dtype=torch.long, device=dev)
     is_output = pos >= first_output[row_of]
-    counts = torch.zeros(num_rows, vocab, dtype=x.dtype, device=dev)
-    counts.index_put_((row_of[is_output], flat[is_output]),
-                      torch.ones(1, dtype=x.dtype, device=dev).expand(int(is_output.sum())),
-                      accumulate=True)
     scalars = torch.tensor([[p.repetition_penalty for p in params],
                             [p.frequency_penalty for p in params],
                             [p.presence_penalty for p in params]], dtype=x.dtype, device=dev)
+    keys = row_of * vocab + flat
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=dev)
-        seen.index_put_((row_of, flat), torch.ones(1, dtype=torch.bool, device=dev)
-                        .expand(flat.numel()))
-        r = scalars[0][:, None]
-        x.copy_(torch.where(seen, torch.where(x > 0, x / r, x * r), x))
-    x.sub_(scalars[1][:, None] * counts + scalars[2][:, None] * (counts > 0).to(x.dtype))
+        rows, cols = _split(torch.unique(keys), vocab)  # seen in the prompt or the output
+        v, r = x[rows, cols], scalars[0][rows]
+        x[rows, cols] = torch.where(v > 0, v / r, v * r)
+    out_keys, counts = torch.unique(keys[is_output], return_counts=True)
+    if out_keys.numel():
+        rows, cols = _split(out_keys, vocab)
+        x[rows, cols] -= counts.to(x.dtype) * scalars[1][rows] + scalars[2][rows]
+
+
+def _split(keys: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.div(keys, vocab, rounding_mode="floor"), keys % vocab
