@@ -212,3 +212,19 @@ def test_sampling_params_accept_the_bounds_and_check_the_vocabulary():
     with pytest.raises(ValueError, match="logit_bias key 9 is outside the vocabulary"):
         p.check_vocab(9)
     assert not SamplingParams(repetition_penalty=1, logit_bias={}).uses_penalties
+
+
+def test_token_history_grows_and_arrays_give_the_same_result_as_lists():
+    from tokenweir.model.penalties import TokenHistory
+    logits, histories, num_out, _ = _batch(5, 4)
+    grown = []
+    for hist in histories:
+        h = TokenHistory(hist[:1])
+        for t in hist[1:]:  # far past the first capacity: the buffer is reallocated
+            h.append(t)
+        assert h.view().tolist() == hist
+        grown.append(h.view())
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.2,
+                             frequency_penalty=0.1)] * 4
+    assert torch.equal(apply_penalties(logits, params, grown, num_out),
+                       apply_penalties(logits, params, histories, num_out))

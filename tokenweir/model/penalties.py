@@ -21,18 +21,43 @@ is no per-row tensor operation and no [rows, vocab] temporary besides the output
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from tokenweir.request import SamplingParams
 
-__all__ = ["apply_penalties"]
+__all__ = ["TokenHistory", "apply_penalties"]
+
+# One row's prompt + output token ids: a list, or an int64 array (TokenHistory.view()).
+TokenIds = Union[Sequence[int], np.ndarray]
+
+
+class TokenHistory:
+    """A request's prompt + output token ids in a growing int64 buffer (capacity doubles), so
+    that a step hands the sampler an array view instead of converting a Python list of
+    hundreds of ints. The runner keeps one only for requests that use penalties."""
+
+    __slots__ = ("_buf", "_len")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self._buf = np.empty(max(16, 2 * len(token_ids)), dtype=np.int64)
+        self._buf[:len(token_ids)] = token_ids
+        self._len = len(token_ids)
+
+    def append(self, token_id: int) -> None:
+        if self._len == len(self._buf):
+            self._buf = np.concatenate([self._buf, np.empty_like(self._buf)])
+        self._buf[self._len] = token_id
+        self._len += 1
+
+    def view(self) -> np.ndarray:
+        return self._buf[:self._len]
 
 
 def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
-                    token_ids: Optional[Sequence[Sequence[int]]],
+                    token_ids: Optional[Sequence[TokenIds]],
                     num_output_tokens: Sequence[int]) -> torch.Tensor:
     """`x` ([N, vocab]) with each row's logit bias and penalties applied (see the module
     docstring). `token_ids[i]` is row i's prompt followed by its output so far, the last
@@ -74,7 +99,7 @@ def _add_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
 
 def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
-              seqs: Sequence[Sequence[int]], num_output: Sequence[int]) -> None:
+              seqs: Sequence[TokenIds], num_output: Sequence[int]) -> None:
     """Repetition, then frequency and presence penalties, in place on every row of `x`.
 
     Sparse: only the (row, token) pairs that occur are touched, found with one `unique` over
@@ -82,7 +107,8 @@ def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
     num_rows, vocab = x.shape
     dev = x.device
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=dev)
-    flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=dev)
+    flat = torch.from_numpy(np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]))
+    flat = flat.to(dev)
     row_of = torch.repeat_interleave(torch.arange(num_rows, device=dev), lengths)
     # Position of each flat token inside its row; outputs start at len - num_output.
     pos = torch.arange(flat.numel(), device=dev) - (lengths.cumsum(0) - lengths)[row_of]
