@@ -228,3 +228,15 @@ def test_token_history_grows_and_arrays_give_the_same_result_as_lists():
                              frequency_penalty=0.1)] * 4
     assert torch.equal(apply_penalties(logits, params, grown, num_out),
                        apply_penalties(logits, params, histories, num_out))
+
+
+@pytest.mark.parametrize("r", [1e-300, 1e-40, 1e300])
+def test_extreme_repetition_penalties_leave_a_row_the_sampler_can_draw_from(r):
+    logits = torch.tensor([[3.0, -2.0, 0.0, 1.0, -float("inf")]])
+    hist = [[0, 1, 2, 4]]
+    x = apply_penalties(logits, [SamplingParams(repetition_penalty=r)], hist, [2])
+    assert not torch.isnan(x).any() and not torch.isposinf(x).any()
+    assert torch.isneginf(x[0, 4])  # a masked logit stays masked
+    out = sample(logits, [SamplingParams(repetition_penalty=r, seed=1)], [2], EOS, 0, 0,
+                 token_ids=hist)
+    assert 0 <= out.token_ids[0] < 4

@@ -121,7 +121,11 @@ def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
     if any(p.repetition_penalty != 1.0 for p in params):
         rows, cols = _split(torch.unique(keys), vocab)  # seen in the prompt or the output
         v, r = x[rows, cols], scalars[0][rows]
-        x[rows, cols] = torch.where(v > 0, v / r, v * r)
+        # An extreme penalty (r under float32's range, 1e-40 say) must not hand the sampler
+        # +inf or NaN: +inf becomes the largest float, NaN (0 / 0) zero; -inf stays -inf.
+        penalized = torch.where(v > 0, v / r, v * r).nan_to_num_(
+            nan=0.0, posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+        x[rows, cols] = torch.where(torch.isneginf(v), v, penalized)
     out_keys, counts = torch.unique(keys[is_output], return_counts=True)
     if out_keys.numel():
         rows, cols = _split(out_keys, vocab)
