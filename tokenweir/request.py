@@ -148,6 +148,15 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # ---- penalties and bias (issue 15), applied in model/sampler.py ----
+    # OpenAI's: subtract presence_penalty once from every token already in the output, and
+    # frequency_penalty times its count there. vLLM's repetition_penalty (transformers' rule)
+    # divides a positive logit of a token seen in the prompt or the output, multiplies a
+    # negative one. logit_bias: token id -> a value added to its logit.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self) -> None:
         self.stop = _as_stop_list(self.stop)
@@ -183,13 +192,37 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
         _as_stop_list(self.stop)  # still a list of non-empty strings (fields are mutable)
         _as_token_id_list("stop_token_ids", self.stop_token_ids)
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, low_open=True)
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
+                             f"{_show(self.logit_bias)}")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias key", token_id, 0)
+            _check_real(f"logit_bias value of token {token_id}", bias, -100.0, 100.0)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the sampler has penalty or bias work to do for this request."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
 
     def check_vocab(self, vocab_size: int) -> None:
-        """stop_token_ids must name tokens of a vocabulary of `vocab_size` tokens."""
+        """stop_token_ids and logit_bias keys must name tokens of a vocabulary of `vocab_size` tokens."""
         for i, token_id in enumerate(self.stop_token_ids):
             if token_id >= vocab_size:
                 raise ValueError(f"stop_token_ids[{i}] = {token_id} is outside the "
                                  f"vocabulary [0, {vocab_size})")
+        for token_id in self.logit_bias or {}:
+            if token_id >= vocab_size:
+                raise ValueError(f"logit_bias key {token_id} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

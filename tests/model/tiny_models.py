@@ -93,3 +93,17 @@ def save_tiny_tokenizer(path: str, chat_template: str) -> None:
            "clean_up_tokenization_spaces": False}
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f)
+
+
+# A Hermes-style template that takes `tools` (as Qwen's and Hermes 2 Pro's do): the tool
+# definitions go into a system turn, an assistant's tool calls come back as <tool_call> blocks
+# and tool results as `tool` turns.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<s>system\nYou may call these functions. Reply with "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools></s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}\n"
+    "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}")

@@ -33,14 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(root: str, *extra: str, drain_timeout: float = 10.0) -> tuple[subprocess.Popen,
-                                                                               str]:
+def start_server(root: str, *extra: str, drain_timeout: float = 10.0,
+                 model: str = MODEL) -> tuple[subprocess.Popen, str]:
     """A `tokenweir serve` subprocess from checkout `root`; returns (process, base url) once
     /health answers. Its output goes to a pipe (read it after it exits)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENWEIR_API_KEY": API_KEY,
            "NO_PROXY": "127.0.0.1", "PYTHONPATH": root}
-    cmd = [sys.executable, "-m", "tokenweir", "serve", MODEL, "--dtype", "float32",
+    cmd = [sys.executable, "-m", "tokenweir", "serve", model, "--dtype", "float32",
            "--max-model-len", "1024", "--num-gpu-blocks-override", "512", "--host",
            "127.0.0.1", "--port", str(port), "--drain-timeout", str(drain_timeout),
            "--log-level", "warning", *extra]
@@ -166,7 +166,9 @@ BAD_REQUESTS: dict[str, tuple[str, Any, Optional[bytes]]] = {
     "top_k 1e400": ("/v1/completions", None,
                     b'{"prompt": "Hi", "max_tokens": 4, "top_k": 1' + b"0" * 400 + b"}"),
     "best_of 3 streamed": ("/v1/completions", completion(best_of=3, stream=True), None),
-    "logit_bias": ("/v1/completions", completion(logit_bias={"50": 100}), None),
+    "logit_bias outside the vocabulary": ("/v1/completions",
+                                          completion(logit_bias={"999999": 100}), None),
+    "logit_bias 101": ("/v1/completions", completion(logit_bias={"50": 101}), None),
     "response_format json": ("/v1/chat/completions",
                              {"messages": CHAT_MESSAGES,
                               "response_format": {"type": "json_object"}}, None),
@@ -176,7 +178,8 @@ BAD_REQUESTS: dict[str, tuple[str, Any, Optional[bytes]]] = {
     "tool_choice": ("/v1/chat/completions",
                     {"messages": CHAT_MESSAGES, "tool_choice": "required"}, None),
     "suffix": ("/v1/completions", completion(suffix="!"), None),
-    "presence_penalty 1.5": ("/v1/completions", completion(presence_penalty=1.5), None),
+    "presence_penalty 2.5": ("/v1/completions", completion(presence_penalty=2.5), None),
+    "repetition_penalty 0": ("/v1/completions", completion(repetition_penalty=0), None),
     "frequency_penalty 'x'": ("/v1/completions", completion(frequency_penalty="x"), None),
     "n 300": ("/v1/completions", completion(n=300), None),
     "10 MB body, unknown field": ("/v1/completions", None,

@@ -141,6 +141,42 @@ def test_chat_with_vllm_extras(client):
     assert len(choice.logprobs.content[0].top_logprobs) == 2
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}
+
+
+def test_penalties_and_logit_bias_with_the_openai_client(client):
+    prompt = "List the colours of the rainbow, one per line:"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    penalized = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                          temperature=0, presence_penalty=2.0,
+                                          frequency_penalty=2.0,
+                                          extra_body={"repetition_penalty": 1.3})
+    assert penalized.choices[0].text != plain.choices[0].text  # probe: the penalties acted
+    biased = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={"28": 100}, logprobs=0)
+    tokens = biased.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1  # token 28, four times
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logit_bias={"28": 100})
+    assert chat.choices[0].message.content == biased.choices[0].text
+
+
+def test_tools_need_a_template_that_takes_them_but_tool_choice_none_works(client):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                       max_tokens=3)
+    err = _error_of(exc)
+    assert err["param"] == "tools" and "does not take tools" in err["message"]
+    ok = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                        tool_choice="none", max_tokens=3)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert not ok.choices[0].message.tool_calls
+
+
 def test_streaming_completion_is_incremental(client):
     stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True},

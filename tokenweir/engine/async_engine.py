@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Optional
 
 from tokenweir.engine.llm_engine import LLMEngine, PromptType
 from tokenweir.engine.metrics import _HistogramData
+from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.serving_profile import ServingProfile, StepTimer
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import Request, RequestStatus, SamplingParams
@@ -110,6 +111,8 @@ class AsyncEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._tracked: dict[str, _Tracked] = {}  # added on the event loop, then engine side
+        # A parallel-sampling request's output id -> its samples' ids in the scheduler.
+        self._sample_ids: dict[str, list[str]] = {}
         self._unstarted: set[str] = set()  # event-loop side: admitted, no output yet
         self._tokenizing = 0  # event-loop side: requests in off_loop work (tokenizing)
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS,
@@ -171,6 +174,8 @@ class AsyncEngine:
         self._queues[request_id] = queue
         self._unstarted.add(request_id)
         self._tracked[request_id] = _Tracked(ttft_slo_ms)
+        if request.group is not None:  # n / best_of: an abort must reach every sample
+            self._sample_ids[request_id] = [s.request_id for s in request.group.samples]
         with self._cond:
             if self._stopping:
                 self._forget(request_id)
@@ -198,20 +203,24 @@ class AsyncEngine:
         finally:
             self._tokenizing -= 1
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """The chat template applied off the event loop; ValueError if it fails."""
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          **template_kwargs: Any) -> str:
+        """The chat template applied off the event loop (`template_kwargs`, e.g. tools, go to
+        it); ValueError if it fails."""
         total = sum(len(m["content"]) for m in messages)
         if total > self.max_prompt_chars:
             raise ValueError(f"the messages have {total} characters: more tokens than "
                              f"max_model_len ({self.max_model_len}) allows")
         try:
             return await self.off_loop(self.tokenizer.apply_chat_template, messages,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt,
+                                       **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._sample_ids.pop(request_id, None)
         self._unstarted.discard(request_id)
         self._tracked.pop(request_id, None)
 
@@ -314,7 +323,7 @@ class AsyncEngine:
             engine.core.admit_submitted()
             self._apply_finishes(finishes)
             for request_id in aborts:
-                engine.core.abort_requests([request_id])
+                engine.core.abort_requests(self._sample_ids.get(request_id, [request_id]))
                 self._to_output(("abort", request_id))
             if stopping:
                 ids = list(engine.scheduler.requests)
@@ -358,13 +367,14 @@ class AsyncEngine:
             core_outputs = core.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
             logger.exception("engine step failed; aborting in-flight requests")
-            ids = list(core.scheduler.requests)
-            for request_id in ids:
+            requests = list(core.scheduler.requests.values())
+            for request in requests:
                 try:
-                    core.abort_requests([request_id])
+                    core.abort_requests([request.request_id])
                 except Exception:  # noqa: BLE001
                     logger.exception("abort after a failed step failed")
-            self._to_output(("fail", (ids, exc)))
+            output_ids = list(dict.fromkeys(map(OutputProcessor.output_id, requests)))
+            self._to_output(("fail", (output_ids, exc)))
             return
         self._to_output(("step", (core_outputs, core.clock())))
 
@@ -423,37 +433,52 @@ class AsyncEngine:
             self.profile.add("handoff", time.perf_counter() - posting)
 
     def _process_step(self, core_outputs: list, now: float, items: list) -> None:
-        """One step's engine-core outputs -> delta RequestOutputs. Outputs of a request whose
-        state is gone (ended here by a stop string, an error or an abort, while the engine
-        ran another step for it) are dropped."""
-        states = self.engine.outputs.states
+        """One step's engine-core outputs -> delta RequestOutputs, one per request or
+        parallel-sampling group (by output id). Outputs of a request whose state is gone
+        (ended here by a stop string, an error or an abort, while the engine ran another step
+        for it) are dropped."""
+        outputs = self.engine.outputs
         tokens = 0
         yield_gil = self._output_thread is not None
+        # Output id -> the request to build its output from, or its final error output.
+        made: dict[str, Any] = {}
         for core_output in core_outputs:
-            request_id = core_output.request.request_id
+            request = core_output.request
             tokens += len(core_output.new_token_ids)
-            if request_id not in states:
+            output_id = outputs.output_id(request)
+            if output_id not in outputs.states or isinstance(made.get(output_id), RequestOutput):
                 continue
             if yield_gil:  # let the engine thread's forward take the GIL between requests
                 time.sleep(0)
             try:
-                out = self._process_one(core_output, now)
-            except Exception as exc:  # noqa: BLE001 - this request alone fails
-                out = self._error_output(core_output.request, exc)
-            self._observe(out)
-            items.append((request_id, out))
+                self._process_one(core_output, now)
+                made.setdefault(output_id, request)
+            except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
+                made[output_id] = self._error_output(request, exc)
+        for output_id, request in made.items():
+            out = request if isinstance(request, RequestOutput) \
+                else self._make_one(output_id, request)
+            if out is not None:
+                self._observe(out)
+                items.append((output_id, out))
         if self.profile is not None:
             self.profile.count_step(tokens)
 
-    def _process_one(self, core_output, now: float) -> RequestOutput:
-        outputs = self.engine.outputs
+    def _process_one(self, core_output, now: float) -> None:
         request = core_output.request
-        if outputs.process(core_output, now):  # a stop string: the engine must finish it
+        if self.engine.outputs.process(core_output, now):  # a stop string: finish it
             request.finished_time = now
             self._ask_engine(request.request_id, "")
-        result = outputs.make_output(request.request_id, delta=True)
-        if result.finished:
-            outputs.pop(request.request_id)
+
+    def _make_one(self, output_id: str, request: Request) -> Optional[RequestOutput]:
+        """The delta output of `output_id` (None: a best_of group with nothing to show)."""
+        outputs = self.engine.outputs
+        try:
+            result = outputs.make_output(output_id, delta=True)
+        except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
+            return self._error_output(request, exc)
+        if result is not None and result.finished:
+            outputs.pop(output_id)
         return result
 
     def _error_output(self, request: Request, exc: Exception) -> RequestOutput:
@@ -463,7 +488,8 @@ class AsyncEngine:
         logger.warning("request %s failed: %s", request.request_id, message)
         if request.error is None:
             request.error = message
-        self._ask_engine(request.request_id, message)
+        for sample in request.group.samples if request.group is not None else [request]:
+            self._ask_engine(sample.request_id, message)
         return self.engine.outputs.error_output(request, delta=True)
 
     def _ask_engine(self, request_id: str, message: str) -> None:

@@ -61,12 +61,16 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Params = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             tools: Optional[list[dict]] = None) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, rendered
-        through the model's chat template."""
+        through the model's chat template (with `tools`, OpenAI-shaped tool definitions, when
+        given: ValueError if the template does not take them). Tool calls are not parsed."""
         conversations = _as_conversations(messages)
         tokenizer = self.llm_engine.tokenizer
-        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+        extra = {} if tools is None else {"tools": tools}
+        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                 **extra)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -3,6 +3,8 @@
 `sample(logits, params, num_output_tokens, eos_token_ids, default_seed, step_id)` picks one token
 per row of `logits` ([N, vocab]) following vLLM's semantics:
 
+0. logit_bias, repetition, frequency and presence penalties (model/penalties.py), batched;
+   nothing at all is done for them when no row of the step uses them.
 1. min_tokens: while a request has produced fewer than `min_tokens` tokens, its EOS ids and
    `stop_token_ids` are set to -inf (whatever `ignore_eos` says, as vLLM does). If that would leave
    a row with no finite logit at all, the mask is dropped for that row rather than sampling junk.
@@ -38,8 +40,8 @@ SplitMix64 (no torch.Generator, no hidden state, one host-to-device copy per ste
   fixed default_seed and the same workload replays identically.
 
 Logprobs (for rows whose `params.logprobs` is not None) are vLLM's default "raw" ones:
-`log_softmax` of the logits as given, before min_tokens masking and temperature. The sampled
-token's rank counts the tokens with a strictly larger logprob, plus one.
+`log_softmax` of the logits as given, before bias, penalties, min_tokens masking and
+temperature. The sampled token's rank counts the tokens with a strictly larger logprob, plus one.
 
 Nothing here is tied to a device: every tensor is created on the logits' device. On CPU a
 seeded row's token is bit-for-bit independent of the batch; on a GPU, parallel scans may round
@@ -56,9 +58,10 @@ import torch
 
 from tokenweir import faults
 from tokenweir.core.outputs import TokenLogprobs
+from tokenweir.model.penalties import apply_penalties
 from tokenweir.request import SamplingParams
 
-__all__ = ["SamplerOutput", "sample", "sample_isolated", "row_uniform"]
+__all__ = ["SamplerOutput", "process_logits", "sample", "sample_isolated", "row_uniform"]
 
 # vLLM treats temperatures below this as greedy: dividing by them would overflow.
 _SAMPLING_EPS = 1e-5
@@ -114,17 +117,18 @@ def sample(logits: torch.Tensor,
            eos_token_ids: frozenset[int],
            default_seed: int,
            step_id: int,
-           row_ids: Optional[Sequence[int]] = None) -> SamplerOutput:
+           row_ids: Optional[Sequence[int]] = None,
+           token_ids: Optional[Sequence[Sequence[int]]] = None) -> SamplerOutput:
     """Sample one token per row of `logits` ([N, vocab]); see the module docstring.
     `row_ids` (default 0..N-1) are the rows' indices in the step's batch, which seed the draws
-    of rows without a seed of their own."""
+    of rows without a seed of their own. `token_ids[i]` (prompt + output so far) is read only
+    for rows with penalties (required then)."""
     _check_shapes(logits, params, num_output_tokens)
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return SamplerOutput(token_ids=[], logprobs=[])
     raw = logits if logits.dtype == torch.float32 else logits.float()
-    masks = _min_tokens_masks(params, num_output_tokens, eos_token_ids, vocab)
-    x = _apply_masks(raw, masks)  # `raw` itself when nothing is masked
+    x = process_logits(raw, params, num_output_tokens, eos_token_ids, token_ids)
     greedy_rows = [i for i, p in enumerate(params) if p.temperature < _SAMPLING_EPS]
     random_rows = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
     tokens = torch.empty(num_rows, dtype=torch.long, device=raw.device)
@@ -135,6 +139,16 @@ def sample(logits: torch.Tensor,
                              i if row_ids is None else row_ids[i]) for i in random_rows]
         tokens = _put_random(x, params, random_rows, seeds, tokens)
     return SamplerOutput(token_ids=tokens.tolist(), logprobs=_logprobs(raw, params, tokens))
+
+
+def process_logits(raw: torch.Tensor, params: Sequence[SamplingParams],
+                   num_output_tokens: Sequence[int], eos_token_ids: frozenset[int],
+                   token_ids: Optional[Sequence[Sequence[int]]] = None) -> torch.Tensor:
+    """The logits the draw (or argmax) sees, before temperature: steps 0 and 1 of the module
+    docstring. `raw` itself when no row has penalties or a min_tokens mask; never modified."""
+    x = apply_penalties(raw, params, token_ids, num_output_tokens)
+    masks = _min_tokens_masks(params, num_output_tokens, eos_token_ids, raw.shape[1])
+    return _apply_masks(x, masks)  # `x` itself when nothing is masked
 
 
 def _check_shapes(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -193,8 +207,9 @@ def _put_random(x: torch.Tensor, params: Sequence[SamplingParams], random_rows: 
 
 def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
                     num_output_tokens: Sequence[int], eos_token_ids: frozenset[int],
-                    default_seed: int, step_id: int,
-                    request_ids: Sequence[str]) -> tuple[SamplerOutput, dict[int, str]]:
+                    default_seed: int, step_id: int, request_ids: Sequence[str],
+                    token_ids: Optional[Sequence[Sequence[int]]] = None
+                    ) -> tuple[SamplerOutput, dict[int, str]]:
     """`sample`, with a failure confined to the row that caused it.
 
     When the batched call raises, every row is sampled alone, with the draw it would have had
@@ -205,7 +220,7 @@ def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
     try:
         _fire_sampling(request_ids)
         return sample(logits, params, num_output_tokens, eos_token_ids, default_seed,
-                      step_id), {}
+                      step_id, token_ids=token_ids), {}
     except Exception:  # noqa: BLE001 - find the row(s) to blame below
         pass
     token_ids: list[int] = []
@@ -215,7 +230,8 @@ def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
         try:
             _fire_sampling(request_ids[i:i + 1])
             one = sample(logits[i:i + 1], params[i:i + 1], num_output_tokens[i:i + 1],
-                         eos_token_ids, default_seed, step_id, row_ids=[i])
+                         eos_token_ids, default_seed, step_id, row_ids=[i],
+                         token_ids=None if token_ids is None else token_ids[i:i + 1])
         except Exception as exc:  # noqa: BLE001 - this row alone fails
             errors[i] = f"sampling failed: {exc!r}"
             token_ids.append(-1)
@@ -240,7 +256,8 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _apply_masks(raw: torch.Tensor, masks: dict[int, list[int]]) -> torch.Tensor:
-    """A copy of `raw` with the min_tokens masks applied; `raw` itself when there are none."""
+    """A copy of `raw` with the min_tokens masks applied; `raw` itself when there are none.
+    (`raw` here is whatever the masks apply to: the penalized logits when there are any.)"""
     if not masks:
         return raw
     x = raw.clone()

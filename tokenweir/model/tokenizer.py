@@ -66,6 +66,16 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+@lru_cache(maxsize=8)
+def _template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads from its caller (e.g. `messages`, `tools`)."""
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    return frozenset(meta.find_undeclared_variables(env.parse(source)))
+
+
 def _token_content(value: Any) -> Optional[str]:
     """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
     if isinstance(value, Mapping):
@@ -201,11 +211,24 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[Optional[str]]:
         return [self.backend.id_to_token(int(i)) for i in ids]
 
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (so it can render tool
+        definitions, as Hermes / Qwen / Llama 3.1 templates do)."""
+        return bool(self.chat_template) and "tools" in _template_variables(self.chat_template)
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render the model's own Jinja chat template. ValueError when the model has none."""
+                            add_generation_prompt: bool = True,
+                            tools: Optional[Sequence[Mapping[str, Any]]] = None,
+                            **kwargs: Any) -> str:
+        """Render the model's own Jinja chat template. ValueError when the model has none, or
+        when `tools` are given and the template does not take them."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
+        if tools is not None:
+            if not self.chat_template_takes_tools:
+                raise ValueError("this model's chat template does not take tools")
+            kwargs["tools"] = list(tools)
         variables = {**self.special_tokens, **kwargs}
         return _compile_template(self.chat_template).render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)

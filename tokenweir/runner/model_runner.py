@@ -18,6 +18,7 @@ from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.model import kernels
 from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
+from tokenweir.model.penalties import TokenHistory
 from tokenweir.model.sampler import sample_isolated
 from tokenweir.request import SamplingParams
 from tokenweir.runner.interrupt import CutSignal, StepCut, make_layer_hook
@@ -30,6 +31,9 @@ class _RunnerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
+    # token_ids again as an int64 buffer, only for requests with penalties (the sampler
+    # reads it each step; a list would be converted every time).
+    history: Optional[TokenHistory] = None
 
 
 @dataclass(slots=True)
@@ -180,7 +184,9 @@ class ModelRunner:
             self.requests[new.req_id] = _RunnerRequest(
                 token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                params=new.sampling_params)
+                params=new.sampling_params,
+                history=TokenHistory(new.token_ids) if new.sampling_params.uses_penalties
+                else None)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -204,7 +210,10 @@ class ModelRunner:
         for req_id in batch.req_ids:
             self.requests[req_id].num_computed_tokens += out.num_scheduled_tokens[req_id]
         for req_id, token_id in sampled.items():
-            self.requests[req_id].token_ids.append(token_id)
+            state = self.requests[req_id]
+            state.token_ids.append(token_id)
+            if state.history is not None:
+                state.history.append(token_id)
 
     # ---- inputs -----------------------------------------------------------------------
     def _make_batch(self, out: SchedulerOutput) -> _Batch:
@@ -241,7 +250,9 @@ class ModelRunner:
         result, errors = sample_isolated(
             logits, [s.params for s in states],
             [len(s.token_ids) - s.num_prompt_tokens for s in states],
-            self.eos_token_ids, self.seed, step_id, batch.sample_req_ids)
+            self.eos_token_ids, self.seed, step_id, batch.sample_req_ids,
+            token_ids=[s.history.view() if s.history is not None else s.token_ids
+                       for s in states])  # read only for rows with penalties
         # Rows that failed alone keep a placeholder token here (every rank must return one
         # per row); execute() drops them and reports the errors.
         self.sample_errors = {batch.sample_req_ids[i]: message for i, message in errors.items()}

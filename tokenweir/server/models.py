@@ -9,9 +9,10 @@ the engine's step raise. A parameter tokenweir does not honour is refused by nam
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Iterable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError,
+                      model_validator)
 
 from tokenweir.server.protocol import APIError
 
@@ -24,11 +25,14 @@ PositiveInt = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
 TopLogprobs = Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)]
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
+Penalty = Annotated[float, Strict(), Field(allow_inf_nan=False, ge=-2, le=2)]
+# logit_bias keys: token ids written as decimal strings (JSON object keys are strings).
+TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,18}$")]
 
 # name -> its neutral values: sending one of these (or null) changes nothing, so it is allowed.
+# A request model that declares one of these names as a field supports it (chat: tools).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "repetition_penalty": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
+    "suffix": ("",), "response_format": ({"type": "text"},),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
     "functions": ([],), "function_call": ("none",), "use_beam_search": (False,),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
@@ -69,6 +73,11 @@ class SamplingFields(StrictModel):
     priority: Optional[Int64] = None
     ttft_slo_ms: Optional[Annotated[Float, Field(gt=0)]] = None
     user: Optional[StrictStr] = None
+    # ---- penalties and bias (issue 15): OpenAI's and vLLM's ranges ----
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[Annotated[Float, Field(gt=0)]] = None
+    logit_bias: Optional[dict[TokenIdKey, Annotated[Float, Field(ge=-100, le=100)]]] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -84,9 +93,58 @@ class TextPart(StrictModel):
     text: StrictStr
 
 
+# ---- tools (issue 15): OpenAI's shapes ----
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(StrictModel):
+    name: FunctionName
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionRef(StrictModel):
+    name: FunctionName
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class FunctionCall(StrictModel):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(StrictModel):
+    id: StrictStr
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
+    """A message; `tool_calls` only on an assistant's, `tool_call_id` only on a tool's."""
+
     role: StrictStr
     content: Optional[Union[StrictStr, list[TextPart]]] = None
+    name: Optional[StrictStr] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _tool_fields_match_the_role(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message carries tool_call_id")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -95,6 +153,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[TopLogprobs] = None
     add_generation_prompt: Optional[StrictBool] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
@@ -105,23 +166,26 @@ def parse(model_class: type[StrictModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     try:
-        return model_class.model_validate(refuse_unsupported(body))
+        return model_class.model_validate(refuse_unsupported(body, model_class.model_fields))
     except ValidationError as exc:
         raise _api_error(exc) from None
     except RecursionError:
         raise APIError("the request is nested too deeply") from None
 
 
-def refuse_unsupported(body: dict) -> dict:
+def refuse_unsupported(body: dict, supported: Iterable[str] = ()) -> dict:
     """`body` without the unsupported parameters that carry a neutral value; APIError for
-    one that carries any other value."""
+    one that carries any other value. Names in `supported` (the request model's own fields)
+    are left alone."""
+    supported = frozenset(supported)
     for name, neutral in UNSUPPORTED.items():
         value = body.get(name)
-        if value is None or any(_same(value, n) for n in neutral):
+        if name in supported or value is None or any(_same(value, n) for n in neutral):
             continue
         raise APIError(f"'{name}' is not supported by tokenweir (only "
                        f"{_neutral_text(neutral)} is accepted)", param=name)
-    return {k: v for k, v in body.items() if k not in UNSUPPORTED}
+    return {k: v for k, v in body.items() if k not in UNSUPPORTED or k in supported}
+
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -156,4 +220,5 @@ def _field_path(loc: tuple) -> list:
     return [p for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _BRANCHES)]
 
 
-_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "TextPart", "literal"}
+_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "TextPart", "literal",
+             "NamedToolChoice"}

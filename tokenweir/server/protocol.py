@@ -51,7 +51,8 @@ def sampling(req: Any, chat: bool, vocab_size: int) -> Parsed:
         raise APIError(f"'stop_token_ids': token id {bad} is outside the vocabulary "
                        f"[0, {vocab_size})", param="stop_token_ids")
     try:
-        params = SamplingParams(**_sampling_kwargs(req, chat))
+        params = SamplingParams(**_sampling_kwargs(req, chat),
+                                logit_bias=logit_bias_of(req, vocab_size))
     except (ValueError, TypeError) as exc:
         raise APIError(str(exc), param=_field_named(str(exc))) from exc
     stream_options = req.stream_options
@@ -60,6 +61,18 @@ def sampling(req: Any, chat: bool, vocab_size: int) -> Parsed:
                   include_usage=bool(stream_options and stream_options.include_usage),
                   top_logprobs=params.logprobs)
 
+
+def logit_bias_of(req: Any, vocab_size: int) -> Optional[dict[int, float]]:
+    """The validated request's logit_bias as {token id: bias}; APIError naming logit_bias
+    for a token outside the vocabulary."""
+    if not req.logit_bias:
+        return None
+    bias = {int(key): float(value) for key, value in req.logit_bias.items()}
+    bad = next((t for t in bias if t >= vocab_size), None)
+    if bad is not None:
+        raise APIError(f"'logit_bias': token id {bad} is outside the vocabulary "
+                       f"[0, {vocab_size})", param="logit_bias")
+    return bias
 
 def _sampling_kwargs(req: Any, chat: bool) -> dict:
     if chat:
@@ -78,7 +91,8 @@ def _sampling_kwargs(req: Any, chat: bool) -> dict:
 _PLAIN_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
                  "stop",
                  "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                 "include_stop_str_in_output")
+                 "include_stop_str_in_output",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def _field_named(message: str) -> Optional[str]:
@@ -96,13 +110,22 @@ def prompt_of(req: Any) -> Any:
 
 
 def messages_of(req: Any) -> list[dict]:
-    """Chat messages as the template wants them: role and text content."""
+    """Chat messages as the template wants them: role and text content (plus, when given,
+    name, tool_call_id and tool_calls with their arguments as objects)."""
+    from tokenweir.server.tool_calls import arguments_as_objects
+
     out = []
     for m in req.messages:
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if getattr(m, key, None) is not None:
+                message[key] = getattr(m, key)
+        if getattr(m, "tool_calls", None):
+            message["tool_calls"] = arguments_as_objects([c.model_dump() for c in m.tool_calls])
+        out.append(message)
     return out
 
 

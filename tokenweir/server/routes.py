@@ -20,6 +20,7 @@ from tokenweir.server.body import parse_json
 from tokenweir.server.models import ChatCompletionRequest, CompletionRequest, parse
 from tokenweir.server.shapes import ChatShape, CompletionShape, Shape, collect, stream_chunks
 from tokenweir.server.state import AppState, app_state
+from tokenweir.server.tool_calls import tools_for_template
 
 logger = logging.getLogger("tokenweir.server")
 router = APIRouter()
@@ -101,12 +102,17 @@ async def chat(request: Request):
     model = state.model_name(req.model)
     parsed = P.sampling(req, chat=True, vocab_size=state.engine.engine.vocab_size)
     add_generation_prompt = req.add_generation_prompt is not False
+    tools = tools_for_template(req, state.engine.tokenizer.chat_template_takes_tools)
     state.admit()  # refuse before the template work when the server cannot take it anyway
+    extra = {} if tools is None else {"tools": tools}
     try:
-        prompt = await state.engine.render_chat(P.messages_of(req), add_generation_prompt)
+        prompt = await state.engine.render_chat(P.messages_of(req), add_generation_prompt,
+                                                **extra)
     except ValueError as exc:
         raise P.APIError(str(exc), param="messages") from exc
-    shape = ChatShape(P.new_id("chatcmpl"), model, parsed, state.engine.tokenizer)
+    shape = ChatShape(P.new_id("chatcmpl"), model, parsed, state.engine.tokenizer,
+                      tool_calls=tools is not None,
+                      parallel_tool_calls=req.parallel_tool_calls is not False)
     return await _answer(state, shape, prompt)
 
 

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Optional
 
 from tokenweir.outputs import RequestOutput
 from tokenweir.server import protocol as P
+from tokenweir.server.tool_calls import ToolCallStream, parse_tool_calls, stream_deltas
 
 
 class Shape:
@@ -73,6 +74,14 @@ class CompletionShape(Shape):
             return None
         return P.completion_logprobs(self.tokenizer, token_ids, entries, self.k, offset)
 
+    def _tool_stream(self, index: int) -> Optional[ToolCallStream]:
+        """The tool-call filter of choice `index` (each of n choices parses its own text)."""
+        if not self.tool_calls:
+            return None
+        if index not in self._tool_streams:
+            self._tool_streams[index] = ToolCallStream(self.parallel_tool_calls)
+        return self._tool_streams[index]
+
     def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
         offset = self.offsets.get(acc.index, 0)
         choice = {"index": acc.index, "text": text,
@@ -89,7 +98,18 @@ class CompletionShape(Shape):
 
 
 class ChatShape(Shape):
+    """With `tool_calls`, the generated text is parsed for tool calls (server/tool_calls.py):
+    a whole answer gets `message.tool_calls` and finish_reason "tool_calls"; a stream holds
+    back the text from `<tool_call>` on and sends the parsed calls in its final chunk."""
+
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tool_calls: bool = False,
+                 parallel_tool_calls: bool = True) -> None:
+        super().__init__(*args)
+        self.parallel_tool_calls = parallel_tool_calls
+        self.tool_calls = tool_calls
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its filter
 
     def _logprobs(self, token_ids: list[int], entries: list) -> Optional[dict]:
         if self.k is None:
@@ -101,17 +121,44 @@ class ChatShape(Shape):
                              "logprobs": None, "finish_reason": None}])
                 for i in range(self.parsed.params.n)]
 
+    def _tool_stream(self, index: int) -> Optional[ToolCallStream]:
+        """The tool-call filter of choice `index` (each of n choices parses its own text)."""
+        if not self.tool_calls:
+            return None
+        if index not in self._tool_streams:
+            self._tool_streams[index] = ToolCallStream(self.parallel_tool_calls)
+        return self._tool_streams[index]
+
     def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
-        choice = {"index": acc.index, "delta": {"content": text} if text else {},
+        calls: list[dict] = []
+        tool_stream = self._tool_stream(acc.index)
+        if tool_stream is not None:
+            text = tool_stream.feed(text)
+            if finished:
+                rest, calls = tool_stream.finish()
+                text += rest
+        delta: dict = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = stream_deltas(calls)
+        choice = {"index": acc.index, "delta": delta,
                   "logprobs": self._logprobs(token_ids, entries),
-                  "finish_reason": acc.finish_reason if finished else None}
+                  "finish_reason": ("tool_calls" if calls else acc.finish_reason)
+                  if finished else None}
         if finished:
             choice["stop_reason"] = acc.stop_reason
         return choice
 
     def whole_choice(self, acc, entries) -> dict:
-        return {"index": acc.index, "message": {"role": "assistant", "content": acc.text},
-                "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
+        message: dict = {"role": "assistant", "content": acc.text}
+        finish_reason = acc.finish_reason
+        if self.tool_calls:
+            parsed = parse_tool_calls(acc.text, self.parallel_tool_calls)
+            if parsed.tool_calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": parsed.tool_calls}
+                finish_reason = "tool_calls"
+        return {"index": acc.index, "message": message, "finish_reason": finish_reason,
+                "stop_reason": acc.stop_reason,
                 "logprobs": self._logprobs(acc.token_ids, entries)}
 
 
