@@ -167,9 +167,11 @@ BAD_REQUESTS: dict[str, tuple[str, Any, Optional[bytes]]] = {
                     b'{"prompt": "Hi", "max_tokens": 4, "top_k": 1' + b"0" * 400 + b"}"),
     "best_of 2": ("/v1/completions", completion(best_of=2), None),
     "logit_bias": ("/v1/completions", completion(logit_bias={"50": 100}), None),
-    "response_format json": ("/v1/chat/completions",
-                             {"messages": CHAT_MESSAGES,
-                              "response_format": {"type": "json_object"}}, None),
+    "response_format bad schema": ("/v1/chat/completions",
+                                   {"messages": CHAT_MESSAGES, "response_format": {
+                                       "type": "json_schema",
+                                       "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+                                   None),
     "tools": ("/v1/chat/completions",
               {"messages": CHAT_MESSAGES, "tools": [{"type": "function", "function": {
                   "name": "f", "parameters": {"type": "object"}}}]}, None),

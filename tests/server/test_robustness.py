@@ -25,7 +25,7 @@ EXPECTED = {
     "top_k 1e400": (400, "top_k"),
     "best_of 2": (400, "best_of"),
     "logit_bias": (400, "logit_bias"),
-    "response_format json": (400, "response_format"),
+    "response_format bad schema": (400, "response_format"),
     "tools": (400, "tools"),
     "tool_choice": (400, "tool_choice"),
     "suffix": (400, "suffix"),
