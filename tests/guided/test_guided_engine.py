@@ -138,11 +138,12 @@ def test_a_guided_request_leaves_its_unguided_neighbours_unchanged(llm):
 def test_guided_request_survives_preemption(make_llm):
     """A cramped pool preempts (recompute): the guided request's matcher is rebuilt from its
     output so far and its JSON still validates."""
-    llm = make_llm(num_gpu_blocks_override=14, block_size=16, max_num_batched_tokens=64,
-                   max_model_len=192,
+    llm = make_llm(num_gpu_blocks_override=9, block_size=16, max_num_batched_tokens=64,
+                   max_model_len=128,
                    scheduler_reserve_full_isl=False, enable_prefix_caching=False)
     prompts = [PROMPT + f"Record number {i}:\n" for i in range(4)]
-    outs = llm.generate(prompts, [_guided(s, json=SCHEMA) for s in range(4)], use_tqdm=False)
+    outs = llm.generate(prompts, [_guided(s, max_tokens=100, json=SCHEMA) for s in range(4)],
+                        use_tqdm=False)
     preemptions = sum(o.metrics.num_preemptions for o in outs)
     assert preemptions > 0, "the pool was meant to be too small for all four"
     for o in outs:
@@ -158,3 +159,12 @@ def test_a_bad_spec_is_refused_when_the_request_is_made(llm, guided, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         llm.generate(["Hi"], SamplingParams(guided_decoding=guided), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_masks_are_filled_on_the_worker_thread(llm):
+    guided = llm.llm_engine.guided
+    fill_before = guided.fill_seconds
+    out = _run(llm, ["Call me at"], [_guided(3, regex=r"\d{3}-\d{4}")])[0]
+    assert re.fullmatch(r"\d{3}-\d{4}", out.text)
+    assert guided.fill_thread is not None and guided.fill_thread.startswith("tokenweir-guided")
+    assert guided.fill_seconds > fill_before

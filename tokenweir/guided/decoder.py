@@ -22,6 +22,8 @@ refuses ignore_eos with guided decoding for that reason).
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -63,7 +65,13 @@ class GuidedDecoder:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenweir-guided")
         self._entries: dict[str, _Entry] = {}
         self._job: Optional[_Job] = None
-        self.num_masks = 0  # rows masked so far (a probe for tests and benchmarks)
+        # Probes for tests and benchmarks: rows masked so far; seconds the worker spent
+        # building matchers and filling masks; seconds the stepping thread then waited for
+        # it (the part the forward did not hide); the thread that filled the last masks.
+        self.num_masks = 0
+        self.fill_seconds = 0.0
+        self.wait_seconds = 0.0
+        self.fill_thread: Optional[str] = None
 
     # ---- the stepping thread's calls ------------------------------------------------------
     def forget(self, req_ids) -> None:
@@ -96,7 +104,9 @@ class GuidedDecoder:
         job, self._job = self._job, None
         if job is None:
             return None
+        start = time.perf_counter()
         bitmask = job.future.result()
+        self.wait_seconds += time.perf_counter() - start
         self.num_masks += len(job.rows)
         return GuidedMask(job.rows, bitmask, job.errors)
 
@@ -121,6 +131,14 @@ class GuidedDecoder:
 
     # ---- the worker thread ------------------------------------------------------------------
     def _fill(self, job: _Job) -> torch.Tensor:
+        start = time.perf_counter()
+        self.fill_thread = threading.current_thread().name
+        try:
+            return self._fill_rows(job)
+        finally:
+            self.fill_seconds += time.perf_counter() - start
+
+    def _fill_rows(self, job: _Job) -> torch.Tensor:
         bitmask = torch.full((len(job.rows), bitmask_words(self.vocab_size)), -1,
                              dtype=torch.int32)
         ready = []
