@@ -4,8 +4,8 @@
 was written, so it lives here.)
 
 Eight requests decode together for `--tokens` steps after their prefill. Unguided requests run
-with ignore_eos; guided ones follow a JSON schema whose one string field is long enough never to
-close within the run, so every request decodes every step and the batches compare like with
+with ignore_eos; guided ones follow a JSON schema whose one string field must be at least 2,000
+characters long, so it cannot close within the run, so every request decodes every step and the batches compare like with
 like (the masks are those of text inside a JSON string: most of the vocabulary allowed, the
 costly case for the mask fill and for applying it). For each configuration: the median decode
 step time, its ratio to the unguided batch measured in the same run, the worker thread's mask
@@ -33,7 +33,8 @@ from tokenweir.model.loader import load_model  # noqa: E402
 from tokenweir.request import GuidedDecodingParams  # noqa: E402
 
 BATCH = 8
-LONG_STRING = {"type": "object", "properties": {"story": {"type": "string", "maxLength": 4000}},
+LONG_STRING = {"type": "object",
+               "properties": {"story": {"type": "string", "minLength": 2000, "maxLength": 4000}},
                "required": ["story"], "additionalProperties": False}
 PROMPTS = ["Tell me a long story about a river.", "Describe the city of Lisbon in detail.",
            "Write a letter to a friend about the weather.", "Explain how a weir works.",
@@ -67,7 +68,8 @@ def run(engine: LLMEngine, num_guided: int, tokens: int) -> dict:
             fill += guided.fill_seconds - fill0
             wait += guided.wait_seconds - wait0
         steps += 1
-    assert finished_lengths == [tokens] * BATCH, f"every request must decode {tokens} tokens"
+    assert finished_lengths == [tokens] * BATCH, \
+        f"every request must decode {tokens} tokens, got {finished_lengths} ({num_guided} guided)"
     n = len(step_times)
     return {"median": statistics.median(step_times), "fill": fill / n, "wait": wait / n,
             "steps": n}
