@@ -96,3 +96,27 @@ def test_sampler_draws_only_allowed_tokens():
         assert out.token_ids[1] == sample(logits[1:2], params[1:2], [0], frozenset({1}), 0,
                                           0, row_ids=[1]).token_ids[0]
         params = [SamplingParams(temperature=1.0, seed=p.seed + 3) for p in params]
+
+
+def test_a_job_left_by_a_step_that_never_sampled_is_dropped():
+    """A cut step starts masks but never takes them: the next step must not get them."""
+    from tokenweir.guided.decoder import GuidedDecoder
+    from tokenweir.guided.masks import GuidedRow
+    from tokenweir.guided.vocab import Vocabulary
+
+    vocab = Vocabulary([bytes([b]) for b in range(256)] + [b""], frozenset({256}),
+                       frozenset({256}), {256: "<eos>"}, lambda text: list(text.encode()))
+    decoder = GuidedDecoder(lambda: vocab, 257)
+    try:
+        rows = [GuidedRow(3, "r", GuidedDecodingParams(regex="ab"), [])]
+        decoder.start_masks(rows)  # the step is cut here: no take_masks
+        decoder.start_masks([])  # next step: nothing guided samples
+        assert decoder.take_masks() is None
+        decoder.start_masks(rows)
+        mask = decoder.take_masks()
+        allowed = apply_guided_mask(torch.zeros(4, 257), mask)[3].isfinite().nonzero()
+        assert allowed.flatten().tolist() == [ord("a")]
+        assert decoder.advance("r", ord("a")) is None
+        assert decoder.advance("r", ord("x")) is not None  # the grammar refuses it
+    finally:
+        decoder.close()

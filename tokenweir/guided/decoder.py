@@ -80,8 +80,10 @@ class GuidedDecoder:
             self._entries.pop(req_id, None)
 
     def start_masks(self, rows: Sequence[GuidedRow]) -> None:
-        """Start computing the bitmasks of `rows` (the guided rows sampled this step)."""
+        """Start computing the bitmasks of `rows` (the guided rows sampled this step). A job
+        left over from a step that never sampled (cut, or its forward failed) is dropped."""
         self._settle()
+        self._job = None
         if not rows:
             return
         errors: dict[str, str] = {}
@@ -105,8 +107,13 @@ class GuidedDecoder:
         if job is None:
             return None
         start = time.perf_counter()
-        bitmask = job.future.result()
-        self.wait_seconds += time.perf_counter() - start
+        try:
+            bitmask = job.future.result()
+        except Exception as exc:  # noqa: BLE001 - the step's guided requests fail, not the step
+            failed = {r: f"guided decoding failed: {exc!r}" for r in job.req_ids}
+            return GuidedMask([], torch.empty(0, 0, dtype=torch.int32), {**job.errors, **failed})
+        finally:
+            self.wait_seconds += time.perf_counter() - start
         self.num_masks += len(job.rows)
         return GuidedMask(job.rows, bitmask, job.errors)
 
