@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 class RequestStatus(enum.IntEnum):
@@ -111,6 +111,74 @@ def _as_token_id_list(name: str, ids: object) -> list[int]:
     return list(ids)
 
 
+# ---- guided decoding (structured output) ---------------------------------------------------
+@dataclass
+class GuidedDecodingParams:
+    """Constrain a request's output to a grammar, as vLLM's GuidedDecodingParams does. Exactly
+    one field is set:
+
+    - `json`: a JSON schema (a dict, or its JSON text); the output is one JSON value that
+      validates against it;
+    - `json_object`: True: the output is any JSON object;
+    - `regex`: the output matches this regular expression (Rust `regex` syntax, anchored at
+      both ends);
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: a context-free grammar, in Lark syntax or llama.cpp's GBNF (`root ::= ...`).
+
+    Construction checks the shape only (which field, which types); whether the schema, regex
+    or grammar compiles is checked by the engine when the request is made (tokenweir/guided),
+    with a ValueError naming the field. The output ends with the model's EOS token, which the
+    grammar allows only where the text is complete.
+    """
+
+    json: Optional[str | dict] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: 'json', 'json_object', 'regex', 'choice' or 'grammar'."""
+        return next(name for name in _GUIDED_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        return getattr(self, self.kind)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field (`guided_decoding.<field>`)."""
+        given = [name for name in _GUIDED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("guided_decoding must set exactly one of "
+                             f"{', '.join(_GUIDED_KINDS)}; got {given or 'none'}")
+        kind, spec = given[0], getattr(self, given[0])
+        where = f"guided_decoding.{kind}"
+        if kind == "json" and not isinstance(spec, (str, dict)):
+            raise ValueError(f"{where} must be a JSON schema (an object or its JSON text), got "
+                             f"{_show(spec)}")
+        if kind in ("regex", "grammar") and (not isinstance(spec, str) or not spec):
+            raise ValueError(f"{where} must be a non-empty string, got {_show(spec)}")
+        if kind == "json_object" and spec is not True:
+            raise ValueError(f"{where} must be true or null, got {_show(spec)}")
+        if kind == "choice":
+            if not isinstance(spec, list) or not spec:
+                raise ValueError(f"{where} must be a non-empty list of strings, got "
+                                 f"{_show(spec)}")
+            for i, item in enumerate(spec):
+                if not isinstance(item, str) or not item:
+                    raise ValueError(f"{where}[{i}] must be a non-empty string, got "
+                                     f"{_show(item)}")
+
+
+_GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping controls, named as vLLM names them.
@@ -157,6 +225,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[dict[int, float]] = None
+    # ---- guided decoding (structured output): see GuidedDecodingParams ----
+    guided_decoding: Optional[GuidedDecodingParams] = None
 
     def __post_init__(self) -> None:
         self.stop = _as_stop_list(self.stop)
@@ -193,6 +263,7 @@ class SamplingParams:
         _as_stop_list(self.stop)  # still a list of non-empty strings (fields are mutable)
         _as_token_id_list("stop_token_ids", self.stop_token_ids)
         self._validate_penalties()
+        self._validate_guided()
 
     def _validate_penalties(self) -> None:
         _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
@@ -212,6 +283,19 @@ class SamplingParams:
         """Whether the sampler has penalty or bias work to do for this request."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or bool(self.logit_bias))
+
+    def _validate_guided(self) -> None:
+        """Guided decoding ends a request with EOS where the grammar is complete, so it
+        cannot be combined with ignore_eos."""
+        if self.guided_decoding is None:
+            return
+        if not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, got "
+                             f"{type(self.guided_decoding).__name__}")
+        self.guided_decoding.validate()
+        if self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with guided_decoding: the grammar "
+                             "ends the output with EOS")
 
     def check_vocab(self, vocab_size: int) -> None:
         """stop_token_ids and logit_bias keys must name tokens of a vocabulary of `vocab_size` tokens."""

@@ -169,9 +169,11 @@ BAD_REQUESTS: dict[str, tuple[str, Any, Optional[bytes]]] = {
     "logit_bias outside the vocabulary": ("/v1/completions",
                                           completion(logit_bias={"999999": 100}), None),
     "logit_bias 101": ("/v1/completions", completion(logit_bias={"50": 101}), None),
-    "response_format json": ("/v1/chat/completions",
-                             {"messages": CHAT_MESSAGES,
-                              "response_format": {"type": "json_object"}}, None),
+    "response_format bad schema": ("/v1/chat/completions",
+                                   {"messages": CHAT_MESSAGES, "response_format": {
+                                       "type": "json_schema",
+                                       "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+                                   None),
     "tools": ("/v1/chat/completions",
               {"messages": CHAT_MESSAGES, "tools": [{"type": "function", "function": {
                   "name": "f", "parameters": {"type": "object"}}}]}, None),

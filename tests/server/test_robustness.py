@@ -26,7 +26,7 @@ EXPECTED = {
     "best_of 3 streamed": (400, "best_of"),
     "logit_bias outside the vocabulary": (400, "logit_bias"),
     "logit_bias 101": (400, "logit_bias"),
-    "response_format json": (400, "response_format"),
+    "response_format bad schema": (400, "response_format"),
     "tools": (400, "tools"),
     "tool_choice": (400, "tool_choice"),
     "suffix": (400, "suffix"),

@@ -18,6 +18,7 @@ from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.engine_core import EngineCore
 from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
+from tokenweir.guided.engine_hooks import attach_guided_decoder, check_guided
 from tokenweir.model.attention import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model, preferred_dtype
 from tokenweir.outputs import RequestOutput
@@ -165,6 +166,7 @@ class LLMEngine:
         if needs_measured_costs(config):
             scheduler.costs = runner.measure_preemption_costs()
             logger.info("measured preemption costs: %s", scheduler.costs)
+        self.guided = attach_guided_decoder(runner, self.tokenizer, self.vocab_size)
         self.core = EngineCore(scheduler, runner)
         self.slo_monitor: Optional[SLOMonitor] = None
         if scheduler.policy.deadline_aware:
@@ -273,6 +275,7 @@ class LLMEngine:
                              f"{type(params).__name__}")
         params.validate()
         params.check_vocab(self.vocab_size)
+        check_guided(params, self.tokenizer)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(text or None, token ids); ValueError for anything that is not a prompt."""
@@ -385,3 +388,5 @@ class LLMEngine:
         close = getattr(self.core.executor, "close", None)
         if close is not None:
             close()
+        if self.guided is not None:
+            self.guided.close()

@@ -58,6 +58,7 @@ import torch
 
 from tokenweir import faults
 from tokenweir.core.outputs import TokenLogprobs
+from tokenweir.guided.masks import GuidedMask, apply_guided_mask
 from tokenweir.model.penalties import apply_penalties
 from tokenweir.request import SamplingParams
 
@@ -118,12 +119,17 @@ def sample(logits: torch.Tensor,
            default_seed: int,
            step_id: int,
            row_ids: Optional[Sequence[int]] = None,
-           token_ids: Optional[Sequence[Sequence[int]]] = None) -> SamplerOutput:
+           token_ids: Optional[Sequence[Sequence[int]]] = None,
+           guided: Optional[GuidedMask] = None) -> SamplerOutput:
     """Sample one token per row of `logits` ([N, vocab]); see the module docstring.
     `row_ids` (default 0..N-1) are the rows' indices in the step's batch, which seed the draws
     of rows without a seed of their own. `token_ids[i]` (prompt + output so far) is read only
-    for rows with penalties (required then)."""
+    for rows with penalties (required then). `guided` (tokenweir/guided) forbids, in its rows,
+    every token the row's grammar does not allow, before anything else (logprobs included,
+    as vLLM does); the other rows are untouched."""
     _check_shapes(logits, params, num_output_tokens)
+    # ---- guided decoding: one batched call, -inf where a grammar forbids a token ----
+    logits = apply_guided_mask(logits, guided)
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return SamplerOutput(token_ids=[], logprobs=[])
@@ -208,7 +214,8 @@ def _put_random(x: torch.Tensor, params: Sequence[SamplingParams], random_rows: 
 def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
                     num_output_tokens: Sequence[int], eos_token_ids: frozenset[int],
                     default_seed: int, step_id: int, request_ids: Sequence[str],
-                    token_ids: Optional[Sequence[Sequence[int]]] = None
+                    token_ids: Optional[Sequence[Sequence[int]]] = None,
+                    guided: Optional[GuidedMask] = None
                     ) -> tuple[SamplerOutput, dict[int, str]]:
     """`sample`, with a failure confined to the row that caused it.
 
@@ -220,7 +227,7 @@ def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
     try:
         _fire_sampling(request_ids)
         return sample(logits, params, num_output_tokens, eos_token_ids, default_seed,
-                      step_id, token_ids=token_ids), {}
+                      step_id, token_ids=token_ids, guided=guided), {}
     except Exception:  # noqa: BLE001 - find the row(s) to blame below
         pass
     token_ids: list[int] = []
@@ -231,7 +238,8 @@ def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
             _fire_sampling(request_ids[i:i + 1])
             one = sample(logits[i:i + 1], params[i:i + 1], num_output_tokens[i:i + 1],
                          eos_token_ids, default_seed, step_id, row_ids=[i],
-                         token_ids=None if token_ids is None else token_ids[i:i + 1])
+                         token_ids=None if token_ids is None else token_ids[i:i + 1],
+                         guided=_guided_row(guided, i))
         except Exception as exc:  # noqa: BLE001 - this row alone fails
             errors[i] = f"sampling failed: {exc!r}"
             token_ids.append(-1)
@@ -240,6 +248,14 @@ def sample_isolated(logits: torch.Tensor, params: Sequence[SamplingParams],
         token_ids.append(one.token_ids[0])
         logprobs.append(one.logprobs[0])
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs), errors
+
+
+def _guided_row(guided: Optional[GuidedMask], row: int) -> Optional[GuidedMask]:
+    """The part of `guided` that covers logits row `row`, renumbered as row 0."""
+    if guided is None or row not in guided.rows:
+        return None
+    j = guided.rows.index(row)
+    return GuidedMask([0], guided.bitmask[j:j + 1])
 
 
 def _fire_sampling(request_ids: Sequence[str]) -> None:

@@ -16,6 +16,7 @@ import torch
 from tokenweir import faults
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
+from tokenweir.guided.masks import GuidedRow
 from tokenweir.model import kernels
 from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
 from tokenweir.model.penalties import TokenHistory
@@ -71,6 +72,9 @@ class ModelRunner:
         self.cut_signal: Optional[CutSignal] = None
         # Request id -> why its sampling failed, for the step being executed.
         self.sample_errors: dict[str, str] = {}
+        # Set by the engine when the model has a tokenizer: the grammar matchers of guided
+        # requests (tokenweir/guided/decoder.py). None: guided requests are not served.
+        self.guided = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -83,6 +87,7 @@ class ModelRunner:
         if out.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self._make_batch(out)
+        self._start_guided_masks(batch)  # computed on a worker thread during the forward
         hook = make_layer_hook(self.cut_signal, out.step_id) if self.cut_signal else None
         if faults.ARMED:
             for req_id in batch.req_ids:
@@ -100,6 +105,7 @@ class ModelRunner:
         forwarded = time.perf_counter()
         self.sample_errors = {}
         sampled, logprobs = self._sample(batch, hidden, out.step_id)
+        self._advance_guided(sampled)
         for req_id in self.sample_errors:  # a request whose sampling failed gets no token
             sampled.pop(req_id, None)
         self._advance(batch, out, sampled)
@@ -180,6 +186,8 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
+        if self.guided is not None:
+            self.guided.forget(out.finished_req_ids | out.preempted_req_ids)
         for new in out.scheduled_new_reqs:
             self.requests[new.req_id] = _RunnerRequest(
                 token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
@@ -215,6 +223,29 @@ class ModelRunner:
             if state.history is not None:
                 state.history.append(token_id)
 
+    # ---- guided decoding (tokenweir/guided) --------------------------------------------
+    def _start_guided_masks(self, batch: _Batch) -> None:
+        """Start the masks of this step's guided rows (sampled rows, in sampling order)."""
+        if self.guided is None:
+            return
+        rows = []
+        for row, req_id in enumerate(batch.sample_req_ids):
+            state = self.requests[req_id]
+            if state.params.guided_decoding is not None:
+                rows.append(GuidedRow(row, req_id, state.params.guided_decoding,
+                                      state.token_ids[state.num_prompt_tokens:]))
+        self.guided.start_masks(rows)
+
+    def _advance_guided(self, sampled: dict[str, int]) -> None:
+        """Each guided request's matcher consumes its sampled token; a refusal fails it."""
+        if self.guided is None:
+            return
+        for req_id, token_id in sampled.items():
+            if req_id not in self.sample_errors and self.guided.is_guided(req_id):
+                error = self.guided.advance(req_id, token_id)
+                if error is not None:
+                    self.sample_errors[req_id] = error
+
     # ---- inputs -----------------------------------------------------------------------
     def _make_batch(self, out: SchedulerOutput) -> _Batch:
         counts = out.num_scheduled_tokens
@@ -247,15 +278,19 @@ class ModelRunner:
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         states = [self.requests[r] for r in batch.sample_req_ids]
+        guided = self.guided.take_masks() if self.guided is not None else None
         result, errors = sample_isolated(
             logits, [s.params for s in states],
             [len(s.token_ids) - s.num_prompt_tokens for s in states],
             self.eos_token_ids, self.seed, step_id, batch.sample_req_ids,
             token_ids=[s.history.view() if s.history is not None else s.token_ids
-                       for s in states])  # read only for rows with penalties
+                       for s in states],  # read only for rows with penalties
+            guided=guided)
         # Rows that failed alone keep a placeholder token here (every rank must return one
         # per row); execute() drops them and reports the errors.
         self.sample_errors = {batch.sample_req_ids[i]: message for i, message in errors.items()}
+        if guided is not None:
+            self.sample_errors.update(guided.errors)
         sampled = dict(zip(batch.sample_req_ids, result.token_ids))
         logprobs = {r: lp for r, lp in zip(batch.sample_req_ids, result.logprobs)
                     if lp is not None}

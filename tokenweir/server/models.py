@@ -14,6 +14,7 @@ from typing import Annotated, Any, Iterable, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError,
                       model_validator)
 
+from tokenweir.request import GuidedDecodingParams
 from tokenweir.server.protocol import APIError
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -32,10 +33,9 @@ TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,18}$")]
 # name -> its neutral values: sending one of these (or null) changes nothing, so it is allowed.
 # A request model that declares one of these names as a field supports it (chat: tools).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",), "response_format": ({"type": "text"},),
+    "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
     "functions": ([],), "function_call": ("none",), "use_beam_search": (False,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_logprobs": (), "length_penalty": (1,), "truncate_prompt_tokens": (),
 }
 
@@ -48,7 +48,31 @@ class StreamOptions(StrictModel):
     include_usage: Optional[StrictBool] = None
 
 
-class SamplingFields(StrictModel):
+class JsonSchemaFormat(StrictModel):
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class GuidedFields(StrictModel):
+    """Structured output: OpenAI's response_format and vLLM's guided_* (at most one)."""
+
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[StrictStr, dict[str, Any]]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[Annotated[list[StrictStr], Field(min_length=1)]] = None
+    guided_grammar: Optional[StrictStr] = None
+
+
+class SamplingFields(GuidedFields):
     """What completions and chat share: OpenAI's sampling fields and vLLM's extras."""
 
     model: Optional[StrictStr] = None
@@ -171,6 +195,43 @@ def parse(model_class: type[StrictModel], body: Any) -> Any:
         raise _api_error(exc) from None
     except RecursionError:
         raise APIError("the request is nested too deeply") from None
+
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar")
+
+
+def guided_decoding_of(req: GuidedFields) -> Optional[GuidedDecodingParams]:
+    """The request's structured-output constraint, checked (the schema, regex or grammar
+    compiles), or None; APIError(400) naming the field otherwise."""
+    given = [name for name in GUIDED_FIELDS if getattr(req, name) is not None
+             and not (name == "response_format" and req.response_format.type == "text")]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(f"at most one of {', '.join(GUIDED_FIELDS)} may be given; got "
+                       f"{', '.join(given)}", param=given[1])
+    name = given[0]
+    try:
+        params = _guided_params(name, getattr(req, name))
+        from tokenweir.guided.grammar import compile_grammar  # loads llguidance when needed
+        compile_grammar(params)
+    except ValueError as exc:
+        raise APIError(f"'{name}': {exc}", param=name) from None
+    return params
+
+
+def _guided_params(name: str, value: Any) -> GuidedDecodingParams:
+    if name == "response_format":
+        if value.type == "json_object":
+            return GuidedDecodingParams(json_object=True)
+        if value.json_schema is None:
+            raise ValueError("type 'json_schema' needs 'json_schema': {'name': ..., "
+                             "'schema': {...}}")
+        return GuidedDecodingParams(json=value.json_schema.schema_)
+    kind = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+            "guided_grammar": "grammar"}[name]
+    return GuidedDecodingParams(**{kind: value})
 
 
 def refuse_unsupported(body: dict, supported: Iterable[str] = ()) -> dict:

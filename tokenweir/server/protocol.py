@@ -84,8 +84,10 @@ def _sampling_kwargs(req: Any, chat: bool) -> dict:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
         logprobs = req.logprobs
     given = {name: getattr(req, name) for name in _PLAIN_FIELDS}
+    from tokenweir.server.models import guided_decoding_of  # models imports this module
     return {**{k: v for k, v in given.items() if v is not None},
-            "max_tokens": max_tokens, "logprobs": logprobs}
+            "max_tokens": max_tokens, "logprobs": logprobs,
+            "guided_decoding": guided_decoding_of(req)}
 
 
 _PLAIN_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",

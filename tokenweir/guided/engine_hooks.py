@@ -1,0 +1,32 @@
+"""What the engine calls: check a request's guided decoding when it is made, and give the
+runner its guided decoder."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tokenweir.guided.decoder import GuidedDecoder
+from tokenweir.guided.grammar import compile_grammar
+from tokenweir.guided.vocab import vocabulary_of
+from tokenweir.request import SamplingParams
+
+
+def check_guided(params: SamplingParams, tokenizer: Any) -> None:
+    """ValueError naming the field when the request's schema, regex, choice or grammar does
+    not compile, or when the model has no tokenizer to guide with."""
+    if params.guided_decoding is None:
+        return
+    if tokenizer is None:
+        raise ValueError("guided_decoding needs the model's tokenizer, and this model has none")
+    compile_grammar(params.guided_decoding)
+
+
+def attach_guided_decoder(runner: Any, tokenizer: Any,
+                          vocab_size: int) -> Optional[GuidedDecoder]:
+    """Give `runner` (a ModelRunner, or a tensor-parallel executor whose rank-0 runner
+    samples) a guided decoder built from `tokenizer`'s vocabulary; None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    decoder = GuidedDecoder(lambda: vocabulary_of(tokenizer, vocab_size), vocab_size)
+    getattr(runner, "runner", runner).guided = decoder
+    return decoder
