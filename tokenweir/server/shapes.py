@@ -74,14 +74,6 @@ class CompletionShape(Shape):
             return None
         return P.completion_logprobs(self.tokenizer, token_ids, entries, self.k, offset)
 
-    def _tool_stream(self, index: int) -> Optional[ToolCallStream]:
-        """The tool-call filter of choice `index` (each of n choices parses its own text)."""
-        if not self.tool_calls:
-            return None
-        if index not in self._tool_streams:
-            self._tool_streams[index] = ToolCallStream(self.parallel_tool_calls)
-        return self._tool_streams[index]
-
     def delta_choice(self, acc, text, token_ids, entries, finished) -> dict:
         offset = self.offsets.get(acc.index, 0)
         choice = {"index": acc.index, "text": text,
