@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Optional
 from tokenweir.engine.llm_engine import LLMEngine, PromptType
 from tokenweir.engine.metrics import _HistogramData
 from tokenweir.engine.output_processor import OutputProcessor
-from tokenweir.engine.serving_profile import ServingProfile, StepTimer
+from tokenweir.engine.serving_profile import ServingProfile
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import Request, RequestStatus, SamplingParams
 
@@ -103,8 +103,8 @@ class AsyncEngine:
             self._output_thread = threading.Thread(target=self._output_loop, daemon=True,
                                                    name="tokenweir-output")
         self.profile = profile
-        self._step_timer = None if profile is None else StepTimer(
-            engine.scheduler, engine.core.executor, profile)
+        if profile is not None:
+            profile.attach(engine.core)
         self._posted_at: dict[str, float] = {}  # event loop, profiling: request -> last post
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
