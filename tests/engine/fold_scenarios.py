@@ -145,14 +145,10 @@ def run_offline(path: str, scenario: str, delta: bool, fault=None, abort=None) -
 
 
 def abort_now(engine: LLMEngine, output_ids: list[str], delta: bool) -> list:
-    """Abort as a caller of LLMEngine does: the final outputs of those still in flight (finish
-    reason "abort"), then their state is forgotten."""
-    engine.abort_requests(output_ids)
-    live = [i for i in output_ids if i in engine.outputs.states]
-    finals = [encode(engine.outputs.make_output(i, delta=delta)) for i in live]
-    for output_id in live:
-        engine.outputs.pop(output_id)
-    return finals
+    """The final outputs (finish reason "abort") of those still in flight. (Recorded when
+    LLMEngine.abort_requests returned nothing and left the state to its caller: these were
+    built with outputs.make_output after it, then popped.)"""
+    return [encode(out) for out in engine.abort_requests(output_ids, delta=delta)]
 
 
 def assert_idle(engine: LLMEngine) -> None:

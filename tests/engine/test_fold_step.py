@@ -96,3 +96,22 @@ def test_served_streams_are_the_offline_deltas(tiny_path, scenario, output_threa
     served = fs.run_served(tiny_path, scenario, output_thread)
     assert served == offline
     assert any(out["finished"] for stream in served.values() for out in stream)
+
+
+def test_abort_returns_the_final_outputs_and_forgets_the_state(tiny_path):
+    """LLMEngine.abort_requests gives each in-flight request's (group's) final "abort" output
+    and releases its output state: before, the state stayed unless the caller popped it (a
+    leak in benchmarks/soak_rss.py, which aborts a tenth of its requests)."""
+    engine = fs.scripted_engine(tiny_path)
+    for index, rid, params in fs.SCENARIOS["parallel"]:
+        engine.add_request(*engine.make_request({"prompt_token_ids": fs.PROMPTS[index]},
+                                                params, request_id=rid))
+    streamed = {out.request_id for _ in range(2) for out in engine.step(delta=True)}
+    assert streamed == {"n3", "n2lp", "one"}, "probe: all three were in flight"
+    finals = engine.abort_requests(["n3", "one", "unknown"])
+    assert [f.request_id for f in finals] == ["n3", "one"] and all(f.finished for f in finals)
+    assert {c.finish_reason for f in finals for c in f.outputs} == {"abort"}
+    assert len(finals[0].outputs) == 3 and sorted(engine.outputs.states) == ["n2lp"]
+    while engine.has_unfinished_requests():
+        assert all(out.request_id == "n2lp" for out in engine.step())
+    fs.assert_idle(engine)

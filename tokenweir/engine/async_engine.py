@@ -461,12 +461,9 @@ class AsyncEngine:
             self._cond.notify()
 
     def _abort_one(self, request_id: str, items: list) -> None:
-        outputs = self.engine.outputs
-        if request_id not in outputs.states:
+        final = self.engine.outputs.abort(request_id, delta=True)
+        if final is None:
             return
-        outputs.finish_aborted(request_id)
-        final = outputs.make_output(request_id, delta=True)
-        outputs.pop(request_id)
         self._tracked.pop(request_id, None)
         with self.stats_lock:
             self.stats.finished["abort"] += 1

@@ -300,12 +300,15 @@ class LLMEngine:
         self.core.add_request(request)
         self.outputs.add_request(request, prompt)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests by output id (a parallel-sampling request: all its samples)."""
+    def abort_requests(self, request_ids: Iterable[str],
+                       delta: bool = False) -> list[RequestOutput]:
+        """Abort requests by output id (a parallel-sampling request: all its samples). Returns
+        the final output (finish reason "abort") of each one still in flight, in the order
+        named; their state is forgotten (no later step returns them)."""
         request_ids = list(request_ids)
         self.core.abort_requests(self._sample_ids(request_ids))
-        for request_id in request_ids:
-            self.outputs.finish_aborted(request_id)
+        finals = (self.outputs.abort(request_id, delta=delta) for request_id in request_ids)
+        return [final for final in finals if final is not None]
 
     def _sample_ids(self, request_ids: list[str]) -> list[str]:
         """The scheduler's ids behind these output ids (a group's: its samples')."""

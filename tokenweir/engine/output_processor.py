@@ -343,8 +343,19 @@ class OutputProcessor:
             prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
             finished=True, metrics=metrics, error=request.error)
 
-    def finish_aborted(self, request_id: str) -> None:
-        """The request (or every sample of the group) by its output id was aborted."""
+    def abort(self, output_id: str, delta: bool = False) -> Optional[RequestOutput]:
+        """The final output of a request (group) aborted by its output id: finish reason
+        "abort" for every sample not finished yet; its state is forgotten. None: not in
+        flight."""
+        if output_id not in self.states:
+            return None
+        self._finish_aborted(output_id)
+        try:
+            return self.make_output(output_id, delta=delta)
+        finally:
+            self.pop(output_id)
+
+    def _finish_aborted(self, request_id: str) -> None:
         group = self.groups.get(request_id)
         states = group.samples if group is not None else [self.states.get(request_id)]
         for state in states:
