@@ -51,7 +51,7 @@ def one_run(args, loaded, trace_path) -> tuple[float, int, float]:
                 fn(*a)
                 spent[0] += time.perf_counter() - started
             return call
-        engine.core.step_observer = timed(tracer)
+        engine.core.step_observers[engine.core.step_observers.index(tracer)] = timed(tracer)
         tracer.output_processed = timed(tracer.output_processed)
     prompts = [{"prompt_token_ids": [300 + (i * 37 + k) % 4000 for k in range(48 + 8 * i)]}
                for i in range(args.prompts)]

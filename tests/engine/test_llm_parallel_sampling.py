@@ -146,11 +146,10 @@ def test_group_streams_deltas_and_aborts_as_one(tiny_llama):
             for c in out.outputs:
                 seen[c.index] += c.token_ids
     assert all(seen.values()), "every sample streamed tokens"
-    engine.abort_requests(["g"])
-    final = engine.outputs.make_output("g", delta=True)
+    [final] = engine.abort_requests(["g"], delta=True)
     assert final.finished and sorted(c.index for c in final.outputs) == [0, 1, 2, 3]
     assert {c.finish_reason for c in final.outputs} == {"abort"}
-    engine.outputs.pop("g")
+    assert not engine.outputs.states, "the aborted group's output state is forgotten"
     assert not engine.has_unfinished_requests() and engine.scheduler.kv.usage() == 0
     assert [len(v) for v in seen.values()] == [len(s.output_token_ids)
                                                for s in request.group.samples]

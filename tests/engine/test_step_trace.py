@@ -150,7 +150,7 @@ def test_tracing_costs_under_two_percent_of_step_time(make_llm, tmp_path):
             spent[0] += time.perf_counter() - started
         return call
 
-    engine.core.step_observer = timed(tracer)
+    engine.core.step_observers[engine.core.step_observers.index(tracer)] = timed(tracer)
     tracer.output_processed = timed(tracer.output_processed)
     prompts = [f"Count from {i} to {i + 20}." for i in range(8)]
     started = time.perf_counter()

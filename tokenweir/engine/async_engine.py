@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Optional
 from tokenweir.engine.llm_engine import LLMEngine, PromptType
 from tokenweir.engine.metrics import _HistogramData
 from tokenweir.engine.output_processor import OutputProcessor
-from tokenweir.engine.serving_profile import ServingProfile, StepTimer
+from tokenweir.engine.serving_profile import ServingProfile
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import Request, RequestStatus, SamplingParams
 
@@ -103,8 +103,8 @@ class AsyncEngine:
             self._output_thread = threading.Thread(target=self._output_loop, daemon=True,
                                                    name="tokenweir-output")
         self.profile = profile
-        self._step_timer = None if profile is None else StepTimer(
-            engine.scheduler, engine.core.executor, profile)
+        if profile is not None:
+            profile.attach(engine.core)
         self._posted_at: dict[str, float] = {}  # event loop, profiling: request -> last post
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
@@ -434,63 +434,24 @@ class AsyncEngine:
 
     def _process_step(self, core_outputs: list, now: float, items: list) -> None:
         """One step's engine-core outputs -> delta RequestOutputs, one per request or
-        parallel-sampling group (by output id). Outputs of a request whose state is gone
-        (ended here by a stop string, an error or an abort, while the engine ran another step
-        for it) are dropped."""
-        outputs = self.engine.outputs
-        tokens = 0
-        yield_gil = self._output_thread is not None
-        # Output id -> the request to build its output from, or its final error output.
-        made: dict[str, Any] = {}
-        for core_output in core_outputs:
-            request = core_output.request
-            tokens += len(core_output.new_token_ids)
-            output_id = outputs.output_id(request)
-            if output_id not in outputs.states or isinstance(made.get(output_id), RequestOutput):
-                continue
-            if yield_gil:  # let the engine thread's forward take the GIL between requests
-                time.sleep(0)
-            try:
-                self._process_one(core_output, now)
-                made.setdefault(output_id, request)
-            except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
-                made[output_id] = self._error_output(request, exc)
-        for output_id, request in made.items():
-            out = request if isinstance(request, RequestOutput) \
-                else self._make_one(output_id, request)
-            if out is not None:
-                self._observe(out)
-                items.append((output_id, out))
+        parallel-sampling group (OutputProcessor.fold_step). A stop string or a processing
+        failure ends its request here at once; the engine thread is asked to finish it in the
+        scheduler at its next turn."""
+        made = self.engine.outputs.fold_step(
+            core_outputs, now, delta=True, on_stop=self._ask_engine_to_stop,
+            on_fail=self._ask_engine_to_fail, yield_gil=self._output_thread is not None)
+        for output_id, out in made.items():
+            self._observe(out)
+            items.append((output_id, out))
         if self.profile is not None:
-            self.profile.count_step(tokens)
+            self.profile.count_step(sum(len(o.new_token_ids) for o in core_outputs))
 
-    def _process_one(self, core_output, now: float) -> None:
-        request = core_output.request
-        if self.engine.outputs.process(core_output, now):  # a stop string: finish it
-            request.finished_time = now
-            self._ask_engine(request.request_id, "")
+    def _ask_engine_to_stop(self, request: Request) -> None:
+        self._ask_engine(request.request_id, "")
 
-    def _make_one(self, output_id: str, request: Request) -> Optional[RequestOutput]:
-        """The delta output of `output_id` (None: a best_of group with nothing to show)."""
-        outputs = self.engine.outputs
-        try:
-            result = outputs.make_output(output_id, delta=True)
-        except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
-            return self._error_output(request, exc)
-        if result is not None and result.finished:
-            outputs.pop(output_id)
-        return result
-
-    def _error_output(self, request: Request, exc: Exception) -> RequestOutput:
-        """The request's output processing failed: its final "error" output, and the engine
-        is asked to fail it (blocks freed)."""
-        message = f"processing the request's output failed: {exc!r}"
-        logger.warning("request %s failed: %s", request.request_id, message)
-        if request.error is None:
-            request.error = message
-        for sample in request.group.samples if request.group is not None else [request]:
-            self._ask_engine(sample.request_id, message)
-        return self.engine.outputs.error_output(request, delta=True)
+    def _ask_engine_to_fail(self, request_ids: list[str], message: str) -> None:
+        for request_id in request_ids:
+            self._ask_engine(request_id, message)
 
     def _ask_engine(self, request_id: str, message: str) -> None:
         """Finish `request_id` in the scheduler at the engine thread's next turn: stopped
@@ -500,12 +461,9 @@ class AsyncEngine:
             self._cond.notify()
 
     def _abort_one(self, request_id: str, items: list) -> None:
-        outputs = self.engine.outputs
-        if request_id not in outputs.states:
+        final = self.engine.outputs.abort(request_id, delta=True)
+        if final is None:
             return
-        outputs.finish_aborted(request_id)
-        final = outputs.make_output(request_id, delta=True)
-        outputs.pop(request_id)
         self._tracked.pop(request_id, None)
         with self.stats_lock:
             self.stats.finished["abort"] += 1

@@ -66,10 +66,11 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         # Outputs of requests that failed outside a step (at admission), returned by the next.
         self._failed: list[EngineCoreOutput] = []
-        # [trace] Called once per step that ran (not a failed forward), after the update:
-        # step_observer(scheduler_output, runner_output, outputs, (started, scheduled,
-        # executed, updated)), the four on `clock` (timeline/tracer.py is the one observer).
-        self.step_observer: Optional[Callable[..., None]] = None
+        # [trace] Each is called once per step that ran (not a failed forward), after the
+        # update, in list order: observer(scheduler_output, runner_output, outputs, (started,
+        # scheduled, executed, updated)), the four on `clock`. The observers: the step tracer
+        # (timeline/tracer.py) and the serving profile (engine/serving_profile.py).
+        self.step_observers: list[Callable[..., None]] = []
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -130,9 +131,10 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
                                                         now=self.clock())
         self.metrics.record_step(scheduler_output, runner_output, self.scheduler)
-        if self.step_observer is not None:  # [trace]
-            self.step_observer(scheduler_output, runner_output, outputs,
-                               (started, scheduled, executed, self.clock()))
+        if self.step_observers:  # [trace]
+            times = (started, scheduled, executed, self.clock())
+            for observer in self.step_observers:
+                observer(scheduler_output, runner_output, outputs, times)
         return failed + outputs
 
     # ---- failures -----------------------------------------------------------------------

@@ -79,11 +79,8 @@ class LLM:
         return self.llm_engine.get_metrics()
 
     def _abandon(self, request_ids) -> None:
-        """Abort these requests and forget their outputs."""
-        request_ids = list(request_ids)
+        """Abort these requests (their outputs are forgotten)."""
         self.llm_engine.abort_requests(request_ids)
-        for request_id in request_ids:
-            self.llm_engine.outputs.pop(request_id)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -300,12 +300,15 @@ class LLMEngine:
         self.core.add_request(request)
         self.outputs.add_request(request, prompt)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests by output id (a parallel-sampling request: all its samples)."""
+    def abort_requests(self, request_ids: Iterable[str],
+                       delta: bool = False) -> list[RequestOutput]:
+        """Abort requests by output id (a parallel-sampling request: all its samples). Returns
+        the final output (finish reason "abort") of each one still in flight, in the order
+        named; their state is forgotten (no later step returns them)."""
         request_ids = list(request_ids)
         self.core.abort_requests(self._sample_ids(request_ids))
-        for request_id in request_ids:
-            self.outputs.finish_aborted(request_id)
+        finals = (self.outputs.abort(request_id, delta=delta) for request_id in request_ids)
+        return [final for final in finals if final is not None]
 
     def _sample_ids(self, request_ids: list[str]) -> list[str]:
         """The scheduler's ids behind these output ids (a group's: its samples')."""
@@ -328,54 +331,19 @@ class LLMEngine:
         so does one that failed inside the engine core (see engine_core.py).
         """
         core_outputs = self.core.step()
-        now = self.core.clock()
-        # Output id -> the request to build its output from, or its final error output. A
-        # parallel-sampling group gets one output per step, however many samples moved.
-        results: dict[str, Request | RequestOutput] = {}
-        for core_output in core_outputs:
-            request = core_output.request
-            output_id = self.outputs.output_id(request)
-            if isinstance(results.get(output_id), RequestOutput):
-                continue  # its group failed earlier in this step
-            try:
-                self._process_output(core_output, now)
-                results.setdefault(output_id, request)
-            except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
-                results[output_id] = self._fail_output(request, exc, delta)
-        made = [r for r in (self._make_output(output_id, r, delta)
-                            for output_id, r in results.items()) if r is not None]
+        made = self.outputs.fold_step(core_outputs, self.core.clock(), delta=delta,
+                                      on_stop=self._finish_stopped, on_fail=self._fail_now)
         if self.tracer is not None:
             self.tracer.output_processed(self.core.clock())
-        return made
+        return list(made.values())
 
-    def _process_output(self, core_output, now: float) -> None:
-        if self.outputs.process(core_output, now):
-            self.core.abort_requests([core_output.request.request_id],
-                                     RequestStatus.FINISHED_STOPPED)
-            core_output.request.finished_time = now
+    def _finish_stopped(self, request: Request) -> None:
+        """A stop string ended `request`: finish it in the scheduler now (blocks freed)."""
+        self.core.abort_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _make_output(self, output_id: str, made: Request | RequestOutput,
-                     delta: bool) -> Optional[RequestOutput]:
-        if isinstance(made, RequestOutput):
-            return made
-        try:
-            result = self.outputs.make_output(output_id, delta=delta)
-        except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
-            return self._fail_output(made, exc, delta)
-        if result is not None and result.finished:
-            self.outputs.pop(output_id)
-        return result
-
-    def _fail_output(self, request: Request, exc: Exception, delta: bool) -> RequestOutput:
-        """Finish `request` (a sample: its whole group) with an error (blocks freed) and build
-        its final output."""
-        message = f"processing the request's output failed: {exc!r}"
-        samples = request.group.samples if request.group is not None else [request]
-        self.core.fail_requests({sample.request_id: message for sample in samples})
-        if request.error is None:  # it had finished already; its last output failed
-            logger.warning("request %s failed: %s", request.request_id, message)
-            request.error = message
-        return self.outputs.error_output(request, delta=delta)
+    def _fail_now(self, request_ids: list[str], message: str) -> None:
+        """Output processing failed: fail these requests in the scheduler now."""
+        self.core.fail_requests({request_id: message for request_id in request_ids})
 
     def get_metrics(self):
         return self.core.metrics.snapshot(self.scheduler)

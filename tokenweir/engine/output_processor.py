@@ -12,12 +12,19 @@ id (`output_id`), with a CompletionOutput per sample (`index` = the sample's). I
 when every sample is. A delta output carries the samples that changed since the last one (new
 tokens, or a finish not yet shown). With best_of > n there is no partial output: one output
 when all are finished, holding the n samples with the highest cumulative logprob, best first,
-re-indexed 0..n-1 (vLLM's ranking)."""
+re-indexed 0..n-1 (vLLM's ranking).
+
+`fold_step` is the one fold of a step's engine-core outputs into user outputs (one per request
+or group), used by LLMEngine.step and by the serving path's output side alike; what differs
+between them (finishing a request in the scheduler now, or asking the engine thread to) comes in
+as two callbacks."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 from tokenweir import faults
 from tokenweir.core.outputs import TokenLogprobs
@@ -25,6 +32,15 @@ from tokenweir.core.outputs import EngineCoreOutput
 from tokenweir.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenweir.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenweir.request import Request, SampleGroup
+
+logger = logging.getLogger("tokenweir")
+
+# on_stop(request): a stop string ended `request` (a sample, or a lone request) on the output
+# side; the caller finishes it in the scheduler (status FINISHED_STOPPED).
+OnStop = Callable[[Request], None]
+# on_fail(request_ids, message): output processing failed for a request or group; the caller
+# fails every one of these scheduler ids (a group's samples) with `message`, freeing blocks.
+OnFail = Callable[[list[str], str], None]
 
 
 @dataclass
@@ -93,11 +109,76 @@ class OutputProcessor:
         """The id the request's outputs go out under (a sample's: its group's)."""
         return request.request_id if request.group is None else request.group.request_id
 
+    # ---- one step ----------------------------------------------------------------------
+    def fold_step(self, core_outputs: Iterable[EngineCoreOutput], now: float, *, delta: bool,
+                  on_stop: OnStop, on_fail: OnFail,
+                  yield_gil: bool = False) -> dict[str, RequestOutput]:
+        """One step's engine-core outputs -> {output id: RequestOutput}, one per request or
+        parallel-sampling group that has something to show (in the order the step named them;
+        a best_of group shows nothing until it is finished). `delta`: only what is new since
+        the last output. A finished request's (group's) state is forgotten once its final
+        output is built.
+
+        Outputs of a request whose state is gone (ended here by a stop string, an error or an
+        abort, while the engine computed another step for it) are dropped. When processing or
+        building the output fails for one sample, its whole group fails alone: `on_fail` gets
+        every sample's id and the group's final output is an "error" one (`error_output`).
+        `yield_gil`: sleep(0) before each request, so that an engine thread running the next
+        forward takes the GIL between requests (the output thread sets it)."""
+        made: dict[str, Request | RequestOutput] = {}  # the request to build from, or final
+        for core_output in core_outputs:
+            request = core_output.request
+            output_id = self.output_id(request)
+            if output_id not in self.states or isinstance(made.get(output_id), RequestOutput):
+                continue  # gone, or its group failed earlier in this step
+            if yield_gil:
+                time.sleep(0)
+            try:
+                if self.process(core_output, now):
+                    request.finished_time = now
+                    on_stop(request)
+                made.setdefault(output_id, request)
+            except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
+                made[output_id] = self._fail(request, exc, delta, on_fail)
+        outputs = ((output_id, self._build(output_id, item, delta, on_fail))
+                   for output_id, item in made.items())
+        return {output_id: out for output_id, out in outputs if out is not None}
+
+    def _build(self, output_id: str, item: Request | RequestOutput, delta: bool,
+               on_fail: OnFail) -> Optional[RequestOutput]:
+        """The step's output of `output_id` (forgotten when final); `item` is a final error
+        output already, or the request to build from."""
+        if isinstance(item, RequestOutput):
+            return item
+        try:
+            result = self.make_output(output_id, delta=delta)
+        except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
+            return self._fail(item, exc, delta, on_fail)
+        if result is not None and result.finished:
+            self.pop(output_id)
+        return result
+
+    def _fail(self, request: Request, exc: Exception, delta: bool,
+              on_fail: OnFail) -> RequestOutput:
+        """Processing `request`'s output raised: fail it (a sample: its whole group) through
+        `on_fail`, and build its final "error" output (the state is forgotten)."""
+        message = f"processing the request's output failed: {exc!r}"
+        samples = request.group.samples if request.group is not None else [request]
+        on_fail([sample.request_id for sample in samples], message)
+        if request.error is None:  # not failed by on_fail (it finished, or the fail is queued)
+            logger.warning("request %s failed: %s", request.request_id, message)
+            request.error = message
+        return self.error_output(request, delta=delta)
+
     def process(self, output: EngineCoreOutput, now: float) -> bool:
         """Fold one step's tokens in. Returns True when a stop string ended the request
-        (the caller must then finish it in the scheduler)."""
+        (the caller must then finish it in the scheduler). An output for a sample already
+        finished here (a stop string, one step before the scheduler learns of it) is
+        dropped."""
         request_id = output.request.request_id
         state = self.states.get(request_id) or self._samples[request_id]
+        if state.finish_reason is not None:
+            return False
         stopped = self._process(state, output, now)
         group = output.request.group
         if group is not None:
@@ -189,13 +270,16 @@ class OutputProcessor:
 
     @staticmethod
     def _completion(state: _RequestState, index: int, delta: bool) -> CompletionOutput:
+        """`logprobs` is a snapshot of every position so far, delta or not (the server slices
+        off what it has sent): the processor's own list grows on another thread."""
         return CompletionOutput(
             index=index,
             text=state.new_text if delta else state.text,
             token_ids=state.new_token_ids if delta else list(state.request.output_token_ids),
             cumulative_logprob=state.cumulative_logprob
             if state.logprobs is not None or state.ranks_only else None,
-            logprobs=state.logprobs, finish_reason=state.finish_reason,
+            logprobs=None if state.logprobs is None else list(state.logprobs),
+            finish_reason=state.finish_reason,
             stop_reason=state.stop_reason)
 
     @staticmethod
@@ -259,8 +343,19 @@ class OutputProcessor:
             prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
             finished=True, metrics=metrics, error=request.error)
 
-    def finish_aborted(self, request_id: str) -> None:
-        """The request (or every sample of the group) by its output id was aborted."""
+    def abort(self, output_id: str, delta: bool = False) -> Optional[RequestOutput]:
+        """The final output of a request (group) aborted by its output id: finish reason
+        "abort" for every sample not finished yet; its state is forgotten. None: not in
+        flight."""
+        if output_id not in self.states:
+            return None
+        self._finish_aborted(output_id)
+        try:
+            return self.make_output(output_id, delta=delta)
+        finally:
+            self.pop(output_id)
+
+    def _finish_aborted(self, request_id: str) -> None:
         group = self.groups.get(request_id)
         states = group.samples if group is not None else [self.states.get(request_id)]
         for state in states:

@@ -1,13 +1,15 @@
 """Where a served token's time goes: a breakdown of the serving path by phase.
 
 `ServingProfile` accumulates seconds per named phase from any thread (one lock; a few
-hundred observations per step at most). `StepTimer` times the engine core's three parts
-without touching its code: it wraps one scheduler's `schedule` and `update_from_output` and
-one executor's `execute` as instance attributes (as the timeline's LiveRecorder does) and
-`detach()` restores them.
+hundred observations per step at most). The engine core's three parts come from its step
+observer hook: `ServingProfile.observe_step` is one of `EngineCore.step_observers` (next to the
+step tracer, when one records), reading the clock readings the core takes anyway; `attach` and
+`detach` add and remove it.
 
-Phases (the table `ServingProfile.report()` prints):
-- schedule, forward, update: the engine core step (engine thread);
+Phases (the table `format_profile` prints):
+- schedule, forward, update: the engine core step (engine thread), from the observer's clock
+  readings; `update` runs from the forward's end to the observer call (the scheduler's update
+  and the step's metrics); a failed forward is not observed, so not counted;
 - output processing: detokenization, stop strings, building each RequestOutput, latency stats
   (the output thread, or the engine thread when there is none);
 - handoff: handing outputs to the output thread / event loop (engine or output thread);
@@ -24,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # The phases in the order they are printed, and the thread each runs on.
 PHASES: tuple[tuple[str, str], ...] = (
@@ -83,15 +85,22 @@ class ServingProfile:
             self.steps += 1
             self.tokens += tokens
 
-    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn`, with each call's duration added to `phase`."""
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.add(phase, time.perf_counter() - start)
-        return wrapper
+    def observe_step(self, scheduler_output: Any, runner_output: Any, outputs: list,
+                     times: tuple[float, float, float, float]) -> None:
+        """An EngineCore step observer: the step's schedule, forward and update seconds from
+        its clock readings (started, scheduled, executed, updated)."""
+        started, scheduled, executed, updated = times
+        with self._lock:
+            self.seconds["schedule"] += scheduled - started
+            self.seconds["forward"] += executed - scheduled
+            self.seconds["update"] += updated - executed
+
+    def attach(self, core: Any) -> None:
+        """Observe every step of `core` (an EngineCore) from now on."""
+        core.step_observers.append(self.observe_step)
+
+    def detach(self, core: Any) -> None:
+        core.step_observers.remove(self.observe_step)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything as JSON-ready numbers: per phase total s, share of wall, ms per step and
@@ -124,24 +133,3 @@ def format_profile(snap: dict[str, Any]) -> str:
         lines.append(f"{name:<20}{'(latency)':<15} n={lat['count']}  mean {lat['mean_ms']:.2f} "
                      f"ms  p50 {lat['p50_ms']:.2f} ms  p99 {lat['p99_ms']:.2f} ms")
     return "\n".join(lines)
-
-
-class StepTimer:
-    """Times `scheduler.schedule`, `scheduler.update_from_output` and `executor.execute` into
-    `profile` (wrapping them as instance attributes; `detach()` undoes it)."""
-
-    def __init__(self, scheduler: Any, executor: Any, profile: ServingProfile) -> None:
-        self._targets = ((scheduler, "schedule", "schedule"),
-                         (scheduler, "update_from_output", "update"),
-                         (executor, "execute", "forward"))
-        self._saved = []
-        for obj, attr, phase in self._targets:
-            self._saved.append((obj, attr, obj.__dict__.get(attr)))
-            setattr(obj, attr, profile.timed(phase, getattr(obj, attr)))
-
-    def detach(self) -> None:
-        for obj, attr, previous in self._saved:
-            if previous is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, previous)

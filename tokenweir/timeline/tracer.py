@@ -1,4 +1,4 @@
-"""Step records from the real engine: `StepTracer` is EngineCore's `step_observer`.
+"""Step records from the real engine: `StepTracer` is one of EngineCore's `step_observers`.
 
 EngineCore calls it once per step that ran, after the scheduler's update, with the
 SchedulerOutput, the ModelRunnerOutput, the step's EngineCoreOutputs and four clock readings
@@ -214,10 +214,11 @@ class JsonlSink:
 
 
 def attach_tracer(core, sink: StepSink) -> StepTracer:
-    """Add `sink` to the core's tracer, making the tracer its step observer if it has none."""
-    tracer = core.step_observer
-    if not isinstance(tracer, StepTracer):
+    """Add `sink` to the core's tracer, making a tracer one of its step observers if it has
+    none."""
+    tracer = next((o for o in core.step_observers if isinstance(o, StepTracer)), None)
+    if tracer is None:
         tracer = StepTracer(core.scheduler, [])
-        core.step_observer = tracer
+        core.step_observers.append(tracer)
     tracer.sinks.append(sink)
     return tracer
