@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenweir.sim.cluster import build_cluster
 from tokenweir.sim.digest import cluster_digest
-from tokenweir.sim.router import PrefixAwareRouter
+from tokenweir.sim.router import PrefixAwareRouter, instances_in
 from tokenweir.sim.workload import synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,12 +53,23 @@ def test_the_indexed_router_decides_as_the_plain_one():
     assert len(set(choices)) == 7  # every instance was chosen
     assert evicted > 0  # the probe: the LRU really evicted (small capacity)
     # the index is the exact inverse of the per-instance LRUs
-    inverse: dict[int, set[int]] = {}
+    inverse: dict[int, int] = {}  # hash -> bitmask of the instances holding it
     for i, seen in enumerate(fast._seen):
         for h in seen:
-            inverse.setdefault(h, set()).add(i)
+            inverse[h] = inverse.get(h, 0) | (1 << i)
     assert inverse == fast._holders
+    assert any(bin(mask).count("1") > 1 for mask in inverse.values())  # shared hashes exist
     assert fast._sizes == [len(s) for s in fast._seen]
+
+
+def test_instances_in_lists_a_masks_bits_lowest_first():
+    assert instances_in(0) == []
+    assert instances_in(1) == [0]
+    assert instances_in((1 << 63) | (1 << 5) | 1) == [0, 5, 63]
+    rng = random.Random(3)
+    for _ in range(200):
+        members = sorted(rng.sample(range(64), rng.randint(0, 64)))
+        assert instances_in(sum(1 << i for i in members)) == members
 
 
 def _small_cluster_digest() -> tuple[str, int]:

@@ -49,7 +49,11 @@ class PrefixAwareRouter:
     visiting the others: a choice costs O(chain + matching instances), plus one C-level pass
     for the least-loaded fallback, instead of n chain walks (a 64-instance cluster routes a
     million requests). Decisions are exactly those of the plain definition (`match_len` for
-    every instance, then max/min over the instances as written in `choose`)."""
+    every instance, then max/min over the instances as written in `choose`).
+
+    The index maps a hash to a bitmask of instances (bit i: instance i holds it): an int
+    costs a fraction of a set's memory (at 64 instances with full LRUs the index holds
+    millions of hashes), and narrowing the matching instances is one `&` per block."""
 
     def __init__(self, num_instances: int, block_size: int, max_blocks: int = 32,
                  capacity: int = 1 << 16, balance_slack: int = 16) -> None:
@@ -58,7 +62,7 @@ class PrefixAwareRouter:
         self.capacity, self.balance_slack = capacity, balance_slack
         # per instance: chained hashes of routed prompts' leading blocks, oldest first (LRU)
         self._seen: list[dict[int, None]] = [{} for _ in range(num_instances)]
-        self._holders: dict[int, set[int]] = {}  # hash -> instances whose _seen holds it
+        self._holders: dict[int, int] = {}  # hash -> bitmask: instances whose _seen holds it
         self._sizes = [0] * num_instances  # len(self._seen[i]), for the fallback's key
 
     def block_chain(self, tokens: list[int]) -> list[int]:
@@ -79,19 +83,19 @@ class PrefixAwareRouter:
         return n
 
     def longest_matches(self, chain: list[int]) -> tuple[int, list[int]]:
-        """(the longest match_len over the instances, the instances that reach it); (0, [])
-        when none holds the chain's first block."""
+        """(the longest match_len over the instances, the instances that reach it, lowest
+        first); (0, []) when none holds the chain's first block."""
         holders = self._holders
-        alive = holders.get(chain[0]) if chain else None
+        alive = holders.get(chain[0], 0) if chain else 0
         if not alive:
             return 0, []
         n = 1
         while n < len(chain):
-            nxt = alive & holders.get(chain[n], _EMPTY)
+            nxt = alive & holders.get(chain[n], 0)
             if not nxt:
                 break
             alive, n = nxt, n + 1
-        return n, sorted(alive)
+        return n, instances_in(alive)
 
     def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
         chain = self.block_chain(tokens)
@@ -108,26 +112,32 @@ class PrefixAwareRouter:
         return best
 
     def _remember(self, instance: int, chain: list[int]) -> None:
-        seen, holders = self._seen[instance], self._holders
+        seen, holders, bit = self._seen[instance], self._holders, 1 << instance
         for h in chain:
             if seen.pop(h, _ABSENT) is _ABSENT:
-                holding = holders.get(h)
-                if holding is None:
-                    holders[h] = {instance}
-                else:
-                    holding.add(instance)
+                holders[h] = holders.get(h, 0) | bit
             seen[h] = None
         while len(seen) > self.capacity:
             oldest = next(iter(seen))
             del seen[oldest]
-            holding = holders[oldest]
-            holding.discard(instance)
-            if not holding:
+            holding = holders[oldest] & ~bit
+            if holding:
+                holders[oldest] = holding
+            else:
                 del holders[oldest]
         self._sizes[instance] = len(seen)
 
 
-_EMPTY: frozenset = frozenset()
+def instances_in(mask: int) -> list[int]:
+    """The set bits of `mask`, lowest first: the instances a holders bitmask names."""
+    found = []
+    while mask:
+        low = mask & -mask
+        found.append(low.bit_length() - 1)
+        mask ^= low
+    return found
+
+
 _ABSENT = object()
 
 
