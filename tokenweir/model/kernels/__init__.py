@@ -82,16 +82,21 @@ def _module() -> Optional[Any]:
     return _STATE["module"]
 
 
+# -fopenmp: at::parallel_for is a `#pragma omp parallel` inlined from torch's headers (its
+# OpenMP backend); compiled without the flag, every kernel ran on ONE thread. At run time the
+# soname libgomp.so.1 resolves to the copy torch has already loaded (one OpenMP runtime).
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-ffast-math", "-Wno-psabi", "-fopenmp"]
+LDFLAGS = ["-lmvec", "-fopenmp"]
+
+
 def _build() -> Optional[Any]:
     try:
         from torch.utils.cpp_extension import load
 
         name = f"tokenweir_cpu_kernels_{_source_hash()}"
         _clear_stale_build_lock(name)
-        return load(name=name, sources=[_SOURCE],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-ffast-math",
-                                  "-Wno-psabi"],
-                    extra_ldflags=["-lmvec"], verbose=False)
+        return load(name=name, sources=[_SOURCE], extra_cflags=CFLAGS,
+                    extra_ldflags=LDFLAGS, verbose=False)
     except Exception as exc:  # no compiler, no headers, ...: fall back to the torch path
         warnings.warn(f"tokenweir: C++ CPU kernels unavailable, using the torch path ({exc})",
                       RuntimeWarning, stacklevel=3)
@@ -120,8 +125,8 @@ def _clear_stale_build_lock(name: str) -> None:
 
 
 def _source_hash() -> str:
-    """12 hex digits over the .cpp and every header beside it."""
-    digest = hashlib.sha1()
+    """12 hex digits over the .cpp, every header beside it and the build flags."""
+    digest = hashlib.sha1(" ".join(CFLAGS + LDFLAGS).encode())
     for path in [_SOURCE, *sorted(glob.glob(os.path.join(_DIR, "*.h")))]:
         with open(path, "rb") as f:
             digest.update(f.read())

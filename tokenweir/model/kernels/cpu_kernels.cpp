@@ -406,7 +406,19 @@ void paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor bloc
   else TORCH_CHECK(false, "paged_attention: unsupported isa '", isa, "'");
 }
 
+// How many threads at::parallel_for really ran `tasks` one-task chunks on (at most
+// at::get_num_threads()): 1 when the module was built without OpenMP although torch uses it.
+int64_t parallel_width(int64_t tasks) {
+  std::vector<char> seen(std::max(1, at::get_num_threads()), 0);
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    const int t = at::get_thread_num();
+    if (t >= 0 && t < int(seen.size())) seen[t] = 1;
+  });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_width", &parallel_width, "threads at::parallel_for ran the tasks on");
   m.def("cpu_isa", &cpu_isa, "widest compiled instruction set this CPU runs ('' = none)");
   m.def("paged_attention", &paged_attention,
         "causal attention over a block-paged KV cache, read in place (float32/bfloat16, CPU)");

@@ -63,11 +63,48 @@ struct Tile {
   float* scores;
 };
 
-// scores[n, t0 + j] = q_n . k_j for the nt tokens of one block (k_blk at the tile's kv head).
+// Lane j of the result = the sum of v[j]'s lanes: TW_W dot products finished at once by a
+// transpose-add tree (log2(TW_W) rounds of paired shuffles) instead of one horizontal sum each.
+inline vf transpose_sum(const vf* v) {
+  vf a[TW_W];
+  for (int j = 0; j < TW_W; ++j) a[j] = v[j];
+#if TW_W == 8
+  for (int j = 0; j < 4; ++j)  // lanes: pair sums of a[2j] and a[2j+1], interleaved
+    a[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int j = 0; j < 2; ++j)
+    a[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(a[0], a[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+  vf out;
+  for (int j = 0; j < TW_W; ++j) out[j] = hsum(a[j]);
+  return out;
+#endif
+}
+
+// scores[n, t0 + j] = q_n . k_j for the nt tokens of one block (k_blk at the tile's kv head):
+// TW_W keys at a time, their partial sums parked in L1 and finished by transpose_sum.
 template <int N, typename T>
 void score_block(const T* k_blk, int64_t nt, int64_t row, int64_t d, const float* q,
                  float* scores, int64_t stride) {
-  for (int64_t j = 0; j < nt; ++j) {
+  vf parked[N][TW_W];
+  int64_t j = 0;
+  for (; j + TW_W <= nt; j += TW_W) {
+    for (int u = 0; u < TW_W; ++u) {
+      const T* k = k_blk + (j + u) * row;
+      vf acc[N] = {};
+      for (int64_t i = 0; i < d; i += TW_W) {
+        const vf kv = load_vec(k + i);
+        for (int n = 0; n < N; ++n) acc[n] += load_vec(q + n * d + i) * kv;
+      }
+      for (int n = 0; n < N; ++n) parked[n][u] = acc[n];
+    }
+    for (int n = 0; n < N; ++n)
+      *reinterpret_cast<vf*>(scores + n * stride + j) = transpose_sum(parked[n]);
+  }
+  for (; j < nt; ++j) {
     const T* k = k_blk + j * row;
     vf acc[N] = {};
     for (int64_t i = 0; i < d; i += TW_W) {
