@@ -151,13 +151,15 @@ inline void masked_softmax(float* s, int64_t len, int64_t max_len) {
   for (int64_t t = len; t < max_len; ++t) s[t] = 0.f;
 }
 
-// Blocks sit at unrelated addresses: ask for the next one's first lines early.
+// Blocks sit at unrelated addresses, where the hardware prefetchers (which follow streams
+// within a page) do not look: ask for every line of the next block while this one is worked on.
 template <typename T>
 inline void prefetch_block(const T* base, const int64_t* table, int64_t t_next, int64_t max_len,
                            int64_t block_size, int64_t row) {
   if (t_next >= max_len) return;
   const char* p = reinterpret_cast<const char*>(base + table[t_next / block_size] * block_size * row);
-  for (int i = 0; i < 16; ++i) __builtin_prefetch(p + 64 * i);
+  const int64_t bytes = std::min(max_len - t_next, block_size) * row * int64_t(sizeof(T));
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
 // Both passes over the blocks, every tile per block (a block is read once while cache-hot).
