@@ -9,10 +9,12 @@ them alike; read the ratios, not the absolute numbers, on a shared machine.
     python benchmarks/kernels.py --only attention --dtype float32 --threads 1
 
 Sections:
-* linear: F.linear vs the few-rows C++ kernel (float32) vs MKL's prepacked sgemm (float32) or
+* linear: F.linear vs the few-rows C++ kernel and the packed-weight C++ kernel (float32, up to
+  64 rows; the weight packed once outside the timing, as the model does) vs MKL's prepacked sgemm (float32) or
   oneDNN's prepacked bf16 (only where this CPU has AVX-512/avx_ne_convert) for the projection
   shapes of one layer and the LM head, at decode batches (1-64 rows) and prefill chunks (512,
-  2048 rows). GFLOP/s and share of the matmul peak.
+  2048 rows). GFLOP/s and share of the matmul peak. Then (float32) one whole model step's
+  weights at 1-64 rows: ms per step and GB/s of weight streamed vs the copy bandwidth.
 * attention: decode (64 requests, ~300-600 context) and prefill-with-context (a 16-512-row chunk
   over a 512-token prefix), the in-place C++ kernel vs the torch path (gather + SDPA). Decode
   is bandwidth-bound: GB/s of K/V read vs the copy bandwidth; prefill: GFLOP/s vs the peak.
@@ -80,6 +82,10 @@ def linear_candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[]
         skinny = kernels.skinny_linear_kernel()
         if skinny is not None and m <= 64:
             fns["skinny C++"] = lambda: skinny(x, w)
+        packed_kernel = kernels.packed_linear_kernel()
+        if packed_kernel is not None and m <= 64:
+            panels = kernels.pack_linear_weight(w, packed_kernel.panel)  # once, like the model
+            fns["packed C++"] = lambda: packed_kernel(x, panels, w.shape[0])
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
         fns["mkl prepacked"] = lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, m)
     else:
@@ -105,6 +111,38 @@ def bench_linear(dtype: torch.dtype, peak: float, repeats: int) -> None:
             cells = "  ".join(f"{c} {flop / t / 1e9:6.1f} ({100 * flop / t / 1e9 / peak:3.0f}%)"
                               for c, t in times.items())
             print(f"{name:8s} {m:5d} x {k:4d} x {n:5d}   {cells}")
+
+
+def model_step_weights() -> list[torch.Tensor]:
+    """Every float32 weight one SmolLM2-135M step multiplies: 30 layers of qkv, o, gate_up,
+    down, then the (tied) LM head; 538 MB, far more than the caches."""
+    layer = [LINEAR_SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]
+    weights = [torch.randn(n, k) for _ in range(30) for k, n in layer]
+    return weights + [torch.randn(VOCAB, HIDDEN)]
+
+
+def bench_linear_model_step(bandwidth: float, repeats: int) -> None:
+    """All of a step's weights multiplied once, at decode batch sizes: ms per step and GB/s of
+    weight streamed (vs the copy bandwidth), each float32 candidate interleaved."""
+    print(f"\n## linear, one model step (every weight once; GB/s of weight vs the "
+          f"{bandwidth:.1f} GB/s copy)")
+    weights = model_step_weights()
+    total = sum(w.numel() * 4 for w in weights)
+    skinny, packed_kernel = kernels.skinny_linear_kernel(), kernels.packed_linear_kernel()
+    panels = (None if packed_kernel is None
+              else [kernels.pack_linear_weight(w, packed_kernel.panel) for w in weights])
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
+        fns = {"MKL": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
+        if skinny is not None:
+            fns["skinny C++"] = lambda: [skinny(xs[w.shape[1]], w) for w in weights]
+        if panels is not None:
+            fns["packed C++"] = lambda: [packed_kernel(xs[w.shape[1]], p, w.shape[0])
+                                         for w, p in zip(weights, panels)]
+        times = best_of(fns, max(2, repeats // 4))
+        cells = "  ".join(f"{c} {t * 1e3:6.1f} ms ({total / t / 1e9:4.1f} GB/s, "
+                          f"{100 * total / t / 1e9 / bandwidth:3.0f}%)" for c, t in times.items())
+        print(f"M={m:3d}  {cells}")
 
 
 def _paged_setup(q_lens: list[int], ctx: list[int], dtype: torch.dtype, block_size: int = 16):
@@ -286,6 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"\n# {str(dtype)[6:]}: matmul peak {peak:.1f} GFLOP/s")
         if args.only in (None, "linear"):
             bench_linear(dtype, peak, args.repeats)
+            if dtype == torch.float32:
+                bench_linear_model_step(bandwidth, args.repeats)
         if args.only in (None, "attention"):
             bench_attention(dtype, peak, bandwidth, args.repeats)
         if args.only in (None, "overhead"):

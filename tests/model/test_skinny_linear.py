@@ -17,6 +17,7 @@ from tokenweir.model import layers
 @pytest.fixture
 def skinny(monkeypatch):
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
+    monkeypatch.setattr(layers, "PACK_LINEAR", False)  # the unpacked kernel (packed: opt-out)
     kernel = kernels.skinny_linear_kernel()
     if kernel is None:
         pytest.skip("C++ kernels could not be built here (no compiler?)")

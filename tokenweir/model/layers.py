@@ -18,21 +18,69 @@ from torch import nn
 from tokenweir.model import kernels
 
 
-# Up to this many rows of x, a CPU float32 matmul goes to the C++ few-rows kernel (a decode
-# step's batch): it beats MKL's sgemm there (measured 1.2-2x at 1-8 rows, even at 16) and loses
-# beyond. The LM head (a 49k-row weight) keeps winning to ~24 rows.
+# CPU float32 matmuls of up to PACKED_MAX_ROWS rows of x (decode batches, small prefill
+# chunks, the LM head's sampled rows) go to the packed-weight C++ kernel (linear_impl.h): the
+# weight is packed once into panels (lazily, at its first such matmul) and the packed copy is
+# kept beside the weight, which every other path still reads. Memory cost: one more float32
+# copy of every Linear weight (and of the tied LM head) the kernel has served, e.g. +538 MB for
+# SmolLM2-135M in float32. TOKENWEIR_PACK_LINEAR=0 opts out (no copy): then up to
+# SKINNY_MAX_ROWS rows take the unpacked few-rows kernel, the rest MKL's sgemm.
+# Measured on this AVX2 machine (2 threads, benchmarks/kernels.py --only linear): the packed
+# kernel beats MKL's sgemm at every M <= 64 on the model's shapes and the unpacked few-rows
+# kernel from M = 4 (it ties at M = 1-2); beyond 64 rows MKL's blocked sgemm is faster.
+PACK_LINEAR = os.environ.get("TOKENWEIR_PACK_LINEAR", "1") != "0"
+PACKED_MAX_ROWS = 64
+PACKED_MAX_ROWS_LM_HEAD = 64
 SKINNY_MAX_ROWS = 12
 SKINNY_MAX_ROWS_LM_HEAD = 24
 
 
+def _few_rows_f32(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    """x @ weight.T is a CPU float32 2-D contiguous matmul of at most max_rows rows."""
+    return (x.dim() == 2 and x.shape[0] <= max_rows and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.is_contiguous() and weight.is_contiguous())
+
+
 def skinny_matmul_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int):
-    """The C++ kernel for `x @ weight.T` when it applies (CPU, float32, 2-D, contiguous, at
-    most `max_rows` rows, kernels available), else None."""
-    if (x.dim() != 2 or x.shape[0] > max_rows or x.device.type != "cpu"
-            or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or not x.is_contiguous() or not weight.is_contiguous()):
-        return None
-    return kernels.skinny_linear_kernel()
+    """The unpacked C++ kernel for `x @ weight.T` when it applies (CPU, float32, 2-D,
+    contiguous, at most `max_rows` rows, kernels available), else None."""
+    return kernels.skinny_linear_kernel() if _few_rows_f32(x, weight, max_rows) else None
+
+
+_PACKED_ATTR = "_tokenweir_packed_weight"
+
+
+def packed_weight(owner: object, weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """weight packed for the packed kernel, cached on `owner` (one weight per owner). The cache
+    is rebuilt when the weight's storage, shape or version changed; writes through `.data`
+    bump no version, so whoever writes weights that way calls drop_packed_weights."""
+    version = None if weight.is_inference() else weight._version  # inference: untracked
+    key = (weight.data_ptr(), version, tuple(weight.shape), panel)
+    cached = getattr(owner, _PACKED_ATTR, None)
+    if cached is None or cached[0] != key:
+        cached = (key, kernels.pack_linear_weight(weight, panel))
+        object.__setattr__(owner, _PACKED_ATTR, cached)
+    return cached[1]
+
+
+def drop_packed_weights(module: nn.Module) -> None:
+    """Forget every packed copy held by module and its submodules (after loading weights)."""
+    for sub in (module, *module.modules()):
+        sub.__dict__.pop(_PACKED_ATTR, None)
+
+
+def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object, packed_max_rows: int,
+                    skinny_max_rows: int) -> Optional[torch.Tensor]:
+    """x @ weight.T by a C++ kernel when one applies: the packed kernel up to packed_max_rows
+    rows (weight packed once, cached on owner; unless TOKENWEIR_PACK_LINEAR=0), else the
+    unpacked one up to skinny_max_rows; None when neither applies (the caller's torch path)."""
+    if PACK_LINEAR and _few_rows_f32(x, weight, packed_max_rows):
+        kernel = kernels.packed_linear_kernel()
+        if kernel is not None:
+            return kernel(x, packed_weight(owner, weight, kernel.panel), weight.shape[0])
+    skinny = skinny_matmul_kernel(x, weight, skinny_max_rows)
+    return None if skinny is None else skinny(x, weight)
 
 
 # Bounded memory (issue 14, item 8). A CPU bfloat16 matmul goes to oneDNN, which JIT-builds and
@@ -73,17 +121,16 @@ def bucketed_linear(x: torch.Tensor, weight: torch.Tensor,
 
 class Linear(nn.Linear):
     """nn.Linear without random init: parameters start uninitialized (weights are loaded).
-    A few rows on CPU float32 take the C++ few-rows kernel (see SKINNY_MAX_ROWS); CPU bfloat16
-    rows are padded to a bucket (see BUCKET_ROWS)."""
+    A few rows on CPU float32 take a C++ kernel (see PACK_LINEAR); CPU bfloat16 rows are padded
+    to a bucket (see BUCKET_ROWS)."""
 
     def reset_parameters(self) -> None:
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = skinny_matmul_kernel(x, self.weight, SKINNY_MAX_ROWS)
-        if kernel is None:
+        out = few_rows_matmul(x, self.weight, self, PACKED_MAX_ROWS, SKINNY_MAX_ROWS)
+        if out is None:
             return bucketed_linear(x, self.weight, self.bias)
-        out = kernel(x, self.weight)
         return out if self.bias is None else out.add_(self.bias)
 
 

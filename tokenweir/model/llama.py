@@ -19,9 +19,10 @@ from torch import nn
 
 from tokenweir.model.arch import ArchConfig
 from tokenweir.model.attention import AttentionMetadata, paged_attention
-from tokenweir.model.layers import (SKINNY_MAX_ROWS_LM_HEAD, Embedding, GatedMLP, Linear,
-                                    RMSNorm, RotaryEmbedding, RotaryStep, bucketed_linear,
-                                    skinny_matmul_kernel)
+from tokenweir.model.layers import (PACKED_MAX_ROWS_LM_HEAD, SKINNY_MAX_ROWS_LM_HEAD,
+                                    Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
+                                    RotaryStep, bucketed_linear, drop_packed_weights,
+                                    few_rows_matmul)
 
 
 # Called with the layer index before each decoder layer (an attention-layer boundary). It may
@@ -160,9 +161,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.lm_head_weight
-        kernel = skinny_matmul_kernel(hidden, weight, SKINNY_MAX_ROWS_LM_HEAD)
-        if kernel is not None:
-            return kernel(hidden, weight)
+        logits = few_rows_matmul(hidden, weight, self, PACKED_MAX_ROWS_LM_HEAD,
+                                 SKINNY_MAX_ROWS_LM_HEAD)
+        if logits is not None:
+            return logits
         if hidden.dtype == torch.float32:
             return torch.matmul(hidden, weight.t()).float()
         return bucketed_linear(hidden, weight).float()  # rows bucketed: bounded memory
@@ -205,6 +207,7 @@ class CausalLM(nn.Module):
             with torch.no_grad():
                 dest.copy_(tensor)
             loaded.add(target if rows is None else f"{target}@{rows[0]}")
+        drop_packed_weights(self)  # `.data` writes bump no version: repack from the new weights
         return loaded
 
     def _map_name(self, name: str) -> tuple[str, tuple[int, int] | None]:

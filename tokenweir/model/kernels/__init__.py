@@ -2,7 +2,8 @@
 
 `paged_attention_kernel()` returns the in-place paged attention for decodes and prefill chunks
 (float32 and bfloat16, one variant per instruction set picked at run time: `cpu_isa()`),
-`skinny_linear_kernel()` the few-rows matmul and `fused_ops()` the module with the fused layer
+`skinny_linear_kernel()` the few-rows matmul, `packed_linear_kernel()` the packed-weight
+matmul (weights packed once by `pack_linear_weight`) and `fused_ops()` the module with the fused layer
 ops (see cpu_kernels.cpp for their contracts), or None when they cannot be used: not built yet
 and no compiler, the build failed, or `TOKENWEIR_CPU_KERNELS=0`. Callers must keep a pure-torch
 path for None. A failed build is reported once (a warning) and not retried in this process.
@@ -70,6 +71,35 @@ def skinny_linear_kernel() -> Optional[Any]:
     """The compiled module's `skinny_linear(x, w) -> x @ w.T`, or None."""
     module = _module()
     return None if module is None else module.skinny_linear
+
+
+def packed_linear_kernel() -> Optional[Any]:
+    """`f(x, packed, n) -> x @ w.T` on a weight packed by `pack_linear_weight` (this CPU's
+    widest variant; `f.panel` is its panel width), or None."""
+    isa = cpu_isa()
+    if not isa:
+        return None
+    module = _module()
+    run, panel = module.packed_linear, module.linear_panel_width(isa)
+
+    def packed_linear(x, packed, n: int):
+        return run(x, packed, n, isa)
+
+    packed_linear.panel = panel  # type: ignore[attr-defined]
+    packed_linear.isa = isa  # type: ignore[attr-defined]
+    return packed_linear
+
+
+def pack_linear_weight(weight, panel: int):
+    """w [N, K] float32 -> [ceil(N / panel), K, panel]: panel p holds rows [p*panel, p*panel +
+    panel) transposed, rows past N zero (the layout linear_impl.h reads)."""
+    import torch
+
+    n, k = weight.shape
+    panels = -(-n // panel)
+    padded = weight.detach().new_zeros((panels * panel, k))
+    padded[:n] = weight.detach()
+    return padded.view(panels, panel, k).transpose(1, 2).contiguous()
 
 
 def _module() -> Optional[Any]:

@@ -123,6 +123,56 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
   return out;
 }
 
+// The packed-weight linear (linear_impl.h), one variant per instruction set like the attention.
+namespace linear_avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define TW_W 8
+#include "linear_impl.h"
+#undef TW_W
+#pragma GCC pop_options
+}  // namespace linear_avx2
+
+namespace linear_avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#define TW_W 16
+#include "linear_impl.h"
+#undef TW_W
+#pragma GCC pop_options
+}  // namespace linear_avx512
+
+// Output columns per packed panel for `isa` ("avx2": 16, "avx512": 32; 0: no packed kernel).
+int64_t linear_panel_width(std::string isa) {
+  if (isa == "avx512") return linear_avx512::kPanel;
+  if (isa == "avx2") return linear_avx2::kPanel;
+  return 0;
+}
+
+// out[M, N] = x[M, K] @ w^T from `packed`, w packed for `isa` (see linear_impl.h):
+// [ceil(N / NR), K, NR] float32, NR = linear_panel_width(isa). Contract (checked by
+// tokenweir/model/layers.py): x [M, K] float32 contiguous; packed built by pack_linear_weight.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, std::string isa) {
+  const int64_t M = x.size(0), K = x.size(1), nr = linear_panel_width(isa);
+  TORCH_CHECK(nr > 0, "packed_linear: unsupported isa '", isa, "'");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
+                  x.is_contiguous() && packed.is_contiguous(),
+              "packed_linear: float32, contiguous");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == nr &&
+                  packed.size(0) == (N + nr - 1) / nr,
+              "packed_linear: packed weight does not match x, N and isa");
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool wide = isa == "avx512";
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t p0, int64_t p1) {
+    if (wide) linear_avx512::packed_panels(xp, wp, op, M, K, N, p0, p1);
+    else linear_avx2::packed_panels(xp, wp, op, M, K, N, p0, p1);
+  });
+  return out;
+}
+
 // ---- fused elementwise ops of a decoder layer (float32 or bfloat16; compute in float32) ------
 //
 // Contracts (checked by tokenweir/model/layers.py): every tensor contiguous, on CPU, float32 or
@@ -423,6 +473,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "causal attention over a block-paged KV cache, read in place (float32/bfloat16, CPU)");
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (float32, CPU)");
+  m.def("linear_panel_width", &linear_panel_width, "output columns per packed panel for an isa");
+  m.def("packed_linear", &packed_linear, "x @ w.T from a panel-packed w (float32, CPU)");
   m.def("silu_mul", &silu_mul, "silu(x[:, :I]) * x[:, I:] (float32/bfloat16, CPU)");
   m.def("add_rmsnorm", &add_rmsnorm, "residual += x; return rmsnorm(residual) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
