@@ -58,3 +58,18 @@ def force_path(path: str, monkeypatch) -> Counter:
     monkeypatch.setattr(kernels, "paged_attention_kernel", counting_paged)
     monkeypatch.setattr(kernels, "fused_ops", lambda: _CountingOps(ops(), calls))
     return calls
+
+
+def random_linear(in_features: int, out_features: int, bias: bool, seed: int):
+    """A tokenweir Linear with seeded normal weights (and bias), for kernel parity tests."""
+    import torch
+
+    from tokenweir.model import layers
+
+    torch.manual_seed(seed)
+    lin = layers.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_()
+        if bias:
+            lin.bias.normal_()
+    return lin

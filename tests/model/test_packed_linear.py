@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from tokenweir.model import kernels
 from tokenweir.model import layers
 
+from kernel_paths import random_linear
+
 SHAPES = [(576, 960), (37, 7), (5, 33), (64, 16), (1536, 17)]  # (K, N)
 SHAPE_IDS = ["qkv", "k-and-n-tails", "tiny-k", "one-panel", "long-k-ragged"]
 
@@ -86,19 +88,11 @@ def packed_calls(monkeypatch):
     return calls
 
 
-def _linear(k: int, n: int, bias: bool, seed: int) -> layers.Linear:
-    torch.manual_seed(seed)
-    lin = layers.Linear(k, n, bias=bias)
-    with torch.no_grad():
-        lin.weight.normal_()
-        if bias:
-            lin.bias.normal_()
-    return lin
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_linear_packs_once_and_serves_every_row_count_up_to_the_cap(packed_calls, bias):
-    lin = _linear(96, 50, bias, seed=3)
+    lin = random_linear(96, 50, bias, seed=3)
     with torch.no_grad():
         for rows in (1, 5, 13, layers.PACKED_MAX_ROWS):
             x = torch.randn(rows, 96)
@@ -109,7 +103,7 @@ def test_linear_packs_once_and_serves_every_row_count_up_to_the_cap(packed_calls
 
 
 def test_a_changed_weight_is_repacked(packed_calls):
-    lin = _linear(64, 24, False, seed=4)
+    lin = random_linear(64, 24, False, seed=4)
     x = torch.randn(3, 64)
     with torch.no_grad():
         lin(x)
@@ -122,11 +116,11 @@ def test_a_changed_weight_is_repacked(packed_calls):
 
 
 def test_above_the_cap_bf16_and_opted_out_other_paths_run(packed_calls, monkeypatch):
-    lin = _linear(64, 32, True, seed=5)
+    lin = random_linear(64, 32, True, seed=5)
     with torch.no_grad():
         wide = torch.randn(layers.PACKED_MAX_ROWS + 1, 64)
         torch.testing.assert_close(lin(wide), F.linear(wide, lin.weight, lin.bias))
-        lin_bf16 = _linear(64, 32, False, seed=6).to(torch.bfloat16)
+        lin_bf16 = random_linear(64, 32, False, seed=6).to(torch.bfloat16)
         lin_bf16(torch.randn(2, 64, dtype=torch.bfloat16))
         monkeypatch.setattr(layers, "PACK_LINEAR", False)
         x = torch.randn(2, 64)

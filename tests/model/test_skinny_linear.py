@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from tokenweir.model import kernels
 from tokenweir.model import layers
 
+from kernel_paths import random_linear
+
 
 @pytest.fixture
 def skinny(monkeypatch):
@@ -31,14 +33,6 @@ def skinny(monkeypatch):
     return calls
 
 
-def _linear(in_features: int, out_features: int, bias: bool, seed: int) -> layers.Linear:
-    torch.manual_seed(seed)
-    lin = layers.Linear(in_features, out_features, bias=bias)
-    with torch.no_grad():
-        lin.weight.normal_()
-        if bias:
-            lin.bias.normal_()
-    return lin
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 12])
@@ -46,7 +40,7 @@ def _linear(in_features: int, out_features: int, bias: bool, seed: int) -> layer
                          ids=["even", "tile-tail", "k-tail", "one-row"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_kernel_matches_f_linear(skinny, rows, k, n, bias):
-    lin = _linear(k, n, bias, seed=rows * 100 + k + n)
+    lin = random_linear(k, n, bias, seed=rows * 100 + k + n)
     x = torch.randn(rows, k)
     with torch.no_grad():
         got = lin(x)
@@ -56,7 +50,7 @@ def test_kernel_matches_f_linear(skinny, rows, k, n, bias):
 
 
 def test_above_the_row_cap_and_when_disabled_the_torch_path_runs(skinny, monkeypatch):
-    lin = _linear(64, 32, True, seed=1)
+    lin = random_linear(64, 32, True, seed=1)
     with torch.no_grad():
         wide = torch.randn(layers.SKINNY_MAX_ROWS + 1, 64)
         torch.testing.assert_close(lin(wide), F.linear(wide, lin.weight, lin.bias))
