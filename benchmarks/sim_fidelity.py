@@ -5,6 +5,7 @@ float32) and in the simulator driven by a profile fitted to real-engine step tra
     python benchmarks/sim_fidelity.py --quick    # half the requests (development)
     python benchmarks/sim_fidelity.py --profile P.json   # validate only, with a given profile
     python benchmarks/sim_fidelity.py --workloads light,slo
+    python benchmarks/sim_fidelity.py --trace-dir D; python benchmarks/sim_fidelity.py --replay D
 
 Workloads (all max_model_len 1024, prefix caching on):
   light     Poisson 1.5/s, prompts lognormal median 64, outputs 8-40: never preempts
@@ -16,12 +17,19 @@ Workloads (all max_model_len 1024, prefix caching on):
   slo       the slo policy with mid-step cuts; 25% urgent requests (TTFT target 1.3x their
             predicted solo TTFT), the rest 6x; prompts 64-600, budget 512
 
-Calibration: each workload runs on the real engine with seed `--seed` and its steps are traced
-(`LLMEngine.start_trace`, after a warm-up); `tokenweir calibrate --from-trace` fits ONE
-profile to all five traces (runner model + engine overhead, held-out error printed).
-Validation: each workload runs again with seed `--seed + 1`; the simulator gets the arrival
-offsets the engine actually saw, the same prompt and output lengths, prefix groups, TTFT
-targets and the same engine configuration. Per workload: the relative error of total time,
+Real runs: per workload, a calibration run with seed `--seed` then a validation run with seed
+`--seed + 1`, one after the other (so that a machine whose speed drifts over minutes, as these
+shared ones do, drifts under both), each traced (`LLMEngine.start_trace`, after a warm-up).
+Calibration: `tokenweir calibrate --from-trace` fits ONE profile to the five calibration traces
+(runner model + engine overhead, held-out error printed). Validation: the simulator gets the
+arrival offsets the engine actually saw in each validation run, the same prompt and output
+lengths, prefix groups, TTFT targets and the same engine configuration (the slo workload
+predicts the step in flight by the TTFT line on both sides: `slo_step_predictor`).
+
+`--trace-dir DIR` keeps the real runs (traces, and `<workload>-seed<k>.records.json` with each
+request's times); `--replay DIR` refits and resimulates from them without the real engine.
+`--noise-floor` runs each validation workload twice on the real engine and prints the second
+run's errors against the first: the run-to-run noise no simulator can beat. Per workload: the relative error of total time,
 TTFT p50/p90, TPOT p50/p90, and on both sides the counts of preemptions (recompute), swap-outs,
 prefix-cache hit tokens and mid-step cuts (read from the step records of each side).
 
@@ -82,7 +90,7 @@ WORKLOADS: dict[str, Workload] = {
     "slo": Workload(30, 1.5, "uniform:64:600", "uniform:4:16",
                     dict(BASE, max_num_batched_tokens=512, scheduling_policy="slo",
                          slo_mid_step_cut=True, slo_ttft_a_ms_per_token=SLO_A_MS,
-                         slo_ttft_c_ms=SLO_C_MS), slo=True),
+                         slo_ttft_c_ms=SLO_C_MS, slo_step_predictor="ttft_line"), slo=True),
 }
 
 
@@ -96,7 +104,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="calibration seed; validation: seed+1")
-    p.add_argument("--trace-dir", help="keep the real-engine traces here (default: a temp dir)")
+    p.add_argument("--trace-dir", help="keep the real runs here (default: a temp dir)")
+    p.add_argument("--replay", metavar="DIR",
+                   help="no real engine: refit and resimulate the runs kept in DIR")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="run each validation workload twice; print real vs real errors")
     p.add_argument("--json", dest="json_out", help="write every figure here")
     return p.parse_args()
 
@@ -138,13 +150,25 @@ def prompts_for(specs: list[RequestSpec], seed: int, vocab_size: int) -> list[li
 
 
 # ---- the real engine -------------------------------------------------------------------------
-def run_engine(args, loaded, w: Workload, specs: list[RequestSpec],
-               trace_path: Path) -> list[dict]:
-    """Serve `specs` with live arrivals (a submitter thread), steps traced to `trace_path`;
-    one record per request (engine clock)."""
+def real_path(trace_dir: Path, name: str, seed: int, suffix: str = "") -> Path:
+    """The trace of one real run; its request records sit beside it (.records.json)."""
+    return trace_dir / f"{name}-seed{seed}{suffix}.jsonl"
+
+
+def records_path(trace: Path) -> Path:
+    return trace.with_suffix(".records.json")
+
+
+def run_engine(args, loaded, name: str, seed: int, trace_path: Path) -> float:
+    """Serve workload `name`'s requests of `seed` with live arrivals (a submitter thread),
+    steps traced to `trace_path`, one record per request (engine clock) written beside it;
+    returns the run's wall seconds."""
     from tokenweir.config import EngineConfig
     from tokenweir.engine.llm_engine import LLMEngine
 
+    started = time.perf_counter()
+    w = WORKLOADS[name]
+    specs = make_specs(w, seed, args.quick)
     config = EngineConfig.from_kwargs(model=args.model, dtype="float32", device="cpu",
                                       seed=args.seed, **w.engine)
     engine = LLMEngine(config, loaded=loaded)
@@ -155,9 +179,32 @@ def run_engine(args, loaded, w: Workload, specs: list[RequestSpec],
         requests = _serve(engine, specs, prompts)
     finally:
         engine.shutdown()  # closes the trace (and writes its Chrome form)
-    return [{"request_id": r.request_id, "arrival": r.arrival_time,
-             "first_token": r.first_token_time, "finished": r.finished_time,
-             "num_output": r.num_output_tokens} for r in requests]
+    records = [{"request_id": r.request_id, "arrival": r.arrival_time,
+                "first_token": r.first_token_time, "finished": r.finished_time,
+                "num_output": r.num_output_tokens} for r in requests]
+    records_path(trace_path).write_text(json.dumps({"workload": name, "seed": seed,
+                                                    "quick": args.quick, "records": records}))
+    return time.perf_counter() - started
+
+
+def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
+    """Every real run, per workload one after the other: calibration (seed), validation
+    (seed + 1), and with --noise-floor the validation again."""
+    import torch
+
+    from tokenweir.model.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, torch.float32, torch.device("cpu"))
+    for name in names:
+        runs = [("calibration", args.seed, "")] if calibrate else []
+        runs.append(("validation", args.seed + 1, ""))
+        if args.noise_floor:
+            runs.append(("repeat", args.seed + 1, "-repeat"))
+        for kind, seed, suffix in runs:
+            seconds = run_engine(args, loaded, name, seed,
+                                 real_path(trace_dir, name, seed, suffix))
+            print(f"{kind} run {name}: {seconds:.0f} s", flush=True)
 
 
 def _serve(engine, specs: list[RequestSpec], prompts: list[list[int]]) -> list:
@@ -252,21 +299,36 @@ def realized_specs(specs: list[RequestSpec], records: list[dict]) -> list[Reques
     return [replace(s, arrival=by_id[s.request_id]["arrival"] - first) for s in specs]
 
 
-def validate(args, loaded, name: str, profile: dict, trace_dir: Path) -> dict:
+def load_run(trace: Path) -> tuple[list[dict], dict]:
+    """(request records, step counts) of one kept real run."""
     from tokenweir.timeline.records import load_jsonl
 
-    w = WORKLOADS[name]
-    specs = make_specs(w, args.seed + 1, args.quick)
-    started = time.perf_counter()
-    path = trace_dir / f"{name}-seed{args.seed + 1}.jsonl"
-    real = run_engine(args, loaded, w, specs, path)
-    seconds = time.perf_counter() - started
-    simulated, sim_trace = run_sim(w, profile, realized_specs(specs, real))
-    ours, theirs = summarize(simulated), summarize(real)
-    return {"workload": name, "requests": len(specs), "engine_seconds": seconds,
-            "real": theirs, "sim": ours,
-            "rel_error": {k: (ours[k] - theirs[k]) / theirs[k] for k in METRICS},
-            "counts_real": step_counts(load_jsonl(path)), "counts_sim": step_counts(sim_trace)}
+    return (json.loads(records_path(trace).read_text())["records"],
+            step_counts(load_jsonl(trace)))
+
+
+def compare(name: str, ours: tuple[list[dict], dict], theirs: tuple[list[dict], dict]) -> dict:
+    """The row of `ours` (records, counts) against `theirs` (the reference real run)."""
+    mine, ref = summarize(ours[0]), summarize(theirs[0])
+    return {"workload": name, "requests": len(theirs[0]), "real": ref, "sim": mine,
+            "rel_error": {k: (mine[k] - ref[k]) / ref[k] for k in METRICS},
+            "counts_real": theirs[1], "counts_sim": ours[1]}
+
+
+def validate(args, name: str, profile: dict, trace_dir: Path) -> dict:
+    """The simulator against the kept validation run of workload `name`."""
+    trace = real_path(trace_dir, name, args.seed + 1)
+    real = load_run(trace)
+    quick = json.loads(records_path(trace).read_text())["quick"]
+    specs = realized_specs(make_specs(WORKLOADS[name], args.seed + 1, quick), real[0])
+    records, sim_trace = run_sim(WORKLOADS[name], profile, specs)
+    return compare(name, (records, step_counts(sim_trace)), real)
+
+
+def noise_floor(args, name: str, trace_dir: Path) -> dict:
+    """The repeated real validation run against the first: the run-to-run noise."""
+    return compare(name, load_run(real_path(trace_dir, name, args.seed + 1, "-repeat")),
+                   load_run(real_path(trace_dir, name, args.seed + 1)))
 
 
 def format_table(rows: list[dict]) -> str:
@@ -285,54 +347,47 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def calibrate_on_traces(args, loaded, names: list[str], trace_dir: Path) -> dict:
+def calibrate_on_traces(args, names: list[str], trace_dir: Path) -> dict:
     from tokenweir.sim.calibrate import format_report
     from tokenweir.sim.calibrate_trace import calibrate_from_traces
 
-    paths = []
-    for name in names:
-        started = time.perf_counter()
-        path = trace_dir / f"{name}-seed{args.seed}.jsonl"
-        run_engine(args, loaded, WORKLOADS[name], make_specs(WORKLOADS[name], args.seed,
-                                                             args.quick), path)
-        paths.append(str(path))
-        print(f"calibration run {name}: {time.perf_counter() - started:.0f} s", flush=True)
-    profile = calibrate_from_traces(paths)
+    profile = calibrate_from_traces([str(real_path(trace_dir, n, args.seed)) for n in names])
     print(format_report(profile), flush=True)
     return profile
 
 
 def main() -> int:
     args = parse_args()
-    import torch
-
-    from tokenweir.model.loader import load_model
     from tokenweir.sim.calibrate import load_profile
 
     names = [n for n in args.workloads.split(",") if n]
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; known: {list(WORKLOADS)}")
-    torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, torch.float32, torch.device("cpu"))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        trace_dir = Path(args.trace_dir or tmp)
+        trace_dir = Path(args.replay or args.trace_dir or tmp)
         trace_dir.mkdir(parents=True, exist_ok=True)
+        if not args.replay:
+            run_real(args, names, trace_dir, calibrate=not args.profile)
         profile = (load_profile(args.profile) if args.profile
-                   else calibrate_on_traces(args, loaded, names, trace_dir))
+                   else calibrate_on_traces(args, names, trace_dir))
         if args.save_profile:
             Path(args.save_profile).write_text(json.dumps(profile, indent=1))
-        rows = []
-        for name in names:
-            rows.append(validate(args, loaded, name, profile, trace_dir))
-            print(f"validation run {name}: {rows[-1]['engine_seconds']:.0f} s", flush=True)
+        rows = [validate(args, name, profile, trace_dir) for name in names]
+        noise = ([noise_floor(args, name, trace_dir) for name in names]
+                 if args.noise_floor else [])
     print(f"\n{len(names)} workloads, {args.threads} thread(s), calibrated on seed {args.seed}, "
           f"validated on seed {args.seed + 1}; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
+    if noise:
+        print("\nnoise floor: the real engine's second validation run against its first")
+        print(format_table(noise).replace("sim vs real; counts: real/sim",
+                                          "repeat vs first; counts: first/repeat"))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"rows": rows, "profile_heldout":
-                                                   profile.get("heldout")}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"rows": rows, "noise_floor": noise,
+                                                   "profile_heldout": profile.get("heldout")},
+                                                  indent=1))
     worst = max(abs(e) for r in rows for e in r["rel_error"].values())
     return 0 if worst <= TARGET else 1
 

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 SLO_GATES = ("conservative", "aggressive")
+SLO_STEP_PREDICTORS = ("auto", "ttft_line")
 PREEMPTION_POLICIES = ("fcfs", "priority", "cost")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -176,6 +177,12 @@ class SchedulerConfig:
         None, "slo policy: TTFT predictor intercept in ms (default: the profile, else measured)")
     slo_ttft_profile: Optional[str] = _f(
         None, "slo policy: JSON profile (tokenweir calibrate) holding the TTFT predictor")
+    slo_step_predictor: str = _f(
+        "auto", "slo policy: how long the step in flight will take (for the gate and the "
+        "monitor's cuts): ttft_line, the TTFT predictor's line over the step's tokens (what "
+        "the real engine uses), or auto (the line on the engine; in the simulator its latency "
+        "model, i.e. the true step time: set ttft_line to simulate the engine faithfully)",
+        choices=SLO_STEP_PREDICTORS)
 
     def validate(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -209,6 +216,9 @@ class SchedulerConfig:
         if self.slo_preempt_gate not in SLO_GATES:
             raise ValueError(f"slo_preempt_gate must be one of {SLO_GATES}, "
                              f"got {self.slo_preempt_gate!r}")
+        if self.slo_step_predictor not in SLO_STEP_PREDICTORS:
+            raise ValueError(f"slo_step_predictor must be one of {SLO_STEP_PREDICTORS}, "
+                             f"got {self.slo_step_predictor!r}")
         if self.slo_margin_ms < 0:
             raise ValueError(f"slo_margin_ms must be >= 0, got {self.slo_margin_ms}")
         if not 0 <= self.slo_hopeless_tolerance < 1:

@@ -47,7 +47,7 @@ def engine_like_trace(path, seed: int, noise: float = 0.0):
                        "update": overhead / 2}
     trace.meta.update(model="synthetic", dtype="float32", device="cpu", threads=1,
                       block_size=16, kv_bytes_per_token=46080, max_model_len=2048,
-                      max_num_batched_tokens=256)
+                      num_layers=30, max_num_batched_tokens=256)
     write_jsonl(trace, path)
     return result, trace
 
@@ -57,6 +57,8 @@ def test_from_trace_recovers_known_coefficients(tmp_path):
     assert result.stats.num_preemptions > 0  # a busy, cramped run: varied step shapes
     profile = calibrate_from_traces([str(tmp_path / "t.jsonl")], holdout_every=5)
     assert profile["num_steps"] == len(traced_steps(trace)) > 100
+    assert profile["num_layers"] == 30  # from the trace's meta: where the sim's cuts fall
+    assert FittedLatencyModel.from_profile(profile).num_layers == 30
     for name, value in RUNNER.items():
         assert profile["coefficients"][name] == pytest.approx(value, rel=1e-5), name
     for name, value in OVERHEAD.items():

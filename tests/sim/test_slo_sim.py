@@ -61,3 +61,36 @@ def test_ttft_fit_follows_the_latency_model():
     assert quadratic.b > 0 and linear.b == 0 and r2_q > r2_l
     for n in (300, 2000, 7000):
         assert quadratic.predict(n) == pytest.approx(solo_ttft(model, n, 2048), rel=0.05)
+
+
+def test_step_predictor_ttft_line_predicts_steps_as_the_engine_does():
+    """slo_step_predictor="ttft_line": the policy predicts the step in flight by its TTFT line
+    (the real engine's only way) instead of the simulator's latency model; "auto" keeps the
+    latency model. Probe: the two differ on a chunk over a long context (the line ignores the
+    context it attends to), and the run with the line still finishes every request."""
+    auto, _ = _run()
+    line, records = _run(slo_step_predictor="ttft_line")
+    assert auto.scheduler.policy.step_latency_model is auto.runner.latency_model
+    assert line.scheduler.policy.step_latency_model is None
+    predictor = line.scheduler.policy.ttft_predictor
+    model = auto.runner.latency_model
+    assert predictor.predict(200) < 0.9 * model.step_time([(200, 3800)])
+    assert all(r.num_finishes == 1 for r in records.values())
+    with pytest.raises(ValueError, match="slo_step_predictor"):
+        _run(slo_step_predictor="oracle")
+
+
+def test_cut_layers_follow_a_profile_num_layers():
+    """A fitted profile's num_layers (a real model's: SmolLM2 has 30) sets where the
+    simulator's mid-step cut can fall; a profile without it falls back to 32."""
+    from tokenweir.sim.latency import FittedLatencyModel
+    from tokenweir.sim.slo_cuts import DEFAULT_NUM_LAYERS, model_num_layers
+
+    coefficients = {"const": 0.02, "prefill_tokens": 0.0015}
+    profile = {"coefficients": coefficients, "num_layers": 30, "kv_bytes_per_token": 46080}
+    assert model_num_layers(FittedLatencyModel.from_profile(profile)) == 30
+    assert model_num_layers(FittedLatencyModel(coefficients)) == DEFAULT_NUM_LAYERS == 32
+    sim = build_simulation(dict(KW), _specs(), latency_model=FittedLatencyModel.from_profile(
+        dict(profile, max_model_len=8192)), check=True)
+    sim.run()
+    assert sim.instance.cutter.num_layers == 30 and sim.scheduler.stats.slo_cut_steps == 1

@@ -204,7 +204,8 @@ class LLMEngine:
                 "device": str(self.device), "threads": torch.get_num_threads(),
                 "block_size": config.cache.block_size,
                 "kv_bytes_per_token": per_block // config.cache.block_size,
-                "max_model_len": self.max_model_len, "num_gpu_blocks": num_blocks,
+                "max_model_len": self.max_model_len, "num_layers": loaded.arch.num_layers,
+                "num_gpu_blocks": num_blocks,
                 "max_num_batched_tokens": sched.max_num_batched_tokens}
 
     def start_trace(self, path: str) -> None:

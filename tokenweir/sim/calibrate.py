@@ -30,6 +30,7 @@ Profile JSON (format "tokenweir-step-profile/1"); times in seconds:
       "model": "smollm2-135m", "path": "...", "dtype": "float32", "device": "cpu",
       "threads": 1,                      # torch intra-op threads during the timing
       "block_size": 16, "kv_bytes_per_token": 46080, "max_model_len": 8192,
+      "num_layers": 30,                  # the model's; the simulator's mid-step cuts use it
       "features": ["const", "prefill_tokens", "decode_rows", "attention", "prefill_rows"],
       "coefficients": {"const": s, "prefill_tokens": s/token, "decode_rows": s/row,
                        "attention": s/pair, "prefill_rows": s/row},
@@ -260,7 +261,8 @@ def calibrate(model: str, grid: str = "default", repeats: int = 5, threads: int 
         "block_size": block_size,
         "kv_bytes_per_token": kv_cache_bytes_per_block(loaded.arch, block_size, torch_dtype)
         // block_size,
-        "max_model_len": loaded.max_model_len, "grid": grid, "repeats": repeats,
+        "max_model_len": loaded.max_model_len, "num_layers": loaded.arch.num_layers,
+        "grid": grid, "repeats": repeats,
         "calibration_seconds": round(time.perf_counter() - started, 2)})
 
 

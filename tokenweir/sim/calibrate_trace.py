@@ -38,7 +38,7 @@ from tokenweir.timeline.tracer import RUNNER_PHASES
 
 GAP_CAP_S = 0.002
 META_KEYS = ("model", "path", "dtype", "device", "threads", "block_size",
-             "kv_bytes_per_token", "max_model_len")
+             "kv_bytes_per_token", "max_model_len", "num_layers")
 
 
 @dataclass(frozen=True)

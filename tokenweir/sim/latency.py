@@ -232,12 +232,13 @@ class FittedLatencyModel:
     profile without them loads as before and predicts the same floats).
 
     Also carries what the simulator needs to size the KV pool as the real engine would:
-    `kv_bytes_per_token`, `block_size` and `max_model_len` of the calibrated model.
+    `kv_bytes_per_token`, `block_size` and `max_model_len` of the calibrated model, and its
+    `num_layers` (where a mid-step cut can fall; 0: unknown, profiles written before it).
     """
 
     def __init__(self, coefficients: Mapping[str, float], kv_bytes_per_token: int = 0,
                  max_model_len: int = 0, block_size: int = 16, name: str = "fitted",
-                 overhead: Optional[Mapping[str, float]] = None) -> None:
+                 overhead: Optional[Mapping[str, float]] = None, num_layers: int = 0) -> None:
         unknown = set(coefficients) - set(FITTED_FEATURES)
         if unknown:
             raise ValueError(f"unknown fitted-model coefficients {sorted(unknown)}; "
@@ -255,6 +256,7 @@ class FittedLatencyModel:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.name = name
+        self.num_layers = num_layers
 
     @classmethod
     def from_profile(cls, profile: "str | Mapping") -> "FittedLatencyModel":
@@ -273,7 +275,8 @@ class FittedLatencyModel:
                              f"run `tokenweir calibrate MODEL --out PATH`)") from None
         return cls(coefficients, int(data.get("kv_bytes_per_token", 0)),
                    int(data.get("max_model_len", 0)), int(data.get("block_size", 16)),
-                   str(data.get("model", "fitted")), data.get("overhead"))
+                   str(data.get("model", "fitted")), data.get("overhead"),
+                   int(data.get("num_layers") or 0))
 
     def predict_totals(self, totals: StepTotals) -> float:
         if not totals.num_tokens:

@@ -106,11 +106,13 @@ def setup_slo(config, scheduler, runner: SimRunner, latency_model, max_model_len
               quadratic: bool = True) -> Optional[SimStepCutter]:
     """A deadline-aware policy (slo, or a user's that says so): the TTFT predictor (explicit
     coefficients or profile, else fitted to the latency model: quadratic unless told
-    otherwise), the step-time model, and, with mid-step cuts on, the cutter; None otherwise."""
+    otherwise), the step-time model (unless slo_step_predictor says to predict steps by the
+    TTFT line, as the real engine does), and, with mid-step cuts on, the cutter; else None."""
     sched, policy = config.scheduler, scheduler.policy
     if not policy.deadline_aware:
         return None
-    policy.step_latency_model = latency_model  # the step in flight: as long as it will be
+    if sched.slo_step_predictor == "auto":  # the step in flight: as long as it will be
+        policy.step_latency_model = latency_model
     explicit = sched.slo_ttft_profile or (sched.slo_ttft_a_ms_per_token is not None
                                           and sched.slo_ttft_c_ms is not None)
     if hasattr(latency_model, "step_time") and not explicit:
@@ -120,6 +122,14 @@ def setup_slo(config, scheduler, runner: SimRunner, latency_model, max_model_len
         policy.ttft_predictor = resolve_ttft_predictor(sched, lambda: (0.0, 0.0))
     if not sched.slo_mid_step_cut:
         return None
+    return SimStepCutter(scheduler, runner, model_num_layers(latency_model),
+                         sched.slo_cut_layer_fraction)
+
+
+def model_num_layers(latency_model) -> int:
+    """The layers of the modelled model (a roofline's shape, a profile's `num_layers`), else
+    DEFAULT_NUM_LAYERS."""
     shape = getattr(latency_model, "shape", None)
-    num_layers = shape.num_layers if shape is not None else DEFAULT_NUM_LAYERS
-    return SimStepCutter(scheduler, runner, num_layers, sched.slo_cut_layer_fraction)
+    if shape is not None:
+        return shape.num_layers
+    return getattr(latency_model, "num_layers", 0) or DEFAULT_NUM_LAYERS
