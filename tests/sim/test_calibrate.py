@@ -19,7 +19,7 @@ from tokenweir.sim.workload import RequestSpec
 
 TRUE = {"const": 0.04, "prefill_tokens": 0.0025, "decode_rows": 0.004,
         "prefill_attention": 3e-6, "decode_context": 7e-6, "prefill_rows": 0.02,
-        "multi_decode": 0.025}
+        "multi_decode": 0.025, "prefill_self_attention": 1.5e-6}
 
 
 def test_the_fit_recovers_known_coefficients_exactly():
@@ -64,12 +64,27 @@ def test_ttft_line_and_profile_layout():
 
 def test_features_split_prefill_and_decode_attention():
     t = StepTotals.of_chunks([(100, 20), (1, 50), (1, 60), (7, 3)])
-    const, prefill_tokens, decode_rows, prefill_attn, decode_ctx, prefill_rows, multi = \
-        fitted_features(t)
+    const, prefill_tokens, decode_rows, prefill_attn, decode_ctx, prefill_rows, multi, \
+        self_attn = fitted_features(t)
     assert (const, prefill_tokens, decode_rows, prefill_rows, multi) == (1, 107, 2, 2, 1)
     assert prefill_attn == 100 * (20 + 101 / 2) + 7 * (3 + 8 / 2)
+    assert self_attn == 100 * 101 / 2 + 7 * 8 / 2  # within the chunks only
     assert decode_ctx == 110
     assert fitted_features(StepTotals.of_chunks([(1, 9)]))[6] == 0.0  # a lone decode
+
+
+def test_a_profile_without_the_newest_feature_predicts_the_same_floats():
+    """Profiles fitted before prefill_self_attention existed load with it at 0 and predict
+    exactly what they did (the feature is summed last: + 0.0 changes no float)."""
+    old = {k: v for k, v in TRUE.items() if k != "prefill_self_attention"}
+    model = FittedLatencyModel(old)
+    t = StepTotals.of_chunks([(100, 20), (1, 50), (1, 60), (7, 3)])
+    features = fitted_features(t)[:7]
+    expected = 0.0
+    for name, x in zip(FITTED_FEATURES, features):
+        expected += old[name] * x
+    assert model.runner_seconds(t) == expected
+    assert model.coefficients["prefill_self_attention"] == 0.0
 
 
 def test_fitted_model_drives_the_simulator_and_rejects_non_profiles(tmp_path):

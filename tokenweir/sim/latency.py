@@ -193,7 +193,7 @@ class NoisyLatencyModel:
 
 # ---- fitted (tokenweir calibrate) -----------------------------------------------------------
 FITTED_FEATURES = ("const", "prefill_tokens", "decode_rows", "prefill_attention",
-                   "decode_context", "prefill_rows", "multi_decode")
+                   "decode_context", "prefill_rows", "multi_decode", "prefill_self_attention")
 
 
 def fitted_features(t: StepTotals) -> tuple[float, ...]:
@@ -202,14 +202,18 @@ def fitted_features(t: StepTotals) -> tuple[float, ...]:
     exactly one ("decodes": one token, one LM-head row, one sample each); the prefills' causal
     attention pairs sum q * (c + (q + 1) / 2); the decodes' context tokens read (sum c);
     prefill rows (one LM-head row each); 1 when two or more decodes share the step (batched
-    decode attention has a fixed cost a lone decode does not pay). Prefill and decode
-    attention are apart because their kernels differ by an order of magnitude per pair."""
+    decode attention has a fixed cost a lone decode does not pay); the prefills' pairs within
+    their own chunks, sum q * (q + 1) / 2 (an extra cost per pair over the cached-context
+    pairs: on CPU the two run on different kernels, and a fit to real traces found a pair
+    within the chunk ~2x the cost of one over the context). Prefill and decode attention are
+    apart because their kernels differ by an order of magnitude per pair. A profile fitted
+    before a feature existed has no coefficient for it (0): its predictions do not change."""
     num_prefill_rows = t.num_reqs - t.num_decode_reqs
-    prefill_attention = ((t.sum_q_context - t.decode_context)
-                         + (t.sum_q_squared - t.num_decode_reqs + t.num_prefill_tokens) / 2)
+    self_attention = (t.sum_q_squared - t.num_decode_reqs + t.num_prefill_tokens) / 2
+    prefill_attention = (t.sum_q_context - t.decode_context) + self_attention
     return (1.0, float(t.num_prefill_tokens), float(t.num_decode_reqs), prefill_attention,
             float(t.decode_context), float(num_prefill_rows),
-            1.0 if t.num_decode_reqs >= 2 else 0.0)
+            1.0 if t.num_decode_reqs >= 2 else 0.0, self_attention)
 
 
 # The engine's own per-step work around the runner (schedule, update, output processing,
