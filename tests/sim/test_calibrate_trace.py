@@ -110,3 +110,17 @@ def test_calibrate_cli_from_trace(tmp_path, capsys):
     assert profile["source"] == "trace" and profile["heldout"]["num_steps"] > 0
     from tokenweir.sim.calibrate import load_profile
     assert load_profile(str(out))["overhead"]["const"] > 0
+    # The TTFT predictor is quadratic (attention makes the solo-TTFT curve convex), and the
+    # engine's slo policy reads all three terms from the profile.
+    ttft = profile["ttft"]
+    assert ttft["b"] > 0 and ttft["r2"] > 0.99
+    from tokenweir.config import SchedulerConfig
+    from tokenweir.engine.slo_monitor import resolve_ttft_predictor
+    from tokenweir.sim.slo_cuts import solo_ttft
+
+    predictor = resolve_ttft_predictor(SchedulerConfig(slo_ttft_profile=str(out)),
+                                       lambda: (0.0, 0.0))
+    assert (predictor.a, predictor.b, predictor.c) == (ttft["a"], ttft["b"], ttft["c"])
+    model = FittedLatencyModel.from_profile(profile)
+    for n in (200, 1000, 2000):
+        assert predictor.predict(n) == pytest.approx(solo_ttft(model, n, 256), rel=0.05)

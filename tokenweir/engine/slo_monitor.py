@@ -89,29 +89,35 @@ class SLOMonitor:
         return order
 
 
-def load_ttft_profile(path: str) -> tuple[float, float]:
-    """(a seconds per token, c seconds) from a JSON profile. Accepted layouts:
-    {"ttft": {"a": ..., "c": ...}} or {"ttft_a_s_per_token": ..., "ttft_c_s": ...}."""
+def load_ttft_profile(path: str) -> tuple[float, float, float]:
+    """(a seconds per token, c seconds, b seconds per token squared) from a JSON profile.
+    Accepted layouts: {"ttft": {"a": ..., "c": ..., "b": ... (optional, 0)}} or
+    {"ttft_a_s_per_token": ..., "ttft_c_s": ...}."""
     import json
 
     with open(path) as f:
         data = json.load(f)
     if isinstance(data.get("ttft"), dict):
-        return float(data["ttft"]["a"]), float(data["ttft"]["c"])
+        ttft = data["ttft"]
+        return float(ttft["a"]), float(ttft["c"]), float(ttft.get("b", 0.0))
     if "ttft_a_s_per_token" in data:
-        return float(data["ttft_a_s_per_token"]), float(data["ttft_c_s"])
+        return float(data["ttft_a_s_per_token"]), float(data["ttft_c_s"]), 0.0
     raise ValueError(f"{path}: no TTFT predictor in the profile (expected a 'ttft' object with "
                      f"'a' and 'c', or 'ttft_a_s_per_token' and 'ttft_c_s')")
 
 
 def resolve_ttft_predictor(config, measure: Callable[[], tuple[float, float]]
                            ) -> slo.TTFTPredictor:
-    """Explicit coefficients win, then the profile, then `measure()` (start-up timing). The
-    quadratic term is only ever given explicitly (`slo_ttft_b_us_per_token2`)."""
+    """Explicit coefficients win, then the profile, then `measure()` (start-up timing, a
+    line). The quadratic term: `slo_ttft_b_us_per_token2` when not 0, else the profile's."""
     a_ms, c_ms = config.slo_ttft_a_ms_per_token, config.slo_ttft_c_ms
     b = config.slo_ttft_b_us_per_token2 / 1e6
     if a_ms is not None and c_ms is not None:
         return slo.TTFTPredictor(a_ms / 1000, c_ms / 1000, b)
-    a, c = load_ttft_profile(config.slo_ttft_profile) if config.slo_ttft_profile else measure()
+    if config.slo_ttft_profile:
+        a, c, profile_b = load_ttft_profile(config.slo_ttft_profile)
+        b = b or profile_b
+    else:
+        a, c = measure()
     return slo.TTFTPredictor(a if a_ms is None else a_ms / 1000,
                              c if c_ms is None else c_ms / 1000, b)

@@ -307,7 +307,8 @@ def format_report(profile: dict) -> str:
              f"fit: R^2 {fit['r2']:.4f}, relative error mean {100 * fit['mean_rel_error']:.1f}% "
              f"max {100 * fit['max_rel_error']:.1f}%",
              f"TTFT line: {1000 * ttft['a']:.3f} ms/token * uncached prompt tokens + "
-             f"{1000 * ttft['c']:.1f} ms (R^2 {ttft['r2']:.4f})"]
+             + (f"{1e6 * ttft['b']:.4g} us/token^2 * tokens^2 + " if ttft.get("b") else "")
+             + f"{1000 * ttft['c']:.1f} ms (R^2 {ttft['r2']:.4f})"]
     if profile.get("source") == "trace":
         from tokenweir.sim.calibrate_trace import format_heldout
         lines.append(format_heldout(profile))

@@ -21,7 +21,8 @@ The profile is calibrate.py's format with, in addition:
     "heldout": {"num_steps": n, "mean_rel_error": e, "p90_rel_error": e,
                 "total_rel_error": e (signed: predicted sum / measured sum - 1),
                 "runner_mean_rel_error": e, "overhead_mean_ms": ms, "overhead_mean_ms_fit": ms}
-and the TTFT line fitted to the model's own solo-TTFT curve (no hand-built grid points).
+and the TTFT predictor (a, b, c: quadratic) fitted to the model's own solo-TTFT curve (no
+hand-built grid points).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def calibrate_from_traces(paths: Sequence[str], holdout_every: int = 5) -> dict:
             "fit": {"r2": fit.r2, "mean_rel_error": fit.mean_rel_error,
                     "max_rel_error": fit.max_rel_error, "num_points": len(fit_steps)},
             "heldout": heldout_errors(model, held),
-            "ttft": _ttft_line(model, budget, int(meta.get("max_model_len") or 2048)),
+            "ttft": _ttft_curve(model, budget, int(meta.get("max_model_len") or 2048)),
             "grid": "trace", "repeats": 1,
             "calibration_seconds": round(time.perf_counter() - started, 2)}
 
@@ -153,13 +154,14 @@ def _common_meta(traces: list[Trace], paths: Sequence[str]) -> dict:
     return meta
 
 
-def _ttft_line(model: FittedLatencyModel, budget: int, longest: int) -> dict:
-    from tokenweir.sim.calibrate import fit_line
-    from tokenweir.sim.slo_cuts import solo_ttft
+def _ttft_curve(model: FittedLatencyModel, budget: int, longest: int) -> dict:
+    """The TTFT predictor a * n + b * n^2 + c fitted to the model's own solo TTFTs (relative
+    error: short prompts count as much as long ones). Quadratic, as attention makes the curve
+    convex: a line through it had a negative intercept (-50 to -140 ms on SmolLM2)."""
+    from tokenweir.sim.slo_cuts import fit_ttft
 
-    xs = [max(1, longest * (i + 1) // 9) for i in range(8)]
-    a, c, r2 = fit_line(xs, [solo_ttft(model, x, budget) for x in xs])
-    return {"a": a, "c": c, "r2": r2}
+    predictor, r2 = fit_ttft(model, budget, longest, quadratic=True)
+    return {"a": predictor.a, "b": predictor.b, "c": predictor.c, "r2": r2}
 
 
 def format_heldout(profile: dict) -> str:
