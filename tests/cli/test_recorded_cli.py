@@ -64,6 +64,12 @@ NEW_SPELLINGS["tokenweir serve"] |= {"--trace"}
 NEW_SPELLINGS["tokenweir generate"] = {"--trace"}
 NEW_SPELLINGS["tokenweir calibrate"] = {"--from-trace", "--holdout-every"}
 NEW_DESTS |= {"step_trace", "from_trace", "holdout_every"}
+# issue 16: how the slo policy predicts the step in flight (the engine's TTFT line, or the
+# simulator's latency model); an engine flag, so every engine and simulator command has it
+for _c in ("generate", "serve", "simulate", "sweep"):
+    NEW_SPELLINGS[f"tokenweir {_c}"] = NEW_SPELLINGS.get(f"tokenweir {_c}", set()) | {
+        "--slo-step-predictor"}
+NEW_DESTS |= {"slo_step_predictor"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -124,20 +124,23 @@ def test_streams_are_exactly_the_offline_answers(tiny_path, output_thread):
 def test_engine_steps_on_while_output_processing_is_held(tiny_path):
     """Output processing blocked: the engine thread still runs every step to the end (all
     requests finish in the scheduler), and nothing reaches a client until it is released."""
-    release = threading.Event()
+    release, held = threading.Event(), threading.Event()
     delivered_while_held: list[int] = []
 
     async def hold(async_engine: AsyncEngine) -> None:
         process = async_engine.engine.outputs.process
 
         def blocked(*args, **kwargs):
+            held.set()
             release.wait(timeout=60)
             return process(*args, **kwargs)
         async_engine.engine.outputs.process = blocked
 
         async def watch() -> None:
             core = async_engine.engine
-            while not core.scheduler.requests and not core.core.inbox:
+            # wait for the first step's outputs to be held (not for requests to show up in
+            # the scheduler: on a fast machine they may all finish before a poll sees them)
+            while not held.is_set():
                 await asyncio.sleep(0.01)
             while core.has_unfinished_requests():  # the engine thread keeps stepping
                 await asyncio.sleep(0.01)
