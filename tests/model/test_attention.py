@@ -149,18 +149,21 @@ def test_cpu_kernel_long_contexts_and_odd_blocks(dtype, isa, monkeypatch):
 
 
 def test_in_place_prefill_is_taken_and_can_be_turned_off(isa, monkeypatch):
-    """Probe for the tests above: chunks with a cached prefix really go in place (and none
-    without one); above PREFILL_IN_PLACE_MAX_ROWS they gather + SDPA, with the same result."""
+    """Probe for the tests above: prefill chunks really go in place, with a cached prefix or
+    without one; above PREFILL_IN_PLACE_MAX_ROWS they take SDPA (over gathered blocks when a
+    prefix is cached), with the same result."""
     meta = A.build_attention_metadata([1, 5, 3, 7], [9, 0, 6, 13],
                                       [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10, 11, 12, 13]], BS,
                                       "cpu")
     (cache,) = A.allocate_kv_caches(_arch(4, 2), 16, BS, torch.float32, torch.device("cpu"))
     plan = A._build_plan(meta, cache)
-    assert plan.in_place_prefill_reqs.tolist() == [2, 3]
-    assert [p.in_place for p in plan.prefills] == [False, True, True]
+    assert plan.in_place_prefill_reqs.tolist() == [1, 2, 3]
+    assert [p.in_place for p in plan.prefills] == [True, True, True]
     monkeypatch.setitem(A.PREFILL_IN_PLACE_MAX_ROWS, isa, 4)
     plan = A._build_plan(meta, cache)
     assert plan.in_place_prefill_reqs.tolist() == [2]
+    assert [(p.in_place, p.ctx_before) for p in plan.prefills] == [(False, 0), (True, 6),
+                                                                   (False, 13)]
     _run_case(*CASES["mixed"], 4, 2, torch.float32, expect_kernel=True)
 
 

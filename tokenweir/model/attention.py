@@ -15,8 +15,8 @@ slot view), then
 
 * on CPU in float32 or bfloat16 (AVX2 or AVX-512, picked at run time): the C++ kernel in
   `tokenweir/model/kernels` attends each request's blocks in place (no gather): all decodes in
-  one call per layer, and all prefill chunks that have a cached prefix (chunked prefill, prefix
-  cache hits) in another. Elsewhere, or when the kernel cannot be built (no compiler,
+  one call per layer, and the prefill chunks in another (up to PREFILL_IN_PLACE_MAX_ROWS
+  rows per chunk on this instruction set; longer ones take the torch path). Elsewhere, or when the kernel cannot be built (no compiler,
   `TOKENWEIR_CPU_KERNELS=0`), the torch path below;
 * decodes, torch path: batched. They are sorted by context length and cut into groups whose gathered K/V
   fit a few MiB; each group is gathered (`index_select` of whole blocks into a reused
@@ -47,12 +47,13 @@ from tokenweir.model.arch import ArchConfig
 # the gather and the attention that reads it, large enough to keep the number of calls low.
 DECODE_GROUP_BYTES = 4 << 20
 
-# A prefill chunk with a cached prefix takes the in-place kernel up to this many query rows,
-# per kernel instruction set; longer ones gather and run SDPA, whose GEMMs win on big chunks
-# (the kernel has no GEMM blocking). Measured with benchmarks/kernels.py (prefill section,
-# interleaved A/B): on AVX2 (float32, 2 threads) the kernel is faster up to 32 rows and slower
-# from 64 (46 vs 61-67 GFLOP/s). AVX-512 has not been measured again since the kernel landed:
-# it stays in place at every size, as then.
+# A prefill chunk (with or without a cached prefix) takes the in-place kernel up to this many
+# query rows, per kernel instruction set; longer ones run SDPA (over gathered blocks when a
+# prefix is cached), whose GEMMs win on big chunks on AVX2 (the kernel has no GEMM blocking).
+# Measured with benchmarks/kernels.py (prefill section, interleaved A/B): on AVX2 (float32,
+# 2 threads) the kernel is faster up to 32 rows and slower from 64 (46 vs 61-67 GFLOP/s). On
+# AVX-512 (Zen 4, 1 thread, chunks of 32-1024 rows with no cached prefix) the kernel ran 1.8-2.6x
+# SDPA's is_causal speed in bfloat16 and 1.6-2.7x in float32: in place at every size.
 PREFILL_IN_PLACE_MAX_ROWS: dict[str, int] = {"avx2": 32, "avx512": 1 << 30}
 
 
@@ -208,7 +209,7 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     for i in range(nd, len(meta.query_lens_cpu)):
         q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         p = _PrefillPlan(start=start, end=start + q_len, ctx_before=seq_len - q_len)
-        if p.ctx_before > 0 and plan.kernel is not None and q_len <= max_rows:
+        if plan.kernel is not None and q_len <= max_rows:
             p.in_place = True
             in_place.append(i)
         elif p.ctx_before > 0:

@@ -77,6 +77,28 @@ inline vf transpose_sum(const vf* v) {
            __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
   return __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 8, 9, 10, 11) +
          __builtin_shufflevector(a[0], a[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#elif TW_W == 16
+  // Round r adds lane pairs 2^r apart and interleaves two sources, halving the vectors: after
+  // round 1 lanes alternate a[2j] / a[2j+1] pair sums, after round 4 lane j is a[j]'s sum.
+  for (int j = 0; j < 8; ++j)
+    a[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24,
+                                   10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25,
+                                   11, 27, 13, 29, 15, 31);
+  for (int j = 0; j < 4; ++j)
+    a[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                   24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                   26, 27, 14, 15, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    a[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9,
+                                   10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                   14, 15, 28, 29, 30, 31);
+  return __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                 22, 23) +
+         __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                 29, 30, 31);
 #else
   vf out;
   for (int j = 0; j < TW_W; ++j) out[j] = hsum(a[j]);
