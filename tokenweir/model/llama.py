@@ -167,7 +167,7 @@ class CausalLM(nn.Module):
             return logits
         if hidden.dtype == torch.float32:
             return torch.matmul(hidden, weight.t()).float()
-        return bucketed_linear(hidden, weight).float()  # rows bucketed: bounded memory
+        return bucketed_linear(hidden, weight, owner=self).float()  # rows bucketed: bounded memory
 
     # ---- weights ---------------------------------------------------------------------------
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
