@@ -150,6 +150,37 @@ class ModelRunner:
                                swap_seconds_per_block=per_block)
 
     @torch.inference_mode()
+    def warm_up(self, num_tokens: int, num_seqs: int, chunk: int = 256) -> bool:
+        """Run one dummy step of `num_tokens` prefill tokens (requests of `chunk` tokens) and
+        one of their decodes with their logits, as vLLM's start-up profile run does, so that
+        the first real step does not pay for first-touch memory, the oneDNN primitives of the
+        largest row bucket and lazily packed weights. Call before serving: it writes scratch
+        K/V into the pool (as measure_ttft_line does). Returns whether it ran."""
+        num_tokens = min(num_tokens, (self.kv_caches[0].shape[1] - 1) * self.block_size)
+        lens = [min(chunk, num_tokens - start) for start in range(0, num_tokens, chunk)]
+        lens = lens[:max(1, num_seqs)]
+        if not lens:
+            return False
+        tables, next_block = [], 1
+        for n in lens:  # one more slot per request: the decode step writes it
+            need = -(-(n + 1) // self.block_size)
+            tables.append(list(range(next_block, next_block + need)))
+            next_block += need
+        if next_block > self.kv_caches[0].shape[1]:
+            return False  # a pool too small to warm up in: the first step pays, as before
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        attn = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size,
+                                        self.device)
+        ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
+        self.model(ids, positions, attn, self.kv_caches)
+        attn = build_attention_metadata([1] * len(lens), lens, tables, self.block_size,
+                                        self.device)
+        ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.tensor(lens, device=self.device), attn, self.kv_caches)
+        self.model.compute_logits(hidden)
+        return True
+
+    @torch.inference_mode()
     def measure_ttft_line(self, short: int = 128, long: int = 1024,
                           repeats: int = 2) -> tuple[float, float]:
         """Fit ttft = a * tokens + c (seconds) through two timed solo prefills, logits of the

@@ -1,0 +1,56 @@
+"""The start-up warm-up (ModelRunner.warm_up, TOKENWEIR_WARMUP): it runs when enabled (a dummy
+prefill of the whole budget in requests of 256 tokens, then their decode with logits), it
+touches only scratch pool blocks (greedy outputs equal an engine built without it), it is
+skipped when the pool is too small to hold it, and TOKENWEIR_WARMUP=0 turns it off."""
+
+from __future__ import annotations
+
+from tokenweir import LLM, SamplingParams
+from tokenweir.runner.model_runner import ModelRunner
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 31], [8, 8, 100], list(range(20, 60))]
+
+
+def _greedy(path: str, **kwargs) -> list[list[int]]:
+    llm = LLM(model=path, dtype="float32", seed=0, **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_warm_up_runs_and_changes_no_output(tiny_llama_path, monkeypatch):
+    calls, forwards = [], []
+    warm_up, forward = ModelRunner.warm_up, None
+
+    def counting(self, num_tokens, num_seqs, chunk=256):
+        nonlocal forward
+        calls.append((num_tokens, num_seqs))
+        forward = self.model.forward
+        self.model.forward = lambda ids, *a, **k: (forwards.append(ids.numel()),
+                                                   forward(ids, *a, **k))[1]
+        try:
+            return warm_up(self, num_tokens, num_seqs, chunk)
+        finally:
+            del self.model.forward  # back to the class's method
+    monkeypatch.setattr(ModelRunner, "warm_up", counting)
+    monkeypatch.setenv("TOKENWEIR_WARMUP", "0")
+    cold = _greedy(tiny_llama_path, max_num_batched_tokens=1024, max_num_seqs=8)
+    assert calls == []  # off: never called
+    monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
+    warm = _greedy(tiny_llama_path, max_num_batched_tokens=1024, max_num_seqs=8)
+    assert calls == [(1024, 8)]
+    assert forwards == [1024, 4]  # probe: 4 requests of 256 prefilled, then their 4 decodes
+    assert warm == cold
+
+
+def test_a_pool_too_small_skips_the_warm_up(tiny_llama_path, monkeypatch):
+    monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
+    ran, warm_up = [], ModelRunner.warm_up
+    monkeypatch.setattr(ModelRunner, "warm_up",
+                        lambda self, *a: ran.append(warm_up(self, *a)) or ran[-1])
+    # 2048 tokens in requests of 256 need 8 x 17 blocks of 16 (one slot more each for the
+    # decode): more than a 40-block pool; the engine still builds and serves
+    out = _greedy(tiny_llama_path, max_num_batched_tokens=2048, num_gpu_blocks_override=40)
+    assert ran == [False]  # probe: called, and it declined
+    assert all(len(tokens) == 12 for tokens in out)
