@@ -124,3 +124,30 @@ def test_calibrate_cli_from_trace(tmp_path, capsys):
     model = FittedLatencyModel.from_profile(profile)
     for n in (200, 1000, 2000):
         assert predictor.predict(n) == pytest.approx(solo_ttft(model, n, 256), rel=0.05)
+
+
+def test_runner_fit_weights_each_step_by_the_square_root_of_its_time(tmp_path, monkeypatch):
+    """The weighting: power 1 is the relative-error fit, 0 plain least squares, and the trace
+    calibration uses RUNNER_WEIGHT_POWER (0.5). On steps the model cannot fit exactly (a time
+    that grows faster than any feature), the weighted fits differ, and the lower the power
+    the closer the summed prediction comes to the summed time (long steps weigh more)."""
+    import numpy as np
+
+    import tokenweir.sim.calibrate_trace as ct
+    from tokenweir.sim.calibrate import fit_step_model
+
+    shapes = [StepTotals.of_chunks([(1, c)] * n) for n in (1, 4, 16, 64) for c in (10, 200)]
+    shapes += [StepTotals.of_chunks([(q, 0)]) for q in (32, 256, 1024, 2048)]
+    seconds = [0.01 + 1e-4 * t.num_tokens ** 1.3 for t in shapes]  # no feature is t^1.3
+    fits = {w: fit_step_model(shapes, seconds, w) for w in (1.0, 0.5, 0.0)}
+    totals = {w: sum(f.predicted) / sum(seconds) - 1 for w, f in fits.items()}
+    assert abs(totals[0.0]) < abs(totals[0.5]) < abs(totals[1.0])
+    plain = fit_step_model(shapes, seconds, 0.0)
+    assert fit_step_model(shapes, seconds).coefficients == fits[1.0].coefficients  # default
+    assert np.all(np.array(list(plain.coefficients.values())) >= 0)
+    used = []
+    monkeypatch.setattr("tokenweir.sim.calibrate.fit_step_model",
+                        lambda t, s, w=1.0: used.append(w) or fit_step_model(t, s, w))
+    engine_like_trace(tmp_path / "t.jsonl", seed=1)
+    calibrate_from_traces([str(tmp_path / "t.jsonl")])
+    assert used == [ct.RUNNER_WEIGHT_POWER] == [0.5]  # probe: the trace fit used the weighting

@@ -107,8 +107,11 @@ class Fit:
     predicted: list[float]
 
 
-def fit_step_model(totals: Sequence[StepTotals], seconds: Sequence[float]) -> Fit:
-    """Non-negative least squares on relative error over `fitted_features`."""
+def fit_step_model(totals: Sequence[StepTotals], seconds: Sequence[float],
+                   weight_power: float = 1.0) -> Fit:
+    """Non-negative least squares over `fitted_features`, each step's residual divided by
+    its time ** weight_power: 1 fits relative error (every step counts alike), 0 absolute
+    error (long steps dominate), 0.5 in between."""
     import numpy as np
 
     if len(totals) != len(seconds) or not totals:
@@ -120,8 +123,8 @@ def fit_step_model(totals: Sequence[StepTotals], seconds: Sequence[float]) -> Fi
     active = [j for j in range(x.shape[1]) if np.any(x[:, j])]  # unused features stay 0
     coef = np.zeros(x.shape[1])
     while active:
-        sub = x[:, active] / y[:, None]
-        solution, *_ = np.linalg.lstsq(sub, np.ones_like(y), rcond=None)
+        scale = y ** weight_power
+        solution, *_ = np.linalg.lstsq(x[:, active] / scale[:, None], y / scale, rcond=None)
         if (solution >= 0).all():
             coef[active] = solution
             break
