@@ -8,7 +8,9 @@ thread-safe inbox: a step in flight does not delay its arrival, so the SLO monit
 step for an urgent request.
 
 Three threads share the work of a served token:
-- the engine thread owns the scheduler (every EngineCore call: admission, aborts, steps). It
+- the engine thread (an EngineThread: in a server it also built the engine, so that every
+  torch computation runs on this one thread; see engine_thread.py) owns the scheduler (every
+  EngineCore call: admission, aborts, steps). It
   goes from one step's update straight to the next schedule: it hands each step's raw
   engine-core outputs to the output thread and never waits on detokenization, the event loop
   or a socket. Other threads hand it aborts through `_aborts` (guarded by `_cond`); it admits
@@ -34,11 +36,13 @@ import logging
 import queue as queue_module
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from tokenweir.engine.llm_engine import LLMEngine, PromptType
+from tokenweir.engine.engine_thread import EngineThread
 from tokenweir.engine.metrics import _HistogramData
 from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.serving_profile import ServingProfile
@@ -83,9 +87,12 @@ class _Tracked:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, output_thread: bool = True,
-                 profile: Optional[ServingProfile] = None) -> None:
+                 profile: Optional[ServingProfile] = None,
+                 engine_thread: Optional[EngineThread] = None) -> None:
         """`output_thread`: process outputs on their own thread (else inline on the engine
-        thread); `profile`: time every phase of the serving path into it."""
+        thread); `profile`: time every phase of the serving path into it; `engine_thread`:
+        the thread that built `engine` (EngineThread.call), on which the loop then runs (one
+        thread for all torch work: see engine_thread.py); default: a new one."""
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -107,7 +114,8 @@ class AsyncEngine:
             profile.attach(engine.core)
         self._posted_at: dict[str, float] = {}  # event loop, profiling: request -> last post
         self._stopping = False
-        self._thread: Optional[threading.Thread] = None
+        self._engine_thread = engine_thread or EngineThread()
+        self._running: Optional[Future] = None  # the engine loop, once started
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
         self._tracked: dict[str, _Tracked] = {}  # added on the event loop, then engine side
@@ -122,14 +130,14 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tokenweir-engine", daemon=True)
         if self._output_thread is not None:
             self._output_thread.start()
-        self._thread.start()
+        self._running = self._engine_thread.submit(self._run)
+        self._engine_thread.stop()  # the loop is its last job
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._running is not None and not self._running.done() and not self._stopping
 
     def num_active(self) -> int:
         return len(self._queues)
@@ -155,8 +163,8 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._running is not None:
+            futures_wait([self._running], timeout=30)
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # ---- public API (event loop) --------------------------------------------------------

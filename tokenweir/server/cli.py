@@ -15,6 +15,7 @@ from tokenweir.config import DEFAULT_MODEL, engine_kwargs
 def run_serve(args: argparse.Namespace) -> int:
     from tokenweir.config import EngineConfig
     from tokenweir.engine.async_engine import AsyncEngine
+    from tokenweir.engine.engine_thread import EngineThread
     from tokenweir.engine.llm_engine import LLMEngine
     from tokenweir.server.serve import serve
     from tokenweir.server.settings import ServerSettings
@@ -28,8 +29,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenweir.engine.serving_profile import ServingProfile, format_profile
 
     profile = ServingProfile() if args.profile_serving else None
-    engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(**kwargs)),
-                         output_thread=not args.inline_output, profile=profile)
+    config = EngineConfig.from_kwargs(**kwargs)
+    engine_thread = EngineThread()  # builds the engine, then steps it: one thread for torch
+    engine = AsyncEngine(engine_thread.call(lambda: LLMEngine(config)),
+                         output_thread=not args.inline_output, profile=profile,
+                         engine_thread=engine_thread)
     names = tuple(args.served_model_name or ()) or (kwargs["model"],)
     if engine.model_name not in names:
         names = (*names, engine.model_name)
