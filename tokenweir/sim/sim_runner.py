@@ -11,6 +11,7 @@ request's cached context before the step.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Mapping, Optional
 
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
@@ -21,6 +22,13 @@ _FIRST_REGULAR_TOKEN = 3
 _COMPUTED, _KNOWN, _EOS_AT, _NEXT = 0, 1, 2, 3  # fields of a tracked request's state list
 _TOKEN_STRIDE = 7919  # regular token at position k: FIRST + (k * STRIDE + len(id)) % span
 _NEVER = float("inf")  # eos_at of a request without a target: EOS is never sampled
+
+
+@lru_cache(maxsize=None)
+def shared_token_lists(vocab_size: int) -> list[list[int]]:
+    """[[0], [1], ..., [vocab_size - 1]], one per vocabulary size for the whole process: a
+    step's sampled token as `ModelRunnerOutput.sampled_token_ids` holds it (read-only)."""
+    return [[t] for t in range(vocab_size)]
 
 
 class SimRunner:
@@ -42,9 +50,14 @@ class SimRunner:
         #  next: the regular token id at position `known` (`_regular_token`), stepped along].
         # The target is read when the request (re)arrives in `scheduled_new_reqs`.
         self._state: dict[str, list[int]] = {}
-        # One int object per token id, shared by every sampled token: requests' token lists
-        # and the prefix cache's block keys then refer to a few hot objects, not millions.
-        self._token_ids = list(range(vocab_size))
+        # A request's sampled tokens, as `_advance` returns them: one shared, read-only
+        # one-element list per token id (no list made per request per step). Its int is one
+        # object per token id for every runner of the process: requests' token lists and the
+        # prefix cache's block keys then refer to a few hot objects, not millions (nor a copy
+        # per instance of a cluster).
+        self._samples = shared_token_lists(vocab_size)
+        self._eos_sample = self._samples[eos_token_id] if 0 <= eos_token_id < vocab_size \
+            else [eos_token_id]
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -132,8 +145,8 @@ class SimRunner:
         The token at position k (0-based over prompt + output) is EOS when it is the
         target-th output token or later, else `_regular_token(rid, k)`, stepped from position
         k - 1's: + stride, wrapped into [FIRST, FIRST + span) (stride % span < span)."""
-        state, eos, token_ids, window = (self._state, self.eos_token_id, self._token_ids,
-                                         self._window)
+        state, eos, samples, window = (self._state, self._eos_sample, self._samples,
+                                       self._window)
         span = self.vocab_size - _FIRST_REGULAR_TOKEN
         stride, end = _TOKEN_STRIDE % span, _FIRST_REGULAR_TOKEN + span
         sampled: dict[str, list[int]] = {}
@@ -159,7 +172,7 @@ class SimRunner:
             if done == k:
                 regular = st[3]  # _NEXT
                 # _EOS_AT: this is the target-th output token, or later
-                sampled[rid] = [eos if k >= st[2] else token_ids[regular]]
+                sampled[rid] = eos if k >= st[2] else samples[regular]
                 regular += stride
                 st[3] = regular - span if regular >= end else regular
                 st[1] = k + 1
