@@ -147,20 +147,21 @@ class SimRunner:
         k - 1's: + stride, wrapped into [FIRST, FIRST + span) (stride % span < span)."""
         state, eos, samples, window = (self._state, self._eos_sample, self._samples,
                                        self._window)
+        windowed = window != _NEVER
         span = self.vocab_size - _FIRST_REGULAR_TOKEN
         stride, end = _TOKEN_STRIDE % span, _FIRST_REGULAR_TOKEN + span
         sampled: dict[str, list[int]] = {}
-        num_decodes = decode_context = 0  # q == 1 rows, summed apart: the common, cheap case
-        tokens = rows = context = q_context = q_squared = 0
-        for rid, n in out.num_scheduled_tokens.items():
+        decode_context = 0  # over q == 1 rows, summed apart: the common, cheap case
+        tokens = rows = context = q_context = q_squared = 0  # over the other rows
+        scheduled = out.num_scheduled_tokens
+        for rid, n in scheduled.items():
             st = state[rid]
             c = st[0]  # _COMPUTED
             done = c + n
             st[0] = done
-            if c > window:  # never true without a sliding window (inf)
+            if windowed and c > window:
                 c = window
             if n == 1:
-                num_decodes += 1
                 decode_context += c
             else:
                 tokens += n
@@ -178,6 +179,7 @@ class SimRunner:
                 st[1] = k + 1
             elif self.check:
                 assert done < k, f"{rid}: computed {done} past the {k} known tokens"
+        num_decodes = len(scheduled) - rows
         totals = StepTotals(tokens + num_decodes, rows + num_decodes, num_decodes,
                             context + decode_context, q_context + decode_context,
                             q_squared + num_decodes, decode_context)
