@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tokenweir.sim.cluster import build_cluster
 from tokenweir.sim.digest import cluster_digest
+from tokenweir.sim import router as router_module
 from tokenweir.sim.router import PrefixAwareRouter, instances_in
 from tokenweir.sim.workload import synthetic
 
@@ -60,6 +61,47 @@ def test_the_indexed_router_decides_as_the_plain_one():
     assert inverse == fast._holders
     assert any(bin(mask).count("1") > 1 for mask in inverse.values())  # shared hashes exist
     assert fast._sizes == [len(s) for s in fast._seen]
+
+
+class OneAtATimeLRURouter(PrefixAwareRouter):
+    """The LRU as first written: each eviction finds the oldest hash with next(iter(...)),
+    and the dicts are never copied."""
+
+    def _remember(self, instance, chain):
+        seen, holders, bit = self._seen[instance], self._holders, 1 << instance
+        for h in chain:
+            if h not in seen:
+                holders[h] = holders.get(h, 0) | bit
+            seen.pop(h, None)
+            seen[h] = None
+        while len(seen) > self.capacity:
+            oldest = next(iter(seen))
+            del seen[oldest]
+            holding = holders[oldest] & ~bit
+            if holding:
+                holders[oldest] = holding
+            else:
+                del holders[oldest]
+        self._sizes[instance] = len(seen)
+
+
+def test_the_batched_compacting_lru_keeps_what_one_at_a_time_eviction_keeps(monkeypatch):
+    monkeypatch.setattr(router_module, "_COMPACT_AFTER", 40)  # copy the dicts often
+    rng = random.Random(11)
+    fast = PrefixAwareRouter(5, 16, max_blocks=8, capacity=30, balance_slack=3)
+    plain = OneAtATimeLRURouter(5, 16, max_blocks=8, capacity=30, balance_slack=3)
+    compacted = 0
+    for _ in range(3000):
+        tokens = _prompt(rng)
+        loads = [rng.randrange(12) for _ in range(5)]
+        before = [id(s) for s in fast._seen]
+        assert fast.choose(tokens, loads) == plain.choose(tokens, loads)
+        compacted += sum(id(s) != b for s, b in zip(fast._seen, before))
+        assert [list(s) for s in fast._seen] == [list(s) for s in plain._seen]  # LRU order
+    assert fast._holders == plain._holders
+    assert fast._sizes == plain._sizes
+    assert compacted > 10  # the probe: the LRUs really were copied, and evicted (full)
+    assert all(len(s) == fast.capacity for s in fast._seen)
 
 
 def test_instances_in_lists_a_masks_bits_lowest_first():

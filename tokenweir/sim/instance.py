@@ -96,9 +96,11 @@ class Instance(SimEngine):
     # ---- requests ------------------------------------------------------------------------
     @property
     def load(self) -> int:
-        """Requests here or on their way: what least-loaded routing compares."""
-        scheduler = self.scheduler  # read once per instance per arrival: no property chain
-        return len(scheduler.running) + len(scheduler.waiting) + self.num_incoming
+        """Requests here or on their way: what least-loaded routing compares. Read between
+        steps, where the scheduler's requests are exactly its running and waiting ones
+        (check_integrity), counted without a call into the waiting queue (once per instance
+        per arrival)."""
+        return len(self.scheduler.requests) + self.num_incoming
 
     # ---- the engine loop -------------------------------------------------------------------
     def can_start(self, now: float) -> bool:

@@ -15,6 +15,7 @@ router itself has routed before.
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Sequence
 
 ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
@@ -64,6 +65,7 @@ class PrefixAwareRouter:
         self._seen: list[dict[int, None]] = [{} for _ in range(num_instances)]
         self._holders: dict[int, int] = {}  # hash -> bitmask: instances whose _seen holds it
         self._sizes = [0] * num_instances  # len(self._seen[i]), for the fallback's key
+        self._deleted = [0] * num_instances  # entries deleted from _seen[i] since its copy
 
     def block_chain(self, tokens: list[int]) -> list[int]:
         """Hashes of the leading full blocks, each covering every token before it. Python
@@ -112,20 +114,38 @@ class PrefixAwareRouter:
         return best
 
     def _remember(self, instance: int, chain: list[int]) -> None:
+        """`chain` becomes the most recently routed to `instance`; the LRU then drops its
+        oldest hashes beyond `capacity`."""
         seen, holders, bit = self._seen[instance], self._holders, 1 << instance
+        deleted = 0
         for h in chain:
             if seen.pop(h, _ABSENT) is _ABSENT:
                 holders[h] = holders.get(h, 0) | bit
-            seen[h] = None
-        while len(seen) > self.capacity:
-            oldest = next(iter(seen))
-            del seen[oldest]
-            holding = holders[oldest] & ~bit
-            if holding:
-                holders[oldest] = holding
             else:
-                del holders[oldest]
+                deleted += 1
+            seen[h] = None
+        excess = len(seen) - self.capacity
+        if excess > 0:
+            for oldest in list(islice(seen, excess)):  # the `excess` oldest, oldest first
+                del seen[oldest]
+                holding = holders[oldest] & ~bit
+                if holding:
+                    holders[oldest] = holding
+                else:
+                    del holders[oldest]
+            deleted += excess
         self._sizes[instance] = len(seen)
+        self._deleted[instance] += deleted
+        if self._deleted[instance] > _COMPACT_AFTER:
+            self._compact(instance)
+
+    def _compact(self, instance: int) -> None:
+        """Copy `instance`'s LRU (same entries, same order). A dict keeps a dead slot for each
+        deleted entry until it grows, and finding its oldest entry walks the dead slots in
+        front: with a full LRU that walk grew to ~10^5 slots per eviction (~0.1 ms). A copy
+        has none."""
+        self._seen[instance] = dict(self._seen[instance])
+        self._deleted[instance] = 0
 
 
 def instances_in(mask: int) -> list[int]:
@@ -139,6 +159,7 @@ def instances_in(mask: int) -> list[int]:
 
 
 _ABSENT = object()
+_COMPACT_AFTER = 8192  # deletions from an LRU after which it is copied (PrefixAwareRouter)
 
 
 def make_router(name: str, num_instances: int, block_size: int):

@@ -11,6 +11,7 @@ request's cached context before the step.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Mapping, Optional
 
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
@@ -18,9 +19,33 @@ from tokenweir.sim.latency import StepTotals
 
 DEFAULT_EOS = 2
 _FIRST_REGULAR_TOKEN = 3
-_COMPUTED, _KNOWN, _EOS_AT, _NEXT = 0, 1, 2, 3  # fields of a tracked request's state list
 _TOKEN_STRIDE = 7919  # regular token at position k: FIRST + (k * STRIDE + len(id)) % span
 _NEVER = float("inf")  # eos_at of a request without a target: EOS is never sampled
+
+
+@lru_cache(maxsize=None)
+def shared_token_lists(vocab_size: int) -> list[list[int]]:
+    """[[0], [1], ..., [vocab_size - 1]], one per vocabulary size for the whole process: a
+    step's sampled token as `ModelRunnerOutput.sampled_token_ids` holds it (read-only)."""
+    return [[t] for t in range(vocab_size)]
+
+
+class _Tracked:
+    """The runner's state of one request: `computed` tokens whose KV it has written, `known`
+    tokens (prompt + outputs so far), `eos_at` (the `known` count at which the next sample is
+    EOS: prompt + target - 1), `next` (the regular token id at position `known`, see
+    `_regular_token`, stepped along). One slotted object: one allocation, a few cache lines."""
+
+    __slots__ = ("computed", "known", "eos_at", "next")
+
+    def __init__(self, computed: int, known: int, eos_at: float, next_token: int) -> None:
+        self.computed, self.known, self.eos_at, self.next = computed, known, eos_at, next_token
+
+    def saved(self) -> tuple:
+        return self.computed, self.known, self.eos_at, self.next
+
+    def restore(self, saved: tuple) -> None:
+        self.computed, self.known, self.eos_at, self.next = saved
 
 
 class SimRunner:
@@ -36,15 +61,17 @@ class SimRunner:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.check = check  # assert the contract (tests); off on the hot path
-        # Per tracked request, one list (one lookup per request per step):
-        # [computed: tokens whose KV the runner has written, known: prompt + outputs so far,
-        #  eos_at: the `known` count at which the next sample is EOS (prompt + target - 1),
-        #  next: the regular token id at position `known` (`_regular_token`), stepped along].
-        # The target is read when the request (re)arrives in `scheduled_new_reqs`.
-        self._state: dict[str, list[int]] = {}
-        # One int object per token id, shared by every sampled token: requests' token lists
-        # and the prefix cache's block keys then refer to a few hot objects, not millions.
-        self._token_ids = list(range(vocab_size))
+        # Per tracked request, its state (one lookup per request per step); the target is
+        # read when the request (re)arrives in `scheduled_new_reqs`.
+        self._state: dict[str, _Tracked] = {}
+        # A request's sampled tokens, as `_advance` returns them: one shared, read-only
+        # one-element list per token id (no list made per request per step). Its int is one
+        # object per token id for every runner of the process: requests' token lists and the
+        # prefix cache's block keys then refer to a few hot objects, not millions (nor a copy
+        # per instance of a cluster).
+        self._samples = shared_token_lists(vocab_size)
+        self._eos_sample = self._samples[eos_token_id] if 0 <= eos_token_id < vocab_size \
+            else [eos_token_id]
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -53,12 +80,12 @@ class SimRunner:
     @property
     def computed(self) -> dict[str, int]:
         """Request id -> tokens whose KV the runner has written (a copy, for inspection)."""
-        return {rid: st[_COMPUTED] for rid, st in self._state.items()}
+        return {rid: st.computed for rid, st in self._state.items()}
 
     @property
     def known(self) -> dict[str, int]:
         """Request id -> tokens the runner knows: prompt + outputs so far (a copy)."""
-        return {rid: st[_KNOWN] for rid, st in self._state.items()}
+        return {rid: st.known for rid, st in self._state.items()}
 
     @property
     def num_tracked(self) -> int:
@@ -73,7 +100,8 @@ class SimRunner:
             target = targets.get(rid)
             eos_at = _NEVER if target is None else new.num_prompt_tokens + target - 1
             known = len(new.token_ids)
-            state[rid] = [new.num_computed_tokens, known, eos_at, self._regular_token(rid, known)]
+            state[rid] = _Tracked(new.num_computed_tokens, known, eos_at,
+                                  self._regular_token(rid, known))
             if self.check:
                 self.num_blocks[rid] = len(new.block_ids)
         if self.check:
@@ -81,10 +109,10 @@ class SimRunner:
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={}, step_seconds=0.0)
         if self.keep_undo:
-            self._undo = {rid: tuple(state[rid][:_NEXT + 1]) for rid in out.num_scheduled_tokens}
+            self._undo = {rid: state[rid].saved() for rid in out.num_scheduled_tokens}
         predict_totals = getattr(self.latency_model, "predict_totals", None)
         if predict_totals is None:  # a model that needs the whole step
-            context = {rid: state[rid][_COMPUTED] for rid in out.num_scheduled_tokens}
+            context = {rid: state[rid].computed for rid in out.num_scheduled_tokens}
             seconds = self.latency_model.predict(out, context)  # context before advancing
             sampled, _ = self._advance(out)
         else:  # the step's sums are gathered while advancing: one pass over the batch
@@ -96,7 +124,7 @@ class SimRunner:
         """The scheduler's view of each running request matches the runner's."""
         for cached in out.scheduled_cached_reqs:
             rid = cached.req_id
-            computed = self._state[rid][_COMPUTED]
+            computed = self._state[rid].computed
             assert computed == cached.num_computed_tokens, (
                 f"{rid}: runner has {computed} computed, scheduler says "
                 f"{cached.num_computed_tokens}")
@@ -108,7 +136,7 @@ class SimRunner:
         `layer_index`: undo its advance and samples, as the real runner never makes them, and
         report the cut. The step lasted layer_index / num_layers of its time."""
         for rid, saved in self._undo.items():
-            self._state[rid][:_NEXT + 1] = saved
+            self._state[rid].restore(saved)
         self._undo = {}
         return ModelRunnerOutput(
             sampled_token_ids={}, step_seconds=step_seconds * layer_index / num_layers,
@@ -132,22 +160,23 @@ class SimRunner:
         The token at position k (0-based over prompt + output) is EOS when it is the
         target-th output token or later, else `_regular_token(rid, k)`, stepped from position
         k - 1's: + stride, wrapped into [FIRST, FIRST + span) (stride % span < span)."""
-        state, eos, token_ids, window = (self._state, self.eos_token_id, self._token_ids,
-                                         self._window)
+        state, eos, samples, window = (self._state, self._eos_sample, self._samples,
+                                       self._window)
+        windowed = window != _NEVER
         span = self.vocab_size - _FIRST_REGULAR_TOKEN
         stride, end = _TOKEN_STRIDE % span, _FIRST_REGULAR_TOKEN + span
         sampled: dict[str, list[int]] = {}
-        num_decodes = decode_context = 0  # q == 1 rows, summed apart: the common, cheap case
-        tokens = rows = context = q_context = q_squared = 0
-        for rid, n in out.num_scheduled_tokens.items():
+        decode_context = 0  # over q == 1 rows, summed apart: the common, cheap case
+        tokens = rows = context = q_context = q_squared = 0  # over the other rows
+        scheduled = out.num_scheduled_tokens
+        for rid, n in scheduled.items():
             st = state[rid]
-            c = st[0]  # _COMPUTED
+            c = st.computed
             done = c + n
-            st[0] = done
-            if c > window:  # never true without a sliding window (inf)
+            st.computed = done
+            if windowed and c > window:
                 c = window
             if n == 1:
-                num_decodes += 1
                 decode_context += c
             else:
                 tokens += n
@@ -155,16 +184,17 @@ class SimRunner:
                 context += c
                 q_context += n * c
                 q_squared += n * n
-            k = st[1]  # _KNOWN
+            k = st.known
             if done == k:
-                regular = st[3]  # _NEXT
-                # _EOS_AT: this is the target-th output token, or later
-                sampled[rid] = [eos if k >= st[2] else token_ids[regular]]
+                regular = st.next
+                # EOS: this is the target-th output token, or later
+                sampled[rid] = eos if k >= st.eos_at else samples[regular]
                 regular += stride
-                st[3] = regular - span if regular >= end else regular
-                st[1] = k + 1
+                st.next = regular - span if regular >= end else regular
+                st.known = k + 1
             elif self.check:
                 assert done < k, f"{rid}: computed {done} past the {k} known tokens"
+        num_decodes = len(scheduled) - rows
         totals = StepTotals(tokens + num_decodes, rows + num_decodes, num_decodes,
                             context + decode_context, q_context + decode_context,
                             q_squared + num_decodes, decode_context)
