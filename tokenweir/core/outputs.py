@@ -113,6 +113,8 @@ class CutReport:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     # Request id -> tokens sampled this step (one, or none for a chunk short of the end).
+    # The lists are read-only for every consumer: a runner may share one list between
+    # requests and steps (the simulator's runner does: one per token id).
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Seconds the step took on the runner's clock (wall clock, or virtual for the simulator).
