@@ -78,12 +78,9 @@ def test_opted_out_or_float32_never_packs(packings, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory):
-    from tiny_models import make_tiny_model
-    from tokenweir.model.loader import load_model
+    from tiny_models import load_tiny
 
-    path = tmp_path_factory.mktemp("llama_tied_bf16")
-    make_tiny_model("llama_tied", str(path), seed=12)
-    return load_model(str(path), torch.bfloat16, torch.device("cpu"))
+    return load_tiny(tmp_path_factory, "llama_tied", 12, torch.bfloat16)
 
 
 @torch.inference_mode()

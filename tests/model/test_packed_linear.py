@@ -149,12 +149,9 @@ def test_lm_head_takes_the_packed_kernel_up_to_its_cap(packed_calls):
 
 @pytest.fixture(scope="module")
 def tiny_tied(tmp_path_factory):
-    from tiny_models import make_tiny_model
-    from tokenweir.model.loader import load_model
+    from tiny_models import load_tiny
 
-    path = tmp_path_factory.mktemp("llama_tied")
-    make_tiny_model("llama_tied", str(path), seed=11)
-    return load_model(str(path), torch.float32, torch.device("cpu"))
+    return load_tiny(tmp_path_factory, "llama_tied", 11, torch.float32)
 
 
 @torch.inference_mode()

@@ -107,3 +107,16 @@ TOOLS_TEMPLATE = (
     "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
     "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def load_tiny(tmp_path_factory, kind: str, seed: int, dtype):
+    """make_tiny_model(kind, seed) saved under a fresh temporary folder, then loaded by
+    tokenweir's loader on CPU in `dtype` (a LoadedModel)."""
+    import torch
+
+    from tokenweir.model.loader import load_model
+
+    path = tmp_path_factory.mktemp(f"{kind}_{str(dtype).removeprefix('torch.')}")
+    make_tiny_model(kind, str(path), seed=seed)
+    return load_model(str(path), dtype, torch.device("cpu"))
+
