@@ -165,6 +165,8 @@ class AsyncEngine:
             self._cond.notify()
         if self._running is not None:
             futures_wait([self._running], timeout=30)
+        else:  # never started: the idle engine thread ends too
+            self._engine_thread.stop()
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # ---- public API (event loop) --------------------------------------------------------

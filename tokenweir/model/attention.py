@@ -16,8 +16,9 @@ slot view), then
 * on CPU in float32 or bfloat16 (AVX2 or AVX-512, picked at run time): the C++ kernel in
   `tokenweir/model/kernels` attends each request's blocks in place (no gather): all decodes in
   one call per layer, and the prefill chunks in another (up to PREFILL_IN_PLACE_MAX_ROWS
-  rows per chunk on this instruction set; longer ones take the torch path). Elsewhere, or when the kernel cannot be built (no compiler,
-  `TOKENWEIR_CPU_KERNELS=0`), the torch path below;
+  rows per chunk on this instruction set; longer ones take the torch path). Elsewhere, or
+  when the kernel cannot be built (no compiler, `TOKENWEIR_CPU_KERNELS=0`), the torch path
+  below;
 * decodes, torch path: batched. They are sorted by context length and cut into groups whose gathered K/V
   fit a few MiB; each group is gathered (`index_select` of whole blocks into a reused
   workspace, which stays cache-resident) and runs ONE SDPA call, padded to the group's longest
