@@ -106,15 +106,39 @@ inline vf transpose_sum(const vf* v) {
 #endif
 }
 
+// Blocks sit at unrelated addresses, where the hardware prefetchers (which follow streams
+// within a page) do not look, so the next block is prefetched by hand, a few lines each time a
+// key or value row is consumed: asked for all at once, its ~100 lines fill the core's miss
+// buffers and stall it at the block's start, serialising the fetch with the compute.
+struct Trickle {
+  const char* next = nullptr;  // the next line to ask for
+  const char* end = nullptr;   // one past the last
+  int64_t per_step = 0;
+
+  // Spread the lines of [p, p + bytes) over `steps` calls of step().
+  void start(const void* p, int64_t bytes, int64_t steps) {
+    next = static_cast<const char*>(p);
+    end = next + (p ? bytes : 0);
+    per_step = steps > 0 ? (bytes / 64 + steps) / steps : bytes / 64 + 1;
+  }
+  void step() {
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) __builtin_prefetch(next);
+  }
+  void finish() {
+    for (; next < end; next += 64) __builtin_prefetch(next);
+  }
+};
+
 // scores[n, t0 + j] = q_n . k_j for the nt tokens of one block (k_blk at the tile's kv head):
 // TW_W keys at a time, their partial sums parked in L1 and finished by transpose_sum.
 template <int N, typename T>
 void score_block(const T* k_blk, int64_t nt, int64_t row, int64_t d, const float* q,
-                 float* scores, int64_t stride) {
+                 float* scores, int64_t stride, Trickle& pf) {
   vf parked[N][TW_W];
   int64_t j = 0;
   for (; j + TW_W <= nt; j += TW_W) {
     for (int u = 0; u < TW_W; ++u) {
+      pf.step();
       const T* k = k_blk + (j + u) * row;
       vf acc[N] = {};
       for (int64_t i = 0; i < d; i += TW_W) {
@@ -127,6 +151,7 @@ void score_block(const T* k_blk, int64_t nt, int64_t row, int64_t d, const float
       *reinterpret_cast<vf*>(scores + n * stride + j) = transpose_sum(parked[n]);
   }
   for (; j < nt; ++j) {
+    pf.step();
     const T* k = k_blk + j * row;
     vf acc[N] = {};
     for (int64_t i = 0; i < d; i += TW_W) {
@@ -140,12 +165,13 @@ void score_block(const T* k_blk, int64_t nt, int64_t row, int64_t d, const float
 // out[n, :] += sum_j p[n, j] * v_j over one block, CH vectors of head_dim at a time.
 template <int N, int CH, typename T>
 void value_block(const T* v_blk, int64_t nt, int64_t row, int64_t d, const float* p,
-                 int64_t stride, float* out) {
+                 int64_t stride, float* out, Trickle& pf) {
   for (int64_t c = 0; c < d; c += CH * TW_W) {
     vf acc[N][CH];
     for (int n = 0; n < N; ++n)
       for (int u = 0; u < CH; ++u) acc[n][u] = load_vec(out + n * d + c + u * TW_W);
     for (int64_t j = 0; j < nt; ++j) {
+      pf.step();
       vf v[CH];
       for (int u = 0; u < CH; ++u) v[u] = load_vec(v_blk + j * row + c + u * TW_W);
       for (int n = 0; n < N; ++n) {
@@ -173,43 +199,35 @@ inline void masked_softmax(float* s, int64_t len, int64_t max_len) {
   for (int64_t t = len; t < max_len; ++t) s[t] = 0.f;
 }
 
-// Blocks sit at unrelated addresses, where the hardware prefetchers (which follow streams
-// within a page) do not look: ask for every line of the next block while this one is worked on.
-template <typename T>
-inline void prefetch_block(const T* base, const int64_t* table, int64_t t_next, int64_t max_len,
-                           int64_t block_size, int64_t row) {
-  if (t_next >= max_len) return;
-  const char* p = reinterpret_cast<const char*>(base + table[t_next / block_size] * block_size * row);
-  const int64_t bytes = std::min(max_len - t_next, block_size) * row * int64_t(sizeof(T));
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
-}
-
-// Both passes over the blocks, every tile per block (a block is read once while cache-hot).
+// One tile's share of a pass over one block (nt tokens of it).
 template <int N, typename T>
-void tile_scores(const Paged<T>& g, const T* k_blk, int64_t nt, const Tile& tile, int64_t stride) {
+void tile_scores(const Paged<T>& g, const T* k_blk, int64_t nt, const Tile& tile, int64_t stride,
+                 Trickle& pf) {
   score_block<N>(k_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.q,
-                 tile.scores, stride);
+                 tile.scores, stride, pf);
 }
 
 template <int N, typename T>
-void tile_values(const Paged<T>& g, const T* v_blk, int64_t nt, const Tile& tile, int64_t stride) {
+void tile_values(const Paged<T>& g, const T* v_blk, int64_t nt, const Tile& tile, int64_t stride,
+                 Trickle& pf) {
+  const T* v = v_blk + tile.kv_head * g.head_dim;
   if (g.head_dim % (4 * TW_W) == 0 && N <= 3)
-    value_block<N, 4>(v_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.scores,
-                      stride, tile.out);
+    value_block<N, 4>(v, nt, g.row(), g.head_dim, tile.scores, stride, tile.out, pf);
   else if (g.head_dim % (2 * TW_W) == 0)
-    value_block<N, 2>(v_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.scores,
-                      stride, tile.out);
+    value_block<N, 2>(v, nt, g.row(), g.head_dim, tile.scores, stride, tile.out, pf);
   else
-    value_block<N, 1>(v_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.scores,
-                      stride, tile.out);
+    value_block<N, 1>(v, nt, g.row(), g.head_dim, tile.scores, stride, tile.out, pf);
 }
 
 template <typename T, bool kScores>
 void tile_pass(const Paged<T>& g, const T* blk, int64_t nt, const Tile& tile, int n,
-               int64_t stride) {
+               int64_t stride, Trickle& pf) {
   switch (n) {
-#define TW_CASE(K) \
-    case K: kScores ? tile_scores<K>(g, blk, nt, tile, stride) : tile_values<K>(g, blk, nt, tile, stride); break;
+#define TW_CASE(K)                                                  \
+    case K:                                                         \
+      if (kScores) tile_scores<K>(g, blk, nt, tile, stride, pf);    \
+      else tile_values<K>(g, blk, nt, tile, stride, pf);            \
+      break;
     TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6)
 #undef TW_CASE
   }
@@ -253,6 +271,30 @@ void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64
   }
 }
 
+// One pass (kScores: q.k over the K blocks; else p.v over the V blocks) of every tile over the
+// item's blocks in order; while block b is worked on, the next one (`after`: the block that
+// follows the pass, or null) trickles in.
+template <typename T, bool kScores>
+void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, const T* base,
+                      const T* after, Scratch& s) {
+  const int64_t bs = g.block_size, row = g.row(), elem = int64_t(sizeof(T));
+  const size_t n_tiles = s.tiles.size();
+  Trickle pf;
+  for (int64_t t0 = 0; t0 < max_len; t0 += bs) {
+    const int64_t nt = std::min(bs, max_len - t0), t1 = t0 + bs;
+    const T* next = t1 < max_len ? base + table[t1 / bs] * bs * row : after;
+    const int64_t next_rows = t1 < max_len ? std::min(bs, max_len - t1) : std::min(bs, max_len);
+    pf.start(next, next_rows * row * elem, nt * int64_t(n_tiles));
+    const T* blk = base + table[t0 / bs] * bs * row;
+    for (size_t i = 0; i < n_tiles; ++i) {
+      Tile tile = s.tiles[i];
+      tile.scores += t0;
+      tile_pass<T, kScores>(g, blk, nt, tile, s.sizes[i], max_len, pf);
+    }
+    pf.finish();
+  }
+}
+
 // One work item: query rows [r0, r1) of one request (q_req / out_req point at its row 0),
 // `ctx` tokens cached before its row 0, every head.
 template <typename T>
@@ -260,27 +302,10 @@ void attend_item(const Paged<T>& g, const int64_t* table, const T* q_req, T* out
                  int64_t ctx, int64_t r0, int64_t r1, Scratch& s) {
   const int64_t max_len = ctx + r1, bs = g.block_size, row = g.row();
   plan_item(g, q_req, ctx, r0, r1, max_len, s);
-  const size_t nt_tiles = s.tiles.size();
-  for (int64_t t0 = 0; t0 < max_len; t0 += bs) {
-    const T* blk = g.k_base + table[t0 / bs] * bs * row;
-    prefetch_block(g.k_base, table, t0 + bs, max_len, bs, row);
-    for (size_t i = 0; i < nt_tiles; ++i) {
-      Tile tile = s.tiles[i];
-      tile.scores += t0;
-      tile_pass<T, true>(g, blk, std::min(bs, max_len - t0), tile, s.sizes[i], max_len);
-    }
-  }
+  pass_over_blocks<T, true>(g, table, max_len, g.k_base, g.v_base + table[0] * bs * row, s);
   for (size_t v = 0; v < s.lens.size(); ++v)
     masked_softmax(s.scores.data() + v * max_len, s.lens[v], max_len);
-  for (int64_t t0 = 0; t0 < max_len; t0 += bs) {
-    const T* blk = g.v_base + table[t0 / bs] * bs * row;
-    prefetch_block(g.v_base, table, t0 + bs, max_len, bs, row);
-    for (size_t i = 0; i < nt_tiles; ++i) {
-      Tile tile = s.tiles[i];
-      tile.scores += t0;
-      tile_pass<T, false>(g, blk, std::min(bs, max_len - t0), tile, s.sizes[i], max_len);
-    }
-  }
+  pass_over_blocks<T, false>(g, table, max_len, g.v_base, nullptr, s);
   const int64_t d = g.head_dim;
   for (size_t v = 0; v < s.dest.size(); ++v)
     for (int64_t i = 0; i < d; ++i) store_elem(out_req + s.dest[v] + i, s.out[v * d + i]);
