@@ -10,7 +10,7 @@ import pytest
 
 from tokenweir.model import kernels
 
-PATHS = ("torch", "avx2", "avx512")
+PATHS = ("torch", "avx2", "avx512", "avx512bf16")
 
 
 class _CountingOps:
@@ -42,7 +42,7 @@ def force_path(path: str, monkeypatch) -> Counter:
     if kernels.cpu_isa() != path:
         pytest.skip(f"this CPU cannot run the {path} variant (widest here: "
                     f"{kernels.cpu_isa() or 'none'}; needs "
-                    f"{'AVX-512 F/BW/VL/DQ' if path == 'avx512' else 'AVX2 + FMA'})")
+                    f"{kernels.ISA_NEEDS[path]})")
     paged, ops = kernels.paged_attention_kernel, kernels.fused_ops
 
     def counting_paged():

@@ -91,7 +91,7 @@ CASES = {
 }
 
 
-ISAS = ("avx2", "avx512")
+ISAS = ("avx2", "avx512", "avx512bf16")
 
 
 @pytest.fixture(params=ISAS)
@@ -105,7 +105,7 @@ def isa(request, monkeypatch):
     if kernels.cpu_isa() != request.param:
         pytest.skip(f"this CPU cannot run the {request.param} variant "
                     f"(widest here: {kernels.cpu_isa() or 'none'}; needs "
-                    f"{'AVX-512 F/BW/VL/DQ' if request.param == 'avx512' else 'AVX2 + FMA'})")
+                    f"{kernels.ISA_NEEDS[request.param]})")
     return request.param
 
 
@@ -134,7 +134,7 @@ KERNEL_ATOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
                          ids=[f"h{h}kv{k}d{d}" for h, k, d in KERNEL_SHAPES])
 def test_cpu_kernel_matches_reference(case, heads, kv_heads, head_dim, dtype, isa):
     """Decodes and prefill chunks with a cached prefix, read in place by the kernel."""
-    applies = head_dim % (16 if isa == "avx512" else 8) == 0
+    applies = head_dim % kernels.vector_floats(isa) == 0
     _run_case(*CASES[case], heads, kv_heads, dtype, head_dim=head_dim, atol=KERNEL_ATOL[dtype],
               expect_kernel=applies)
 
@@ -146,6 +146,48 @@ def test_cpu_kernel_long_contexts_and_odd_blocks(dtype, isa, monkeypatch):
     monkeypatch.setitem(A.PREFILL_IN_PLACE_MAX_ROWS, isa, 1 << 30)
     _run_case([1] * 6 + [40], [300, 1, 257, 63, 64, 511, 300], 9, 3, dtype,
               atol=KERNEL_ATOL[dtype], expect_kernel=True)
+
+
+def _both_avx512_variants(dtype):
+    """One mixed batch (3 decodes, chunks of 5 and 37 rows over cached prefixes, 16-token
+    blocks) through the avx512 and avx512bf16 variants: (outputs by variant, rows of decodes)."""
+    module = kernels._module()
+    if module is None or kernels.cpu_isa() != "avx512bf16":
+        pytest.skip(f"needs the avx512bf16 variant (widest here: {kernels.cpu_isa() or 'none'})")
+    gen = torch.Generator().manual_seed(3)
+    query_lens, ctx = [1, 1, 5, 1, 37], [40, 7, 20, 3, 50]
+    bs, kvh, heads, d = 16, 3, 9, 64
+    need = [-(-(c + q) // bs) for c, q in zip(ctx, query_lens)]
+    tables, at = [], 1
+    for n in need:
+        tables.append(list(range(at, at + n)))
+        at += n
+    (cache,) = A.allocate_kv_caches(_arch(heads, kvh, d), at, bs, dtype, torch.device("cpu"))
+    cache.normal_(generator=gen)
+    meta = A.build_attention_metadata(query_lens, ctx, tables, bs, "cpu")
+    plan = A._build_plan(meta, cache)
+    q = torch.randn(sum(query_lens), heads, d, generator=gen).to(dtype)
+    outs = {}
+    for variant in ("avx512", "avx512bf16"):
+        outs[variant] = torch.zeros_like(q)
+        module.paged_attention(q, cache, plan.tables, plan.query_start_loc, plan.seq_lens,
+                               torch.arange(len(query_lens)), d ** -0.5, outs[variant], variant)
+    decode_rows = [0, 1, 7]
+    return outs, decode_rows
+
+
+def test_avx512bf16_scores_bf16_prefill_rows_by_dot_products():
+    """Probe for the avx512bf16 runs above: the variant differs from avx512 exactly where it
+    should. bfloat16 prefill rows take vdpbf16ps scores (another summation order: not bit-equal,
+    within bf16 rounding), decode rows keep the avx512 code (bit-equal); float32 is untouched."""
+    outs, decode_rows = _both_avx512_variants(torch.bfloat16)
+    plain, dot = outs["avx512"], outs["avx512bf16"]
+    prefill_rows = [r for r in range(plain.shape[0]) if r not in decode_rows]
+    assert torch.equal(plain[decode_rows], dot[decode_rows])
+    assert not torch.equal(plain[prefill_rows], dot[prefill_rows])
+    assert (plain.float() - dot.float()).abs().max().item() < KERNEL_ATOL[torch.bfloat16]
+    outs, _ = _both_avx512_variants(torch.float32)
+    assert torch.equal(outs["avx512"], outs["avx512bf16"])
 
 
 def test_in_place_prefill_is_taken_and_can_be_turned_off(isa, monkeypatch):

@@ -55,7 +55,8 @@ DECODE_GROUP_BYTES = 4 << 20
 # 2 threads) the kernel is faster up to 32 rows and slower from 64 (46 vs 61-67 GFLOP/s). On
 # AVX-512 (Zen 4, 1 thread, chunks of 32-1024 rows with no cached prefix) the kernel ran 1.8-2.6x
 # SDPA's is_causal speed in bfloat16 and 1.6-2.7x in float32: in place at every size.
-PREFILL_IN_PLACE_MAX_ROWS: dict[str, int] = {"avx2": 32, "avx512": 1 << 30}
+PREFILL_IN_PLACE_MAX_ROWS: dict[str, int] = {"avx2": 32, "avx512": 1 << 30,
+                                              "avx512bf16": 1 << 30}
 
 
 def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int,
@@ -242,7 +243,7 @@ def paged_kernel_for(kv_cache: torch.Tensor):
             or not kv_cache.is_contiguous() or kv_cache.shape[-1] % 8):
         return None
     kernel = kernels.paged_attention_kernel()
-    if kernel is None or kv_cache.shape[-1] % (16 if kernel.isa == "avx512" else 8):
+    if kernel is None or kv_cache.shape[-1] % kernels.vector_floats(kernel.isa):
         return None
     return kernel
 

@@ -38,10 +38,22 @@ def kernels_enabled() -> bool:
 
 
 def cpu_isa() -> str:
-    """The instruction-set variant the in-place attention runs here: "avx512", "avx2", or ""
-    (no kernels, or a CPU with neither: the torch path). Honours TOKENWEIR_CPU_ISA=avx2."""
+    """The instruction-set variant the in-place attention runs here: "avx512bf16" (AVX-512
+    whose bfloat16 prefill scores use the BF16 dot-product instruction), "avx512", "avx2", or ""
+    (no kernels, or a CPU with none: the torch path). TOKENWEIR_CPU_ISA=avx512 or avx2 forces a
+    narrower one ("" where the CPU cannot run the one asked for)."""
     module = _module()
     return "" if module is None else module.cpu_isa()
+
+
+# What each variant needs of the CPU (for messages), and its floats per vector register.
+ISA_NEEDS = {"avx2": "AVX2 + FMA", "avx512": "AVX-512 F/BW/VL/DQ",
+             "avx512bf16": "AVX-512 F/BW/VL/DQ + BF16"}
+
+
+def vector_floats(isa: str) -> int:
+    """Floats per vector register of a variant: head_dim must be a multiple of it."""
+    return 8 if isa == "avx2" else 16
 
 
 def paged_attention_kernel() -> Optional[Any]:

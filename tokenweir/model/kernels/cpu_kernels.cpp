@@ -12,6 +12,7 @@
 //    small. Contract (checked by tokenweir/model/layers.py): x and w float32, contiguous.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +42,19 @@ namespace isa_avx512 {
 #undef TW_W
 #pragma GCC pop_options
 }  // namespace isa_avx512
+
+// AVX-512 with BF16 (Zen 4, Cooper Lake, Sapphire Rapids): the AVX-512 variant whose bfloat16
+// prefill scores go by vdpbf16ps (TW_BF16_DOT).
+namespace isa_avx512bf16 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+#define TW_W 16
+#define TW_BF16_DOT 1
+#include "paged_attention_impl.h"
+#undef TW_BF16_DOT
+#undef TW_W
+#pragma GCC pop_options
+}  // namespace isa_avx512bf16
 
 namespace {
 
@@ -144,7 +158,7 @@ namespace linear_avx512 {
 
 // Output columns per packed panel for `isa` ("avx2": 16, "avx512": 32; 0: no packed kernel).
 int64_t linear_panel_width(std::string isa) {
-  if (isa == "avx512") return linear_avx512::kPanel;
+  if (isa == "avx512" || isa == "avx512bf16") return linear_avx512::kPanel;
   if (isa == "avx2") return linear_avx2::kPanel;
   return 0;
 }
@@ -165,7 +179,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, st
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const bool wide = isa == "avx512";
+  const bool wide = isa == "avx512" || isa == "avx512bf16";
   at::parallel_for(0, packed.size(0), 1, [&](int64_t p0, int64_t p1) {
     if (wide) linear_avx512::packed_panels(xp, wp, op, M, K, N, p0, p1);
     else linear_avx2::packed_panels(xp, wp, op, M, K, N, p0, p1);
@@ -332,8 +346,9 @@ void rotary_inplace(torch::Tensor x, int64_t heads, int64_t head_dim, torch::Ten
 
 namespace {
 
-// The widest instruction set this CPU runs among those compiled: "avx512", "avx2" or "" (none:
-// the caller uses the torch path). TOKENWEIR_CPU_ISA=avx2 forces the narrower one.
+// The widest instruction set this CPU runs among those compiled: "avx512bf16" (AVX-512 with
+// BF16), "avx512", "avx2" or "" (none: the caller uses the torch path). TOKENWEIR_CPU_ISA names
+// a narrower one to force it ("" where this CPU cannot run it).
 std::string cpu_isa() {
   __builtin_cpu_init();
   const char* forced = std::getenv("TOKENWEIR_CPU_ISA");
@@ -342,8 +357,11 @@ std::string cpu_isa() {
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512dq");
+  const bool avx512bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
   if (want == "avx2") return avx2 ? "avx2" : "";
-  if (want == "avx512" || want.empty()) return avx512 ? "avx512" : (avx2 ? "avx2" : "");
+  if (want == "avx512") return avx512 ? "avx512" : "";
+  if (want == "avx512bf16" || want.empty())
+    return avx512bf16 ? "avx512bf16" : want.empty() && avx512 ? "avx512" : want.empty() && avx2 ? "avx2" : "";
   return "";
 }
 
@@ -447,9 +465,11 @@ void paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor bloc
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_attention: float32 or bfloat16");
   TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "paged_attention: q, kv_cache and out must share a dtype");
-  TORCH_CHECK(kv_cache.size(4) % (isa == "avx512" ? 16 : 8) == 0,
+  TORCH_CHECK(kv_cache.size(4) % (isa == "avx2" ? 8 : 16) == 0,
               "paged_attention: head_dim must be a multiple of the vector width");
-  if (isa == "avx512" && bf16) TW_RUN_PAGED(isa_avx512, uint16_t);
+  if (isa == "avx512bf16" && bf16) TW_RUN_PAGED(isa_avx512bf16, uint16_t);
+  else if (isa == "avx512bf16") TW_RUN_PAGED(isa_avx512bf16, float);
+  else if (isa == "avx512" && bf16) TW_RUN_PAGED(isa_avx512, uint16_t);
   else if (isa == "avx512") TW_RUN_PAGED(isa_avx512, float);
   else if (isa == "avx2" && bf16) TW_RUN_PAGED(isa_avx2, uint16_t);
   else if (isa == "avx2") TW_RUN_PAGED(isa_avx2, float);

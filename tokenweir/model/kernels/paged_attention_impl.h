@@ -61,6 +61,7 @@ struct Tile {
   const float* q;
   float* out;
   float* scores;
+  const uint16_t* qh;  // TW_BF16_DOT, bfloat16 items: the same queries unscaled, as bf16 bits
 };
 
 // Lane j of the result = the sum of v[j]'s lanes: TW_W dot products finished at once by a
@@ -233,9 +234,66 @@ void tile_pass(const Paged<T>& g, const T* blk, int64_t nt, const Tile& tile, in
   }
 }
 
+#ifdef TW_BF16_DOT
+// The AVX-512 BF16 score pass of prefill items (bfloat16 only): q.k as a small GEMM, 16 keys
+// in the lanes of one vector and one vdpbf16ps per (query, pair of dims), so a key costs no
+// widening and no horizontal sum. The keys are copied into that layout once per chunk of 16
+// and kv head, and reused by every query vector of the kv head (the item's rows x group).
+constexpr int kKeyLanes = 16;
+
+// kp[p * 16 + n] = the bf16 pair (k_n[2p], k_n[2p + 1]) of key n < nt (k_n = k + n * row);
+// lanes n >= nt are zero.
+inline void pack_keys(const uint16_t* k, int64_t nt, int64_t row, int64_t d, uint32_t* kp,
+                      Trickle& pf) {
+  const int64_t pairs = d / 2;
+  for (int64_t n = 0; n < kKeyLanes; ++n) {
+    if (n >= nt) {
+      for (int64_t p = 0; p < pairs; ++p) kp[p * kKeyLanes + n] = 0u;
+      continue;
+    }
+    pf.step();
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(k + n * row);
+    for (int64_t p = 0; p < pairs; ++p) kp[p * kKeyLanes + n] = src[p];
+  }
+}
+
+// scores[m, 0..nt) = scale * q_m . k_n for the N queries of a tile (qh: [N, d] bf16) against
+// one packed chunk of keys.
+template <int N>
+void score_chunk_dp(const uint32_t* kp, int64_t d, const uint16_t* qh, float scale,
+                    float* scores, int64_t stride, int64_t nt) {
+  const int64_t pairs = d / 2;
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qh);
+  __m512 acc[N];
+  for (int m = 0; m < N; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh keys = (__m512bh)_mm512_loadu_si512(kp + p * kKeyLanes);
+    for (int m = 0; m < N; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(int(q32[m * pairs + p])),
+                                keys);
+  }
+  const __mmask16 valid = nt >= kKeyLanes ? __mmask16(0xffff) : __mmask16((1u << nt) - 1u);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int m = 0; m < N; ++m)
+    _mm512_mask_storeu_ps(scores + m * stride, valid, _mm512_mul_ps(acc[m], s));
+}
+
+inline void score_chunk_tile(const uint32_t* kp, int64_t d, const Tile& tile, int n, float scale,
+                             int64_t stride, int64_t nt) {
+  switch (n) {
+#define TW_CASE(K) \
+    case K: score_chunk_dp<K>(kp, d, tile.qh, scale, tile.scores, stride, nt); break;
+    TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6)
+#undef TW_CASE
+  }
+}
+#endif  // TW_BF16_DOT
+
 // Scratch of one thread: the item's scaled queries, scores and float32 outputs.
 struct Scratch {
   std::vector<float> q, scores, out;
+  std::vector<uint16_t> qh;  // TW_BF16_DOT: the bf16 queries as they came (Tile::qh)
+  std::vector<uint32_t> kp;  // TW_BF16_DOT: one chunk of keys, keys in lanes (pack_keys)
   std::vector<Tile> tiles;
   std::vector<int> sizes;
   std::vector<int64_t> lens, dest;  // per vector: keys attended, element offset in out
@@ -243,12 +301,14 @@ struct Scratch {
 
 // Lays out the item's vectors kv head by kv head, (row, member) pairs in order, cut into tiles
 // of <= kMaxTile; fills s.lens / s.dest and the scaled float32 queries.
+// With bf16_dot (T = uint16_t only) it also keeps the bf16 queries (s.qh).
 template <typename T>
 void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64_t r1,
-               int64_t stride, Scratch& s) {
+               int64_t stride, bool bf16_dot, Scratch& s) {
   const int64_t d = g.head_dim, group = g.num_heads / g.kv_heads;
   const int64_t nv = (r1 - r0) * g.num_heads;
   s.q.resize(nv * d);
+  if (bf16_dot) s.qh.resize(nv * d);
   s.out.assign(nv * d, 0.f);
   s.scores.resize(nv * stride);
   s.lens.resize(nv);
@@ -263,29 +323,64 @@ void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64
         s.lens[v] = ctx + r + 1;
         s.dest[v] = (r * g.num_heads + kh * group + m) * d;
         for (int64_t i = 0; i < d; ++i) s.q[v * d + i] = to_float(q_req[s.dest[v] + i]) * g.scale;
+        if (bf16_dot) std::memcpy(s.qh.data() + v * d, q_req + s.dest[v], d * sizeof(T));
       }
     for (int64_t t = first; t < v; t += kMaxTile) {
-      s.tiles.push_back({kh, s.q.data() + t * d, s.out.data() + t * d, s.scores.data() + t * stride});
+      s.tiles.push_back({kh, s.q.data() + t * d, s.out.data() + t * d, s.scores.data() + t * stride,
+                         bf16_dot ? s.qh.data() + t * d : nullptr});
       s.sizes.push_back(int(std::min<int64_t>(kMaxTile, v - t)));
     }
   }
 }
 
+#ifdef TW_BF16_DOT
+// The score pass's work on one block by packed chunks of keys (see pack_keys): each chunk is
+// packed once per kv head (the tiles come kv head by kv head) and scored by every tile of it.
+inline void score_block_dp(const Paged<uint16_t>& g, const uint16_t* blk, int64_t t0,
+                           int64_t nt, int64_t stride, Trickle& pf, Scratch& s) {
+  const int64_t d = g.head_dim, row = g.row();
+  s.kp.resize(d / 2 * kKeyLanes);
+  for (int64_t j0 = 0; j0 < nt; j0 += kKeyLanes) {
+    const int64_t chunk = std::min<int64_t>(kKeyLanes, nt - j0);
+    int64_t packed_head = -1;
+    for (size_t i = 0; i < s.tiles.size(); ++i) {
+      Tile tile = s.tiles[i];
+      if (tile.kv_head != packed_head) {
+        pack_keys(blk + j0 * row + tile.kv_head * d, chunk, row, d, s.kp.data(), pf);
+        packed_head = tile.kv_head;
+      }
+      tile.scores += t0 + j0;
+      score_chunk_tile(s.kp.data(), d, tile, s.sizes[i], g.scale, stride, chunk);
+    }
+  }
+}
+#endif
+
 // One pass (kScores: q.k over the K blocks; else p.v over the V blocks) of every tile over the
 // item's blocks in order; while block b is worked on, the next one (`after`: the block that
-// follows the pass, or null) trickles in.
+// follows the pass, or null) trickles in. `dot`: the score pass by score_block_dp.
 template <typename T, bool kScores>
 void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, const T* base,
-                      const T* after, Scratch& s) {
+                      const T* after, bool dot, Scratch& s) {
   const int64_t bs = g.block_size, row = g.row(), elem = int64_t(sizeof(T));
   const size_t n_tiles = s.tiles.size();
+  const int64_t steps_per_key = dot ? g.kv_heads : int64_t(n_tiles);
   Trickle pf;
   for (int64_t t0 = 0; t0 < max_len; t0 += bs) {
     const int64_t nt = std::min(bs, max_len - t0), t1 = t0 + bs;
     const T* next = t1 < max_len ? base + table[t1 / bs] * bs * row : after;
     const int64_t next_rows = t1 < max_len ? std::min(bs, max_len - t1) : std::min(bs, max_len);
-    pf.start(next, next_rows * row * elem, nt * int64_t(n_tiles));
+    pf.start(next, next_rows * row * elem, nt * steps_per_key);
     const T* blk = base + table[t0 / bs] * bs * row;
+#ifdef TW_BF16_DOT
+    if constexpr (kScores && std::is_same_v<T, uint16_t>) {
+      if (dot) {
+        score_block_dp(g, blk, t0, nt, max_len, pf, s);
+        pf.finish();
+        continue;
+      }
+    }
+#endif
     for (size_t i = 0; i < n_tiles; ++i) {
       Tile tile = s.tiles[i];
       tile.scores += t0;
@@ -295,17 +390,30 @@ void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, 
   }
 }
 
+// Whether an item's score pass goes by vdpbf16ps (TW_BF16_DOT builds, bfloat16, prefill rows:
+// a decode's few query vectors per kv head do not pay for packing the keys).
+template <typename T>
+constexpr bool use_bf16_dot(int64_t rows) {
+#ifdef TW_BF16_DOT
+  return std::is_same_v<T, uint16_t> && rows > 1;
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
 // One work item: query rows [r0, r1) of one request (q_req / out_req point at its row 0),
 // `ctx` tokens cached before its row 0, every head.
 template <typename T>
 void attend_item(const Paged<T>& g, const int64_t* table, const T* q_req, T* out_req,
                  int64_t ctx, int64_t r0, int64_t r1, Scratch& s) {
   const int64_t max_len = ctx + r1, bs = g.block_size, row = g.row();
-  plan_item(g, q_req, ctx, r0, r1, max_len, s);
-  pass_over_blocks<T, true>(g, table, max_len, g.k_base, g.v_base + table[0] * bs * row, s);
+  const bool dot = use_bf16_dot<T>(r1 - r0);
+  plan_item(g, q_req, ctx, r0, r1, max_len, dot, s);
+  pass_over_blocks<T, true>(g, table, max_len, g.k_base, g.v_base + table[0] * bs * row, dot, s);
   for (size_t v = 0; v < s.lens.size(); ++v)
     masked_softmax(s.scores.data() + v * max_len, s.lens[v], max_len);
-  pass_over_blocks<T, false>(g, table, max_len, g.v_base, nullptr, s);
+  pass_over_blocks<T, false>(g, table, max_len, g.v_base, nullptr, false, s);
   const int64_t d = g.head_dim;
   for (size_t v = 0; v < s.dest.size(); ++v)
     for (int64_t i = 0; i < d; ++i) store_elem(out_req + s.dest[v] + i, s.out[v * d + i]);
