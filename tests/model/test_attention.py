@@ -178,8 +178,9 @@ def _both_avx512_variants(dtype):
 
 def test_avx512bf16_scores_bf16_prefill_rows_by_dot_products():
     """Probe for the avx512bf16 runs above: the variant differs from avx512 exactly where it
-    should. bfloat16 prefill rows take vdpbf16ps scores (another summation order: not bit-equal,
-    within bf16 rounding), decode rows keep the avx512 code (bit-equal); float32 is untouched."""
+    should. bfloat16 prefill rows take vdpbf16ps scores and values (head_dim 64: both passes;
+    another summation order and bf16 probabilities: not bit-equal, within bf16 rounding), decode
+    rows keep the avx512 code (bit-equal); float32 is untouched."""
     outs, decode_rows = _both_avx512_variants(torch.bfloat16)
     plain, dot = outs["avx512"], outs["avx512bf16"]
     prefill_rows = [r for r in range(plain.shape[0]) if r not in decode_rows]

@@ -62,6 +62,7 @@ struct Tile {
   float* out;
   float* scores;
   const uint16_t* qh;  // TW_BF16_DOT, bfloat16 items: the same queries unscaled, as bf16 bits
+  uint16_t* ph;        // TW_BF16_DOT values: the probabilities as bf16 (row stride even)
 };
 
 // Lane j of the result = the sum of v[j]'s lanes: TW_W dot products finished at once by a
@@ -287,13 +288,86 @@ inline void score_chunk_tile(const uint32_t* kp, int64_t d, const Tile& tile, in
 #undef TW_CASE
   }
 }
+
+// The value pass the same way (head_dim % 64 == 0, even block size): the probabilities rounded
+// to bf16 (as flash attention does for its P.V product) in pairs of keys, each pair broadcast
+// against the two keys' values interleaved, 16 dims per vector.
+// vp[jp * d + i] = the bf16 pair (v_{2jp}[i], v_{2jp+1}[i]) of keys < nt (v_n = v + n * row);
+// a missing last odd key is zero.
+inline void pack_values(const uint16_t* v, int64_t nt, int64_t row, int64_t d, uint32_t* vp,
+                        Trickle& pf) {
+  for (int64_t jp = 0; jp < (nt + 1) / 2; ++jp) {
+    const uint16_t* a = v + 2 * jp * row;
+    const uint16_t* b = a + row;
+    uint32_t* o = vp + jp * d;
+    pf.step();
+    if (2 * jp + 1 < nt) {
+      pf.step();
+      for (int64_t i = 0; i < d; ++i) o[i] = uint32_t(a[i]) | (uint32_t(b[i]) << 16);
+    } else {
+      for (int64_t i = 0; i < d; ++i) o[i] = uint32_t(a[i]);
+    }
+  }
+}
+
+// out[m, :] += sum_n p[m, n] v_n for the N queries of a tile over `pairs` packed key pairs;
+// p: the tile's bf16 probabilities from the chunk's first key (even), rows pstride apart.
+template <int N>
+void value_chunk_dp(const uint32_t* vp, int64_t pairs, int64_t d, const uint16_t* p,
+                    int64_t pstride, float* out) {
+  for (int64_t c = 0; c < d; c += 64) {
+    __m512 acc[N][4];
+    for (int m = 0; m < N; ++m)
+      for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_loadu_ps(out + m * d + c + 16 * u);
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      __m512bh vals[4];
+      for (int u = 0; u < 4; ++u)
+        vals[u] = (__m512bh)_mm512_loadu_si512(vp + jp * d + c + 16 * u);
+      for (int m = 0; m < N; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, p + m * pstride + 2 * jp, sizeof pair);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], w, vals[u]);
+      }
+    }
+    for (int m = 0; m < N; ++m)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(out + m * d + c + 16 * u, acc[m][u]);
+  }
+}
+
+inline void value_chunk_tile(const uint32_t* vp, int64_t pairs, int64_t d, const Tile& tile,
+                             int n, int64_t pstride) {
+  switch (n) {
+#define TW_CASE(K) \
+    case K: value_chunk_dp<K>(vp, pairs, d, tile.ph, pstride, tile.out); break;
+    TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6)
+#undef TW_CASE
+  }
+}
+
+// ph[0, len) = the bf16 of p[0, len) (round to nearest even), ph[len, padded) = 0.
+inline void probabilities_to_bf16(const float* p, int64_t len, int64_t padded, uint16_t* ph) {
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + t),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + t)));
+  for (; t < len; ++t) store_elem(ph + t, p[t]);
+  for (; t < padded; ++t) ph[t] = 0;
+}
 #endif  // TW_BF16_DOT
+
+// Which passes of a work item go by vdpbf16ps (score_block_dp, value_block_dp).
+struct DotPasses {
+  bool scores = false, values = false;
+};
 
 // Scratch of one thread: the item's scaled queries, scores and float32 outputs.
 struct Scratch {
   std::vector<float> q, scores, out;
   std::vector<uint16_t> qh;  // TW_BF16_DOT: the bf16 queries as they came (Tile::qh)
   std::vector<uint32_t> kp;  // TW_BF16_DOT: one chunk of keys, keys in lanes (pack_keys)
+  std::vector<uint16_t> ph;  // TW_BF16_DOT: the probabilities as bf16 (Tile::ph)
+  std::vector<uint32_t> vp;  // TW_BF16_DOT: one chunk of values, key pairs interleaved
   std::vector<Tile> tiles;
   std::vector<int> sizes;
   std::vector<int64_t> lens, dest;  // per vector: keys attended, element offset in out
@@ -301,14 +375,16 @@ struct Scratch {
 
 // Lays out the item's vectors kv head by kv head, (row, member) pairs in order, cut into tiles
 // of <= kMaxTile; fills s.lens / s.dest and the scaled float32 queries.
-// With bf16_dot (T = uint16_t only) it also keeps the bf16 queries (s.qh).
+// For dot passes (T = uint16_t only) it also keeps the bf16 queries (s.qh) and room for the
+// bf16 probabilities (s.ph, rows `pstride` apart).
 template <typename T>
 void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64_t r1,
-               int64_t stride, bool bf16_dot, Scratch& s) {
+               int64_t stride, int64_t pstride, DotPasses dot, Scratch& s) {
   const int64_t d = g.head_dim, group = g.num_heads / g.kv_heads;
   const int64_t nv = (r1 - r0) * g.num_heads;
   s.q.resize(nv * d);
-  if (bf16_dot) s.qh.resize(nv * d);
+  if (dot.scores) s.qh.resize(nv * d);
+  if (dot.values) s.ph.resize(nv * pstride);
   s.out.assign(nv * d, 0.f);
   s.scores.resize(nv * stride);
   s.lens.resize(nv);
@@ -323,11 +399,12 @@ void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64
         s.lens[v] = ctx + r + 1;
         s.dest[v] = (r * g.num_heads + kh * group + m) * d;
         for (int64_t i = 0; i < d; ++i) s.q[v * d + i] = to_float(q_req[s.dest[v] + i]) * g.scale;
-        if (bf16_dot) std::memcpy(s.qh.data() + v * d, q_req + s.dest[v], d * sizeof(T));
+        if (dot.scores) std::memcpy(s.qh.data() + v * d, q_req + s.dest[v], d * sizeof(T));
       }
     for (int64_t t = first; t < v; t += kMaxTile) {
       s.tiles.push_back({kh, s.q.data() + t * d, s.out.data() + t * d, s.scores.data() + t * stride,
-                         bf16_dot ? s.qh.data() + t * d : nullptr});
+                         dot.scores ? s.qh.data() + t * d : nullptr,
+                         dot.values ? s.ph.data() + t * pstride : nullptr});
       s.sizes.push_back(int(std::min<int64_t>(kMaxTile, v - t)));
     }
   }
@@ -354,14 +431,34 @@ inline void score_block_dp(const Paged<uint16_t>& g, const uint16_t* blk, int64_
     }
   }
 }
+
+// The value pass's work on one block, the same way (see pack_values); t0 is even.
+inline void value_block_dp(const Paged<uint16_t>& g, const uint16_t* blk, int64_t t0,
+                           int64_t nt, int64_t pstride, Trickle& pf, Scratch& s) {
+  const int64_t d = g.head_dim, row = g.row();
+  s.vp.resize(kKeyLanes / 2 * d);
+  for (int64_t j0 = 0; j0 < nt; j0 += kKeyLanes) {
+    const int64_t chunk = std::min<int64_t>(kKeyLanes, nt - j0);
+    int64_t packed_head = -1;
+    for (size_t i = 0; i < s.tiles.size(); ++i) {
+      Tile tile = s.tiles[i];
+      if (tile.kv_head != packed_head) {
+        pack_values(blk + j0 * row + tile.kv_head * d, chunk, row, d, s.vp.data(), pf);
+        packed_head = tile.kv_head;
+      }
+      tile.ph += t0 + j0;
+      value_chunk_tile(s.vp.data(), (chunk + 1) / 2, d, tile, s.sizes[i], pstride);
+    }
+  }
+}
 #endif
 
 // One pass (kScores: q.k over the K blocks; else p.v over the V blocks) of every tile over the
 // item's blocks in order; while block b is worked on, the next one (`after`: the block that
-// follows the pass, or null) trickles in. `dot`: the score pass by score_block_dp.
+// follows the pass, or null) trickles in. `dot`: this pass by score_block_dp / value_block_dp.
 template <typename T, bool kScores>
-void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, const T* base,
-                      const T* after, bool dot, Scratch& s) {
+void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, int64_t pstride,
+                      const T* base, const T* after, bool dot, Scratch& s) {
   const int64_t bs = g.block_size, row = g.row(), elem = int64_t(sizeof(T));
   const size_t n_tiles = s.tiles.size();
   const int64_t steps_per_key = dot ? g.kv_heads : int64_t(n_tiles);
@@ -373,9 +470,10 @@ void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, 
     pf.start(next, next_rows * row * elem, nt * steps_per_key);
     const T* blk = base + table[t0 / bs] * bs * row;
 #ifdef TW_BF16_DOT
-    if constexpr (kScores && std::is_same_v<T, uint16_t>) {
+    if constexpr (std::is_same_v<T, uint16_t>) {
       if (dot) {
-        score_block_dp(g, blk, t0, nt, max_len, pf, s);
+        if (kScores) score_block_dp(g, blk, t0, nt, max_len, pf, s);
+        else value_block_dp(g, blk, t0, nt, pstride, pf, s);
         pf.finish();
         continue;
       }
@@ -390,16 +488,20 @@ void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, 
   }
 }
 
-// Whether an item's score pass goes by vdpbf16ps (TW_BF16_DOT builds, bfloat16, prefill rows:
-// a decode's few query vectors per kv head do not pay for packing the keys).
+// Which passes of an item go by vdpbf16ps: in TW_BF16_DOT builds, bfloat16 prefill rows (a
+// decode's few query vectors per kv head do not pay for packing); the scores always then, the
+// values where head_dim % 64 == 0 and a block holds whole key pairs.
 template <typename T>
-constexpr bool use_bf16_dot(int64_t rows) {
+DotPasses bf16_dot_passes(const Paged<T>& g, int64_t rows) {
+  DotPasses dot;
 #ifdef TW_BF16_DOT
-  return std::is_same_v<T, uint16_t> && rows > 1;
+  dot.scores = std::is_same_v<T, uint16_t> && rows > 1;
+  dot.values = dot.scores && g.head_dim % 64 == 0 && g.block_size % 2 == 0;
 #else
+  (void)g;
   (void)rows;
-  return false;
 #endif
+  return dot;
 }
 
 // One work item: query rows [r0, r1) of one request (q_req / out_req point at its row 0),
@@ -408,12 +510,20 @@ template <typename T>
 void attend_item(const Paged<T>& g, const int64_t* table, const T* q_req, T* out_req,
                  int64_t ctx, int64_t r0, int64_t r1, Scratch& s) {
   const int64_t max_len = ctx + r1, bs = g.block_size, row = g.row();
-  const bool dot = use_bf16_dot<T>(r1 - r0);
-  plan_item(g, q_req, ctx, r0, r1, max_len, dot, s);
-  pass_over_blocks<T, true>(g, table, max_len, g.k_base, g.v_base + table[0] * bs * row, dot, s);
+  const int64_t pstride = max_len + (max_len & 1);  // bf16 probability rows: whole pairs
+  const DotPasses dot = bf16_dot_passes(g, r1 - r0);
+  plan_item(g, q_req, ctx, r0, r1, max_len, pstride, dot, s);
+  pass_over_blocks<T, true>(g, table, max_len, pstride, g.k_base,
+                            g.v_base + table[0] * bs * row, dot.scores, s);
   for (size_t v = 0; v < s.lens.size(); ++v)
     masked_softmax(s.scores.data() + v * max_len, s.lens[v], max_len);
-  pass_over_blocks<T, false>(g, table, max_len, g.v_base, nullptr, false, s);
+#ifdef TW_BF16_DOT
+  if (dot.values)
+    for (size_t v = 0; v < s.lens.size(); ++v)
+      probabilities_to_bf16(s.scores.data() + v * max_len, max_len, pstride,
+                            s.ph.data() + v * pstride);
+#endif
+  pass_over_blocks<T, false>(g, table, max_len, pstride, g.v_base, nullptr, dot.values, s);
   const int64_t d = g.head_dim;
   for (size_t v = 0; v < s.dest.size(); ++v)
     for (int64_t i = 0; i < d; ++i) store_elem(out_req + s.dest[v] + i, s.out[v * d + i]);
