@@ -61,7 +61,9 @@ class PagedDriver:
         meta = build_attention_metadata(qlens, ctx, tables, self.block_size, self.device)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(pos, device=self.device), meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        # a copy: compute_logits may return a view of a buffer its next call overwrites
+        logits = self.model.compute_logits(
+            hidden[torch.tensor(last_rows, device=self.device)]).clone()
         for rid, n in order:
             self.seqs[rid].num_computed += n
         return {rid: logits[i] for i, (rid, _) in enumerate(order)}
