@@ -35,6 +35,12 @@ run's errors against the first: the run-to-run noise no simulator can beat. Per 
 TTFT p50/p90, TPOT p50/p90, and on both sides the counts of preemptions (recompute), swap-outs,
 prefix-cache hit tokens and mid-step cuts (read from the step records of each side).
 
+After the table, per validation run, the machine's measured speed against the profile (real
+runner time / the profile's, for decode-only steps and steps with a prefill chunk, over the
+run and its range over 3-s windows: calibrate_trace.machine_speed). On shared machines it
+drifts within a run (decode steps 0.8x-1.8x in the kept traces of issue 16): a workload whose
+validation run met a slow stretch errs there, whatever the model. Measured, never simulated.
+
 Both sides measure the same way (TTFT = first-token time - arrival; TPOT = (finish - first
 token) / (outputs - 1); total = last finish - first arrival). Target: every |error| <= 5%.
 Timings on a shared machine are noisy: run it on a quiet one for figures to quote.
@@ -318,13 +324,27 @@ def compare(name: str, ours: tuple[list[dict], dict], theirs: tuple[list[dict], 
 
 
 def validate(args, name: str, profile: dict, trace_dir: Path) -> dict:
-    """The simulator against the kept validation run of workload `name`."""
+    """The simulator against the kept validation run of workload `name`; the row also carries
+    the machine's measured speed during that run against the profile ("machine_speed")."""
     trace = real_path(trace_dir, name, args.seed + 1)
     real = load_run(trace)
     quick = json.loads(records_path(trace).read_text())["quick"]
     specs = realized_specs(make_specs(WORKLOADS[name], args.seed + 1, quick), real[0])
     records, sim_trace = run_sim(WORKLOADS[name], profile, specs)
-    return compare(name, (records, step_counts(sim_trace)), real)
+    return {**compare(name, (records, step_counts(sim_trace)), real),
+            "machine_speed": run_speed(profile, trace)}
+
+
+def run_speed(profile: dict, trace: Path) -> dict:
+    """A real run's runner time per step kind over the profile's (calibrate_trace.
+    machine_speed): how much faster or slower the machine ran than the calibration runs'
+    average. Measured, never fed to the simulator."""
+    from tokenweir.sim.calibrate_trace import machine_speed, traced_steps
+    from tokenweir.sim.latency import FittedLatencyModel
+    from tokenweir.timeline.records import load_jsonl
+
+    return machine_speed(FittedLatencyModel.from_profile(profile),
+                         traced_steps(load_jsonl(trace)))
 
 
 def noise_floor(args, name: str, trace_dir: Path) -> dict:
@@ -346,6 +366,17 @@ def format_table(rows: list[dict]) -> str:
     lines.append(f"worst |error| {100 * worst:.1f}% (target <= {100 * TARGET:.0f}% each); "
                  f"{sum(abs(e) <= TARGET for r in rows for e in r['rel_error'].values())}"
                  f"/{len(rows) * len(METRICS)} within target")
+    return "\n".join(lines)
+
+
+def format_speeds(rows: list[dict]) -> str:
+    """The machine's speed in each validation run against the profile (measured runner time
+    over modelled; decode steps are memory-bound, the ones with a prefill chunk compute-bound):
+    a workload whose run met a slow stretch of the machine shows it here, not in the model."""
+    from tokenweir.sim.calibrate_trace import format_speed
+
+    lines = ["machine speed in each validation run (real runner time / the profile's):"]
+    lines += [format_speed(f"  {r['workload']:10s}", r["machine_speed"]) for r in rows]
     return "\n".join(lines)
 
 
@@ -382,6 +413,7 @@ def main() -> int:
     print(f"\n{len(names)} workloads, {args.threads} thread(s), calibrated on seed {args.seed}, "
           f"validated on seed {args.seed + 1}; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
+    print(format_speeds(rows))
     if noise:
         print("\nnoise floor: the real engine's second validation run against its first")
         print(format_table(noise).replace("sim vs real; counts: real/sim",
