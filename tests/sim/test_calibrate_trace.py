@@ -147,10 +147,37 @@ def test_runner_fit_weights_each_step_by_the_square_root_of_its_time(tmp_path, m
     assert np.all(np.array(list(plain.coefficients.values())) >= 0)
     used = []
     monkeypatch.setattr("tokenweir.sim.calibrate.fit_step_model",
-                        lambda t, s, w=1.0: used.append(w) or fit_step_model(t, s, w))
+                        lambda t, s, w=1.0, r=0: used.append((w, r)) or fit_step_model(t, s, w, r))
     engine_like_trace(tmp_path / "t.jsonl", seed=1)
     calibrate_from_traces([str(tmp_path / "t.jsonl")])
-    assert used == [ct.RUNNER_WEIGHT_POWER] == [0.5]  # probe: the trace fit used the weighting
+    # probe: the trace fit used the weighting, scaled by predicted times
+    assert used == [(ct.RUNNER_WEIGHT_POWER, ct.RUNNER_REWEIGHT_ROUNDS)]
+    assert ct.RUNNER_WEIGHT_POWER == 0.5 and ct.RUNNER_REWEIGHT_ROUNDS > 0
+
+
+@pytest.mark.parametrize("power", [1.0, 0.5])
+def test_reweighted_fit_is_not_pulled_low_by_stalled_steps(power):
+    """Each shape run 10 times, one of them stalled at 2x (a real machine's right-skewed
+    jitter): the mean is 1.1x. Residuals scaled by the MEASURED time weigh the stalled run
+    less because it stalled, and the fit lands below the mean (probe); scaled by the
+    predicted time (reweight_rounds) it lands on the mean of every shape."""
+    from tokenweir.sim.calibrate import fit_step_model
+    from tokenweir.sim.latency import FittedLatencyModel
+
+    truth = known_model()
+    shapes = [StepTotals.of_chunks([(1, c)] * n) for n in (1, 3, 8) for c in (50, 400)]
+    shapes += [StepTotals.of_chunks([(q, c)] + [(1, 100)] * n)
+               for q in (16, 128, 512) for c in (0, 256) for n in (0, 4)]
+    totals = [t for t in shapes for _ in range(10)]
+    seconds = [truth.runner_seconds(t) * (2.0 if i % 10 == 0 else 1.0)
+               for i, t in enumerate(totals)]
+    measured = fit_step_model(totals, seconds, power)
+    assert sum(measured.predicted) / sum(seconds) < 0.985
+    fit = fit_step_model(totals, seconds, power, reweight_rounds=3)
+    assert sum(fit.predicted) / sum(seconds) == pytest.approx(1.0, abs=1e-6)
+    model = FittedLatencyModel(fit.coefficients)
+    for t in shapes:
+        assert model.runner_seconds(t) == pytest.approx(1.1 * truth.runner_seconds(t), rel=1e-6)
 
 
 # ---- machine drift (issue 16): measured, and divided out of the shape error -------------------
