@@ -35,6 +35,17 @@ run's errors against the first: the run-to-run noise no simulator can beat. Per 
 TTFT p50/p90, TPOT p50/p90, and on both sides the counts of preemptions (recompute), swap-outs,
 prefix-cache hit tokens and mid-step cuts (read from the step records of each side).
 
+After the table, per validation run, the machine's measured speed against the profile (real
+runner time / the profile's, for decode-only steps and steps with a prefill chunk, over the
+run and its range over 3-s windows: calibrate_trace.machine_speed). On shared machines it
+drifts within a run (decode steps 0.8x-1.8x in the kept traces of issue 16): a workload whose
+validation run met a slow stretch errs there, whatever the model. Measured, never simulated.
+
+`--sensitivity` resimulates each validation workload with the profile's step times scaled by
+0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
+~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a
+model while the machine drifts by more than half a percent between runs.
+
 Both sides measure the same way (TTFT = first-token time - arrival; TPOT = (finish - first
 token) / (outputs - 1); total = last finish - first arrival). Target: every |error| <= 5%.
 Timings on a shared machine are noisy: run it on a quiet one for figures to quote.
@@ -111,6 +122,9 @@ def parse_args() -> argparse.Namespace:
                    help="no real engine: refit and resimulate the runs kept in DIR")
     p.add_argument("--noise-floor", action="store_true",
                    help="run each validation workload twice; print real vs real errors")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="also resimulate with every step 2%% faster and 2%% slower; print how "
+                        "many points each error moves per 1%% of step time")
     p.add_argument("--json", dest="json_out", help="write every figure here")
     return p.parse_args()
 
@@ -318,13 +332,27 @@ def compare(name: str, ours: tuple[list[dict], dict], theirs: tuple[list[dict], 
 
 
 def validate(args, name: str, profile: dict, trace_dir: Path) -> dict:
-    """The simulator against the kept validation run of workload `name`."""
+    """The simulator against the kept validation run of workload `name`; the row also carries
+    the machine's measured speed during that run against the profile ("machine_speed")."""
     trace = real_path(trace_dir, name, args.seed + 1)
     real = load_run(trace)
     quick = json.loads(records_path(trace).read_text())["quick"]
     specs = realized_specs(make_specs(WORKLOADS[name], args.seed + 1, quick), real[0])
     records, sim_trace = run_sim(WORKLOADS[name], profile, specs)
-    return compare(name, (records, step_counts(sim_trace)), real)
+    return {**compare(name, (records, step_counts(sim_trace)), real),
+            "machine_speed": run_speed(profile, trace)}
+
+
+def run_speed(profile: dict, trace: Path) -> dict:
+    """A real run's runner time per step kind over the profile's (calibrate_trace.
+    machine_speed): how much faster or slower the machine ran than the calibration runs'
+    average. Measured, never fed to the simulator."""
+    from tokenweir.sim.calibrate_trace import machine_speed, traced_steps
+    from tokenweir.sim.latency import FittedLatencyModel
+    from tokenweir.timeline.records import load_jsonl
+
+    return machine_speed(FittedLatencyModel.from_profile(profile),
+                         traced_steps(load_jsonl(trace)))
 
 
 def noise_floor(args, name: str, trace_dir: Path) -> dict:
@@ -346,6 +374,40 @@ def format_table(rows: list[dict]) -> str:
     lines.append(f"worst |error| {100 * worst:.1f}% (target <= {100 * TARGET:.0f}% each); "
                  f"{sum(abs(e) <= TARGET for r in rows for e in r['rel_error'].values())}"
                  f"/{len(rows) * len(METRICS)} within target")
+    return "\n".join(lines)
+
+
+def scaled_profile(profile: dict, factor: float) -> dict:
+    """The profile with every step time (runner and engine overhead) times `factor`."""
+    return {**profile,
+            "coefficients": {f: c * factor for f, c in profile["coefficients"].items()},
+            "overhead": {f: c * factor for f, c in (profile.get("overhead") or {}).items()}}
+
+
+def sensitivity(args, name: str, profile: dict, trace_dir: Path, step: float = 0.02) -> dict:
+    """Per metric: how many points its relative error moves per 1% of step time, from
+    resimulations with the profile scaled by 1 - step and 1 + step."""
+    low, high = (validate(args, name, scaled_profile(profile, 1 + d), trace_dir)["rel_error"]
+                 for d in (-step, step))
+    return {k: (high[k] - low[k]) / (2 * step) for k in METRICS}
+
+
+def format_sensitivity(names: list[str], rows: list[dict]) -> str:
+    lines = ["error points per 1% of step time (resimulated at 0.98x and 1.02x):",
+             f"{'workload':10s}" + "".join(f"{k:>13s}" for k in METRICS)]
+    lines += [f"{n:10s}" + "".join(f"{r[k]:+13.1f}" for k in METRICS)
+              for n, r in zip(names, rows)]
+    return "\n".join(lines)
+
+
+def format_speeds(rows: list[dict]) -> str:
+    """The machine's speed in each validation run against the profile (measured runner time
+    over modelled; decode steps are memory-bound, the ones with a prefill chunk compute-bound):
+    a workload whose run met a slow stretch of the machine shows it here, not in the model."""
+    from tokenweir.sim.calibrate_trace import format_speed
+
+    lines = ["machine speed in each validation run (real runner time / the profile's):"]
+    lines += [format_speed(f"  {r['workload']:10s}", r["machine_speed"]) for r in rows]
     return "\n".join(lines)
 
 
@@ -382,12 +444,18 @@ def main() -> int:
     print(f"\n{len(names)} workloads, {args.threads} thread(s), calibrated on seed {args.seed}, "
           f"validated on seed {args.seed + 1}; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
+    print(format_speeds(rows))
+    swings = ([sensitivity(args, name, profile, trace_dir) for name in names]
+              if args.sensitivity else [])
+    if swings:
+        print(format_sensitivity(names, swings))
     if noise:
         print("\nnoise floor: the real engine's second validation run against its first")
         print(format_table(noise).replace("sim vs real; counts: real/sim",
                                           "repeat vs first; counts: first/repeat"))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"rows": rows, "noise_floor": noise,
+                                                   "sensitivity": dict(zip(names, swings)),
                                                    "profile_heldout": profile.get("heldout")},
                                                   indent=1))
     worst = max(abs(e) for r in rows for e in r["rel_error"].values())

@@ -147,7 +147,115 @@ def test_runner_fit_weights_each_step_by_the_square_root_of_its_time(tmp_path, m
     assert np.all(np.array(list(plain.coefficients.values())) >= 0)
     used = []
     monkeypatch.setattr("tokenweir.sim.calibrate.fit_step_model",
-                        lambda t, s, w=1.0: used.append(w) or fit_step_model(t, s, w))
+                        lambda t, s, w=1.0, r=0: used.append((w, r)) or fit_step_model(t, s, w, r))
     engine_like_trace(tmp_path / "t.jsonl", seed=1)
     calibrate_from_traces([str(tmp_path / "t.jsonl")])
-    assert used == [ct.RUNNER_WEIGHT_POWER] == [0.5]  # probe: the trace fit used the weighting
+    # probe: the trace fit used the weighting, scaled by predicted times
+    assert used == [(ct.RUNNER_WEIGHT_POWER, ct.RUNNER_REWEIGHT_ROUNDS)]
+    assert ct.RUNNER_WEIGHT_POWER == 0.5 and ct.RUNNER_REWEIGHT_ROUNDS > 0
+
+
+@pytest.mark.parametrize("power", [1.0, 0.5])
+def test_reweighted_fit_is_not_pulled_low_by_stalled_steps(power):
+    """Each shape run 10 times, one of them stalled at 2x (a real machine's right-skewed
+    jitter): the mean is 1.1x. Residuals scaled by the MEASURED time weigh the stalled run
+    less because it stalled, and the fit lands below the mean (probe); scaled by the
+    predicted time (reweight_rounds) it lands on the mean of every shape."""
+    from tokenweir.sim.calibrate import fit_step_model
+    from tokenweir.sim.latency import FittedLatencyModel
+
+    truth = known_model()
+    shapes = [StepTotals.of_chunks([(1, c)] * n) for n in (1, 3, 8) for c in (50, 400)]
+    shapes += [StepTotals.of_chunks([(q, c)] + [(1, 100)] * n)
+               for q in (16, 128, 512) for c in (0, 256) for n in (0, 4)]
+    totals = [t for t in shapes for _ in range(10)]
+    seconds = [truth.runner_seconds(t) * (2.0 if i % 10 == 0 else 1.0)
+               for i, t in enumerate(totals)]
+    measured = fit_step_model(totals, seconds, power)
+    assert sum(measured.predicted) / sum(seconds) < 0.985
+    fit = fit_step_model(totals, seconds, power, reweight_rounds=3)
+    assert sum(fit.predicted) / sum(seconds) == pytest.approx(1.0, abs=1e-6)
+    model = FittedLatencyModel(fit.coefficients)
+    for t in shapes:
+        assert model.runner_seconds(t) == pytest.approx(1.1 * truth.runner_seconds(t), rel=1e-6)
+
+
+# ---- machine drift (issue 16): measured, and divided out of the shape error -------------------
+def drifting(steps, factor, after: float, kind: str = "decode"):
+    """The steps with the runner time of every `kind` step starting at or after `after`
+    seconds (from the first step) multiplied by `factor`: a machine that slows down."""
+    import dataclasses
+
+    from tokenweir.sim.calibrate_trace import step_kind
+
+    t0 = steps[0].start
+    return [dataclasses.replace(s, runner=s.runner * factor)
+            if s.start - t0 >= after and step_kind(s.totals) == kind else s for s in steps]
+
+
+def test_machine_speed_measures_a_slow_stretch_per_step_kind(tmp_path):
+    from tokenweir.sim.calibrate_trace import (MIN_WINDOW_STEPS, machine_speed,
+                                               speed_windows, step_kind)
+
+    _, trace = engine_like_trace(tmp_path / "t.jsonl", seed=5)
+    steps = traced_steps(trace)
+    half = (steps[-1].start - steps[0].start) / 2
+    window = half / 3  # three windows per half
+    model = known_model()
+    assert machine_speed(model, steps, window)["decode"]["ratio"] == pytest.approx(1.0)
+    slow = drifting(steps, 1.5, half)
+    windows = speed_windows(model, slow, window)
+    assert windows["prefill"] == pytest.approx([1.0] * len(windows["prefill"]))
+    assert min(windows["decode"]) == pytest.approx(1.0) and \
+        max(windows["decode"]) == pytest.approx(1.5)
+    speed = machine_speed(model, slow, window)
+    assert 1.0 < speed["decode"]["ratio"] < 1.5 and speed["prefill"]["ratio"] == \
+        pytest.approx(1.0)
+    # A window with fewer than MIN_WINDOW_STEPS steps of a kind gives that kind no ratio.
+    decodes = [s for s in slow if step_kind(s.totals) == "decode"][:MIN_WINDOW_STEPS]
+    assert len(speed_windows(model, decodes, 1e9)["decode"]) == 1
+    assert speed_windows(model, decodes[:-1], 1e9)["decode"] == []
+
+
+def test_local_ratios_divide_out_drift_but_keep_a_lone_slow_step(tmp_path):
+    import dataclasses
+
+    from tokenweir.sim.calibrate_trace import local_ratios, step_kind
+
+    _, trace = engine_like_trace(tmp_path / "t.jsonl", seed=6)
+    steps = traced_steps(trace)
+    model = known_model()
+    # decode steps drift to 1.4x in the second half, prefill steps to 2x: no local error
+    slow = drifting(drifting(steps, 1.4, 0.5 * (steps[-1].start - steps[0].start)),
+                    2.0, 0.5 * (steps[-1].start - steps[0].start), "prefill")
+    assert slow != steps  # the drift happened
+    local = local_ratios(model, slow)
+    known = [r for r in local if r is not None]
+    assert len(known) > 0.9 * len(steps)
+    assert sorted(known)[len(known) // 10] > 0.99 and sorted(known)[-len(known) // 10] < 1.01
+    # one step 1.3x slower than its neighbours: its local ratio says so
+    i = next(i for i, s in enumerate(slow) if step_kind(s.totals) == "decode" and i > 20)
+    spiked = slow[:i] + [dataclasses.replace(slow[i], runner=1.3 * slow[i].runner)] + slow[i + 1:]
+    assert local_ratios(model, spiked)[i] == pytest.approx(1.3, rel=0.01)
+    assert local_ratios(model, slow[:3]) == [None, None, None]  # too few neighbours
+
+
+def test_from_trace_reports_drift_apart_from_the_model_error(tmp_path):
+    """A calibration trace whose machine slows to 1.3x halfway: the fitted model's held-out
+    error is large (probe: the drift reached the fit), its error against neighbouring steps
+    stays small, and the profile records the drift per trace."""
+    from tokenweir.sim.calibrate import format_report
+
+    _, trace = engine_like_trace(tmp_path / "t.jsonl", seed=7)
+    t0, t1 = trace.steps[0]["start"], trace.steps[-1]["start"]
+    for s in trace.steps:
+        if s["start"] - t0 >= (t1 - t0) / 2 and s.get("phases"):
+            s["phases"]["forward"] *= 1.3
+    write_jsonl(trace, tmp_path / "t.jsonl")
+    profile = calibrate_from_traces([str(tmp_path / "t.jsonl")], holdout_every=5)
+    held = profile["heldout"]
+    assert held["runner_mean_rel_error"] > 0.08
+    assert held["local_mean_rel_error"] < 0.02
+    (speed,) = profile["machine_speed"]
+    assert speed["decode"]["max"] / speed["decode"]["min"] == pytest.approx(1.3, rel=0.05)
+    assert "machine speed in t.jsonl: decode" in format_report(profile)
