@@ -530,3 +530,27 @@ def test_cuda_matches_the_rules():
     # Seeded rows do not depend on their neighbours on the GPU either.
     for i in (2, 3, 6, 7):
         assert tokens(logits[i:i + 1], [params[i]])[0] == out.token_ids[i]
+
+
+def test_many_plain_rows_are_drawn_in_row_chunks_with_the_same_draws(monkeypatch):
+    """_sample_plain takes many rows _PLAIN_ROWS at a time on CPU (no >32 MB buffer); rows are
+    independent, so the tokens are those of one pass over every row (min-p and temperature
+    mixed in). Probe: the chunked run really split the rows."""
+    from tokenweir.model import sampler as S
+
+    torch.manual_seed(0)
+    logits = torch.randn(23, 300) * 3
+    params = [SamplingParams(temperature=0.5 + (i % 3) / 2, min_p=0.05 * (i % 2))
+              for i in range(23)]
+    monkeypatch.setattr(S, "_PLAIN_ROWS", 1000)
+    whole = tokens(logits, params)
+    calls = []
+    plain = S._sample_plain
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return plain(x, *args, **kwargs)
+    monkeypatch.setattr(S, "_sample_plain", counted)
+    monkeypatch.setattr(S, "_PLAIN_ROWS", 5)
+    assert tokens(logits, params) == whole
+    assert calls == [23, 5, 5, 5, 5, 3]
