@@ -77,6 +77,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     t.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     t.add_argument("--kv-cache-space", type=float, default=3.0,
                    help="GiB of KV pool (room for the whole workload at once in float32)")
+    t.add_argument("--quantization", choices=("int8",), default=None,
+                   help="tokenweir's weight-only int8 decode matmuls (bfloat16; the peer runs "
+                        "unquantized: a ratio across precisions, say so when quoting it)")
     t.add_argument("--skip-tokenweir", action="store_true", help="do not run tokenweir")
 
     h = p.add_argument_group("transformers")
@@ -163,7 +166,8 @@ def run_tokenweir(args: argparse.Namespace, wl: _workload.Workload) -> dict:
         t0 = time.perf_counter()
         llm = LLM(model=args.model, dtype=args.dtype, seed=0,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=args.max_num_seqs, kv_cache_space=args.kv_cache_space)
+                  max_num_seqs=args.max_num_seqs, kv_cache_space=args.kv_cache_space,
+                  quantization=args.quantization)
         res["load_s"] = time.perf_counter() - t0
         if not args.no_warmup:
             llm.generate([{"prompt_token_ids": wl.prompts[0][:32]}],
@@ -463,7 +467,9 @@ def report(args: argparse.Namespace, wl: _workload.Workload, results: list[dict]
     print()
     print(f"Offline throughput, {args.model}, {args.dtype}: {wl.describe()}")
     print(f"tokenweir: max_num_batched_tokens={args.max_num_batched_tokens}, "
-          f"max_num_seqs={args.max_num_seqs}; transformers: static batches of "
+          f"max_num_seqs={args.max_num_seqs}"
+          f"{f', quantization={args.quantization}' if args.quantization else ''}"
+          f"; transformers: static batches of "
           f"{args.hf_batch_size}, left-padded, {'packed' if args.hf_keep_packed else 'dense'} "
           f"weights; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {_cpu_capability()}")

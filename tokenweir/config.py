@@ -35,6 +35,7 @@ SLO_STEP_PREDICTORS = ("auto", "ttft_line")
 PREEMPTION_POLICIES = ("fcfs", "priority", "cost")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)  # ModelConfig.quantization (tokenweir/model/layers.py)
 
 # The model every command and `LLM()` use when none is named: an alias model/loader.py resolves.
 DEFAULT_MODEL = "smollm2-135m"
@@ -75,6 +76,11 @@ class ModelConfig:
     max_model_len: Optional[int] = _f(
         None, "longest prompt + output, in tokens (default: the model's context length)")
     device: str = _f("auto", "cpu, cuda, or auto (cuda when available)")
+    quantization: Optional[str] = _f(
+        None, "weight-only quantization of decode matmuls: int8 (CPU, bfloat16, one process: "
+        "batches of up to 4 rows read int8 weights, per output channel; the rest stay "
+        "unquantized)",
+        choices=QUANTIZATIONS)
     seed: int = _f(0, "seed for requests that do not set their own")
     step_trace: Optional[str] = _f(
         None, "write every engine step (its requests, prefill and decode tokens, phase times, "
@@ -87,6 +93,9 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, "
+                             f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,10 @@ for _c in ("generate", "serve", "simulate", "sweep"):
     NEW_SPELLINGS[f"tokenweir {_c}"] = NEW_SPELLINGS.get(f"tokenweir {_c}", set()) | {
         "--slo-step-predictor"}
 NEW_DESTS |= {"slo_step_predictor"}
+# issue 12: weight-only int8 decode matmuls, an engine flag like --dtype
+for _c in ("generate", "serve", "simulate", "sweep"):
+    NEW_SPELLINGS[f"tokenweir {_c}"] |= {"--quantization"}
+NEW_DESTS |= {"quantization"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -20,6 +20,7 @@ from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
 from tokenweir.guided.engine_hooks import attach_guided_decoder, check_guided
 from tokenweir.model.attention import kv_cache_bytes_per_block
+from tokenweir.model.layers import set_quantization
 from tokenweir.model.loader import LoadedModel, load_model, preferred_dtype
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import Request, RequestStatus, SamplingParams, make_sample_group
@@ -131,6 +132,23 @@ def _token_ids(ids: object, what: str) -> list[int]:
 WARM_UP_MAX_SEQS = 64
 
 
+def check_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """quantization runs where it pays (tokenweir/model/layers.py, int8_matmul): CPU,
+    bfloat16, one process (TP workers load their own unquantized weights)."""
+    if config.model.quantization is None:
+        return
+    if dtype != torch.bfloat16:
+        raise ValueError(f"quantization={config.model.quantization!r} needs dtype bfloat16 "
+                         f"(got {str(dtype).removeprefix('torch.')}: in float32 it measured "
+                         f"slower than the unquantized kernels)")
+    if device.type != "cpu":
+        raise ValueError(f"quantization={config.model.quantization!r} runs on CPU only "
+                         f"(device is {device.type})")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError(f"quantization={config.model.quantization!r} runs in one process: "
+                         "tensor_parallel_size must be 1")
+
+
 def warm_up_enabled() -> bool:
     return os.environ.get("TOKENWEIR_WARMUP", "1") != "0"
 
@@ -150,6 +168,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         if loaded is None:
             loaded = load_model(config.model.model, self.dtype, self.device)
+        check_quantization(config, self.device, self.dtype)
+        set_quantization(loaded.model, config.model.quantization)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.arch.vocab_size

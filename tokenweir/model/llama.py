@@ -22,7 +22,7 @@ from tokenweir.model.attention import AttentionMetadata, paged_attention
 from tokenweir.model.layers import (PACKED_MAX_ROWS_LM_HEAD, SKINNY_MAX_ROWS_LM_HEAD,
                                     Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
                                     RotaryStep, bucketed_linear, drop_packed_weights,
-                                    few_rows_matmul)
+                                    few_rows_matmul, int8_matmul)
 
 
 # Called with the layer index before each decoder layer (an attention-layer boundary). It may
@@ -163,6 +163,9 @@ class CausalLM(nn.Module):
         sizes, the result is a view of a buffer the next call overwrites (`logits_buffer`):
         use it (sampling, logprobs) before computing logits again."""
         weight = self.lm_head_weight
+        logits = int8_matmul(hidden, weight, self)
+        if logits is not None:
+            return logits.float()
         logits = few_rows_matmul(hidden, weight, self, PACKED_MAX_ROWS_LM_HEAD,
                                  SKINNY_MAX_ROWS_LM_HEAD)
         if logits is not None:
