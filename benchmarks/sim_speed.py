@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenweir.sim.build import build_simulation  # noqa: E402
 from tokenweir.sim.cluster import build_cluster, summarize_cluster  # noqa: E402
-from tokenweir.sim.digest import cluster_digest  # noqa: E402
+from tokenweir.sim.digest import cluster_digest, instance_digest  # noqa: E402
 from tokenweir.sim.metrics import summarize  # noqa: E402
 from tokenweir.sim.workload import synthetic  # noqa: E402
 
@@ -46,7 +46,8 @@ def run_single(args: argparse.Namespace):
     specs = chat_workload(args.num_requests, args.request_rate or 30.0)
     sim = build_simulation(ENGINE_ARGS, specs, model_shape="llama-7b", hardware="h100",
                            itl_counts=True)
-    return sim.run, lambda result: (summarize(result), result.requests, None)
+    return sim.run, lambda result: (summarize(result), result.requests,
+                                    instance_digest(result))
 
 
 def run_cluster(args: argparse.Namespace):

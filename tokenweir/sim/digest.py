@@ -31,6 +31,14 @@ def _feed_instance(h: "hashlib._Hash", r: SimResult) -> None:
     h.update(repr((len(r.steps), r.prefix_hit_tokens, r.prefix_query_tokens)).encode())
 
 
+def instance_digest(result: SimResult) -> str:
+    """SHA-256 hex of one instance's run (a single-instance Simulation's result)."""
+    h = hashlib.sha256()
+    _feed_instance(h, result)
+    h.update(repr(result.end_time).encode())
+    return h.hexdigest()
+
+
 def cluster_digest(result: ClusterResult) -> str:
     """SHA-256 hex of a cluster run's decisions (see the module docstring)."""
     h = hashlib.sha256()

@@ -20,7 +20,6 @@ import gc
 from array import array
 from collections import Counter
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Optional, Union
 
 from tokenweir.config import EngineConfig
@@ -216,7 +215,7 @@ class SimEngine:
         the previous step's end). Also the path when gaps are not recorded at all."""
         last_token = self._last_token
         gap_starts = _count(list(map(last_token.__getitem__, decoded)))
-        last_token.update(zip(decoded, repeat(now)))
+        last_token.update(dict.fromkeys(decoded, now))
         for eco in outputs:
             rid = eco.request.request_id
             previous = last_token.get(rid)

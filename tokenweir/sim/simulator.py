@@ -108,6 +108,8 @@ class Simulator:
         if any(i.role == "prefill" for i in instances) != bool(self.decode):
             raise ValueError("prefill instances and decode instances come together")
         self.router, self.decode_router = router, decode_router
+        # The front instances' request maps, whose sizes are their loads (`_front_loads`).
+        self._front_requests = [i.scheduler.requests for i in self.front]
         self.specs = sorted(specs, key=lambda s: (s.arrival, s.index))
         self.sessions = sorted(sessions or [], key=lambda s: (s.start, s.session_id))
         self.links = KVLinks(self.decode, link_bytes_per_s, kv_bytes_per_token)
@@ -226,13 +228,19 @@ class Simulator:
             job.request_id, now, len(job.tokens), job.output_len, job.priority, job.ttft_slo_ms)
         front = self.front
         inst = front[0] if len(front) == 1 else \
-            front[self.router.choose(job.tokens, [i.load for i in front])]
+            front[self.router.choose(job.tokens, self._front_loads())]
         inst.num_routed += 1
         if inst.role == "prefill":
             self._prefill_of[job.request_id] = inst
             self._add(inst, job, 1, now)
         else:
             self._add(inst, job, job.output_len, now)
+
+    def _front_loads(self) -> list[int]:
+        """`Instance.load` of each front instance, in one C-level pass (once per arrival over
+        every front instance): KV imports go to decode instances only, so a front instance's
+        `num_incoming` is 0 and its load is the number of requests its scheduler holds."""
+        return list(map(len, self._front_requests))
 
     def _add(self, inst: Instance, job: Job, output_len: int, now: float) -> None:
         """Give `job` to `inst` (as its request, `output_len` tokens long) at `now`."""

@@ -220,8 +220,8 @@ class Scheduler:
                     count.count_recomputed_tokens(self.stats, request, num_tokens)
                 computed = request.num_computed_tokens + num_tokens
                 request.num_computed_tokens = computed
-                if computed > request.max_computed_tokens:
-                    request.max_computed_tokens = computed
+                if not request.num_preemptions or computed > request.max_computed_tokens:
+                    request.max_computed_tokens = computed  # never preempted: it only grew
                 if register is not None and (lagging or computed % block_size < num_tokens):
                     register(request)
                 new_token_ids = sampled.get(request_id)
