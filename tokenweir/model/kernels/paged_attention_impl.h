@@ -4,7 +4,9 @@
 // 16: AVX-512). No include guard on purpose.
 //
 // Element type T of q, the cache and out: float, or uint16_t holding bfloat16 bits. Compute is
-// float32 throughout (bf16 is widened by a 16-bit shift, rounded to nearest-even on store).
+// float32 throughout (bf16 is widened by a 16-bit shift, rounded to nearest-even on store),
+// except in TW_BF16_DOT builds (AVX-512 BF16), where bfloat16 prefill rows take their dot
+// products by vdpbf16ps (score_block_dp, value_block_dp: float32 accumulation, bf16 inputs).
 //
 // Work item = (request, a run of its query rows), every head. Its query vectors ((row, head)
 // pairs) are grouped by kv head (GQA) into tiles of up to kMaxTile that share each K/V row
