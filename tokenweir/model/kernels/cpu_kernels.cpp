@@ -360,9 +360,9 @@ std::string cpu_isa() {
   const bool avx512bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
   if (want == "avx2") return avx2 ? "avx2" : "";
   if (want == "avx512") return avx512 ? "avx512" : "";
-  if (want == "avx512bf16" || want.empty())
-    return avx512bf16 ? "avx512bf16" : want.empty() && avx512 ? "avx512" : want.empty() && avx2 ? "avx2" : "";
-  return "";
+  if (want == "avx512bf16") return avx512bf16 ? "avx512bf16" : "";
+  if (!want.empty()) return "";
+  return avx512bf16 ? "avx512bf16" : avx512 ? "avx512" : avx2 ? "avx2" : "";
 }
 
 struct WorkItem {

@@ -6,7 +6,7 @@
 // Element type T of q, the cache and out: float, or uint16_t holding bfloat16 bits. Compute is
 // float32 throughout (bf16 is widened by a 16-bit shift, rounded to nearest-even on store),
 // except in TW_BF16_DOT builds (AVX-512 BF16), where bfloat16 prefill rows take their dot
-// products by vdpbf16ps (score_block_dp, value_block_dp: float32 accumulation, bf16 inputs).
+// products by vdpbf16ps (block_dp: float32 accumulation, bf16 inputs).
 //
 // Work item = (request, a run of its query rows), every head. Its query vectors ((row, head)
 // pairs) are grouped by kv head (GQA) into tiles of up to kMaxTile that share each K/V row
@@ -358,7 +358,7 @@ inline void probabilities_to_bf16(const float* p, int64_t len, int64_t padded, u
 }
 #endif  // TW_BF16_DOT
 
-// Which passes of a work item go by vdpbf16ps (score_block_dp, value_block_dp).
+// Which passes of a work item go by vdpbf16ps (block_dp).
 struct DotPasses {
   bool scores = false, values = false;
 };
@@ -367,9 +367,8 @@ struct DotPasses {
 struct Scratch {
   std::vector<float> q, scores, out;
   std::vector<uint16_t> qh;  // TW_BF16_DOT: the bf16 queries as they came (Tile::qh)
-  std::vector<uint32_t> kp;  // TW_BF16_DOT: one chunk of keys, keys in lanes (pack_keys)
   std::vector<uint16_t> ph;  // TW_BF16_DOT: the probabilities as bf16 (Tile::ph)
-  std::vector<uint32_t> vp;  // TW_BF16_DOT: one chunk of values, key pairs interleaved
+  std::vector<uint32_t> packed;  // TW_BF16_DOT: one chunk of keys or values (block_dp)
   std::vector<Tile> tiles;
   std::vector<int> sizes;
   std::vector<int64_t> lens, dest;  // per vector: keys attended, element offset in out
@@ -413,43 +412,32 @@ void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64
 }
 
 #ifdef TW_BF16_DOT
-// The score pass's work on one block by packed chunks of keys (see pack_keys): each chunk is
-// packed once per kv head (the tiles come kv head by kv head) and scored by every tile of it.
-inline void score_block_dp(const Paged<uint16_t>& g, const uint16_t* blk, int64_t t0,
-                           int64_t nt, int64_t stride, Trickle& pf, Scratch& s) {
+// One pass's work on one block by packed chunks of 16 keys (kScores: pack_keys, then every
+// tile's scores; else pack_values, then every tile's values; t0 is even then). A chunk is
+// packed once per kv head (the tiles come kv head by kv head) and used by every tile of it.
+template <bool kScores>
+void block_dp(const Paged<uint16_t>& g, const uint16_t* blk, int64_t t0, int64_t nt,
+              int64_t stride, int64_t pstride, Trickle& pf, Scratch& s) {
   const int64_t d = g.head_dim, row = g.row();
-  s.kp.resize(d / 2 * kKeyLanes);
+  s.packed.resize(d / 2 * kKeyLanes);  // keys: d/2 pairs x 16 lanes; values: 8 pairs x d
   for (int64_t j0 = 0; j0 < nt; j0 += kKeyLanes) {
     const int64_t chunk = std::min<int64_t>(kKeyLanes, nt - j0);
     int64_t packed_head = -1;
     for (size_t i = 0; i < s.tiles.size(); ++i) {
       Tile tile = s.tiles[i];
       if (tile.kv_head != packed_head) {
-        pack_keys(blk + j0 * row + tile.kv_head * d, chunk, row, d, s.kp.data(), pf);
+        const uint16_t* src = blk + j0 * row + tile.kv_head * d;
+        if (kScores) pack_keys(src, chunk, row, d, s.packed.data(), pf);
+        else pack_values(src, chunk, row, d, s.packed.data(), pf);
         packed_head = tile.kv_head;
       }
-      tile.scores += t0 + j0;
-      score_chunk_tile(s.kp.data(), d, tile, s.sizes[i], g.scale, stride, chunk);
-    }
-  }
-}
-
-// The value pass's work on one block, the same way (see pack_values); t0 is even.
-inline void value_block_dp(const Paged<uint16_t>& g, const uint16_t* blk, int64_t t0,
-                           int64_t nt, int64_t pstride, Trickle& pf, Scratch& s) {
-  const int64_t d = g.head_dim, row = g.row();
-  s.vp.resize(kKeyLanes / 2 * d);
-  for (int64_t j0 = 0; j0 < nt; j0 += kKeyLanes) {
-    const int64_t chunk = std::min<int64_t>(kKeyLanes, nt - j0);
-    int64_t packed_head = -1;
-    for (size_t i = 0; i < s.tiles.size(); ++i) {
-      Tile tile = s.tiles[i];
-      if (tile.kv_head != packed_head) {
-        pack_values(blk + j0 * row + tile.kv_head * d, chunk, row, d, s.vp.data(), pf);
-        packed_head = tile.kv_head;
+      if (kScores) {
+        tile.scores += t0 + j0;
+        score_chunk_tile(s.packed.data(), d, tile, s.sizes[i], g.scale, stride, chunk);
+      } else {
+        tile.ph += t0 + j0;
+        value_chunk_tile(s.packed.data(), (chunk + 1) / 2, d, tile, s.sizes[i], pstride);
       }
-      tile.ph += t0 + j0;
-      value_chunk_tile(s.vp.data(), (chunk + 1) / 2, d, tile, s.sizes[i], pstride);
     }
   }
 }
@@ -457,7 +445,7 @@ inline void value_block_dp(const Paged<uint16_t>& g, const uint16_t* blk, int64_
 
 // One pass (kScores: q.k over the K blocks; else p.v over the V blocks) of every tile over the
 // item's blocks in order; while block b is worked on, the next one (`after`: the block that
-// follows the pass, or null) trickles in. `dot`: this pass by score_block_dp / value_block_dp.
+// follows the pass, or null) trickles in. `dot`: this pass by block_dp.
 template <typename T, bool kScores>
 void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, int64_t pstride,
                       const T* base, const T* after, bool dot, Scratch& s) {
@@ -474,8 +462,7 @@ void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, 
 #ifdef TW_BF16_DOT
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (dot) {
-        if (kScores) score_block_dp(g, blk, t0, nt, max_len, pf, s);
-        else value_block_dp(g, blk, t0, nt, pstride, pf, s);
+        block_dp<kScores>(g, blk, t0, nt, max_len, pstride, pf, s);
         pf.finish();
         continue;
       }
