@@ -144,3 +144,24 @@ def test_chunking_off_ignores_the_threshold():
                           max_num_batched_tokens=1024, long_prefill_token_threshold=256)
     s_on.add_request(make_request("a", 600, 5))
     assert s_on.schedule().num_scheduled_tokens == {"a": 256}
+
+
+def test_a_prefill_finishing_this_step_leaves_its_seat_to_the_next_prompt():
+    """With the cap at 1, a request whose last chunk runs this step is no longer mid-prefill
+    when the step ends: the step's leftover budget starts the next prompt as a chunk."""
+    s = make_scheduler(num_blocks=2000, block_size=16, max_model_len=4000,
+                       max_num_batched_tokens=1000, max_num_partial_prefills=1)
+    runner = FakeRunner()
+    a, b, c, d = (make_request(name, 700, 4) for name in "abcd")
+    for r in (a, b, c, d):
+        s.add_request(r)
+    out, _ = step(s, runner)
+    assert out.num_scheduled_tokens == {"a": 700, "b": 300}
+    # The cap is in play: b is mid-prefill as the next step begins.
+    assert policy.is_prefilling(b) and b.num_computed_tokens == 300
+    out, _ = step(s, runner)
+    # b's last 400 tokens run, and c starts on the rest of the budget instead of waiting.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 400, "c": 599}
+    out, _ = step(s, runner)
+    # c finishes and d runs whole; a and b decode.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 101, "d": 700}

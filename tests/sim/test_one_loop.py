@@ -109,11 +109,13 @@ def cluster_pp4_itl_times() -> str:
         [[list(i.itl_times), i.itl_ids] for i in cluster.instances])
 
 
+# single_itl_counts and single_swap_no_itl re-recorded for one intended change (session 10):
+# the partial-prefill cap no longer counts a request whose prefill finishes in the step.
 RECORDED_BEFORE_ONE_LOOP = {
     cluster_pd_pp_sessions: "26f7af338efb5c20e4b98392134b34f317586dce1d2cfe56a10f91841d42b355",
     single_slo_cut: "bbe1d5a3021d34f5c0d446af25f3085d3979da7ef85a678a35832d4c7e025047",
-    single_itl_counts: "84f6251cd3b6b1d572e21e9279b64c86770d025bed91cb3a099dd23f53a80750",
-    single_swap_no_itl: "c1ff07de4c637bcdc7b03bbcc4e5b97ab09ce0c3097f0d36148890ecd931f6f4",
+    single_itl_counts: "00765d0d503e9d11cc06b5d6359cc332408f67d92b3cba79f22cd434fb993edb",
+    single_swap_no_itl: "084788576ce79fba6bd44ed0287bce128342132c62638368773b96d92d48bd64",
     cluster_pp4_itl_times: "d774d5f16e29053c47bd51a2ebef6b8b6c5a9f605fa1cd8d2cfcbd9f5e04b7e9",
 }
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from tokenweir.config import SchedulerConfig
 from tokenweir.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from tokenweir.core.sched.policy import full_sequence_fits, num_tokens_to_schedule
-from tokenweir.core.sched.step_plan import PartialPrefills, StepPlan
+from tokenweir.core.sched.step_plan import PartialPrefills, StepPlan, still_prefilling_after
 from tokenweir.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class Admission:
         waiting, running, max_num_seqs = sched.waiting, sched.running, sched.config.max_num_seqs
         if plan.preempted or not waiting:
             return
-        num_partial = PartialPrefills(running, plan.paused)
+        num_partial = PartialPrefills(running, plan)
         reserved = sched.forks.reserved_seats() if max_num_seqs > 0 else 0
         while waiting and plan.token_budget > 0 and not plan.prefills_closed:
             request = waiting.peek()
@@ -70,7 +70,7 @@ class Admission:
                 break
             num_tokens, block_ids = admitted
             waiting.pop()
-            if num_tokens < request.num_tokens - request.num_computed_tokens:
+            if still_prefilling_after(request, num_tokens):
                 num_partial.add_one()
             _admit(request, plan.now, running)
             reserved += seats - 1

@@ -9,7 +9,6 @@ from typing import Optional
 
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import NewRequestData, SchedulerOutput
-from tokenweir.core.sched.policy import is_prefilling
 from tokenweir.request import Request
 
 
@@ -96,25 +95,38 @@ def stops_short_of_prompt(request: Request, num_tokens: int) -> bool:
 
 
 class PartialPrefills:
-    """How many requests are mid-prefill: the running ones when admission began (paused ones
-    excluded), plus the admissions this step that got only part of their prompt. Only an
-    admission that would itself be chunked asks, so the pass over `running` is made on the
-    first ask, not on every step with a waiting request. Admissions append to `running`, and
-    nothing else changes it while admitting, so its first `len` entries stay the ones that
-    were running."""
+    """How many requests will be mid-prefill when this step ends: the running ones (paused ones
+    excluded) whose prefill this step's chunk does not finish, plus the admissions this step
+    that got only part of their prompt. A request whose last chunk runs in this step is not
+    counted, so the step's remaining budget may start the next prompt (it would otherwise go
+    unused whenever the cap is reached). Only an admission that would itself be chunked asks,
+    so the pass over `running` is made on the first ask, not on every step with a waiting
+    request. Admissions append to `running`, and nothing else changes it while admitting, so
+    its first `len` entries stay the ones that were running."""
 
-    __slots__ = ("_running", "_paused", "_num_running", "_counted", "_admitted")
+    __slots__ = ("_running", "_paused", "_scheduled", "_num_running", "_counted", "_admitted")
 
-    def __init__(self, running: list[Request], paused: set[str]) -> None:
-        self._running, self._paused, self._num_running = running, paused, len(running)
+    def __init__(self, running: list[Request], plan: StepPlan) -> None:
+        self._running, self._num_running = running, len(running)
+        self._paused, self._scheduled = plan.paused, plan.num_scheduled
         self._counted: Optional[int] = None
         self._admitted = 0
 
     def value(self) -> int:
         if self._counted is None:
-            self._counted = sum(1 for r in self._running[:self._num_running]
-                                if is_prefilling(r) and r.request_id not in self._paused)
+            scheduled = self._scheduled
+            self._counted = sum(
+                1 for r in self._running[:self._num_running]
+                if r.request_id not in self._paused
+                and still_prefilling_after(r, scheduled.get(r.request_id, 0)))
         return self._counted + self._admitted
 
     def add_one(self) -> None:
         self._admitted += 1
+
+
+def still_prefilling_after(request: Request, num_tokens: int) -> bool:
+    """The request is prefilling (`is_prefilling`: owes more than one token) and a chunk of
+    `num_tokens` (0: not scheduled) does not finish it."""
+    owed = request.num_tokens - request.num_computed_tokens
+    return owed > 1 and num_tokens < owed
