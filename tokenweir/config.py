@@ -36,6 +36,7 @@ PREEMPTION_POLICIES = ("fcfs", "priority", "cost")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)  # ModelConfig.quantization (tokenweir/model/layers.py)
+OUTPUT_THREAD_MODES = ("auto", "on", "off")  # ServeConfig.output_thread
 
 # The model every command and `LLM()` use when none is named: an alias model/loader.py resolves.
 DEFAULT_MODEL = "smollm2-135m"
@@ -138,7 +139,8 @@ class SchedulerConfig:
         True, "split prompts across steps; off: a prompt that does not fit the budget waits")
     long_prefill_token_threshold: int = _f(
         0, "most tokens one request may prefill in a step (0 = only the budget caps it)")
-    max_num_partial_prefills: int = _f(1, "most requests mid-prefill (chunked) at once")
+    max_num_partial_prefills: int = _f(
+        1, "most requests left mid-prefill (chunked) when a step ends")
     scheduling_policy: str = _f(
         "fcfs", "waiting-queue order, preempt gate and admission veto: fcfs, priority, slo, or "
         "a policy class of your own as package.module:Class (core/sched/policies/base.py)")
@@ -356,9 +358,11 @@ class ServeConfig:
         False, "time where a served token goes (schedule, forward, update, output processing, "
         "event loop, SSE writing): GET /profile answers it as JSON, and the table is printed "
         "at shutdown", switch=True)
-    inline_output: bool = _f(
-        False, "process outputs (detokenization, stop strings) on the engine thread instead "
-        "of their own thread (the old path, for comparison)", switch=True)
+    output_thread: str = _f(
+        "auto", "process outputs (detokenization, stop strings) on a thread of their own: on; "
+        "off (on the engine thread, between steps); auto: on only where a core is left beside "
+        "torch's threads (on a 2-core machine the thread's work stalls the forward's OpenMP "
+        "team)", choices=OUTPUT_THREAD_MODES)
     log_level: str = _f("info", "log level of the server and of uvicorn")
 
 

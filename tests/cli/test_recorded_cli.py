@@ -56,9 +56,9 @@ NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir sweep"] = _SIM_NE
 NEW_SPELLINGS["tokenweir serve"] = {"--max-request-body-bytes", "--timeline-steps"}
 NEW_DESTS = {"max_request_body_bytes", "timeline_steps", "model_name", "model_config",
              "hardware_dtype"}
-# the serving profile (issue 12) and the old inline output path kept for comparison
-NEW_SPELLINGS["tokenweir serve"] |= {"--profile-serving", "--inline-output"}
-NEW_DESTS |= {"profile_serving", "inline_output"}
+# the serving profile (issue 12) and where outputs are processed (auto / on / off)
+NEW_SPELLINGS["tokenweir serve"] |= {"--profile-serving", "--output-thread"}
+NEW_DESTS |= {"profile_serving", "output_thread"}
 # issue 16: the engine's step trace (generate, serve) and calibration from such traces
 NEW_SPELLINGS["tokenweir serve"] |= {"--trace"}
 NEW_SPELLINGS["tokenweir generate"] = {"--trace"}

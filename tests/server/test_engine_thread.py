@@ -16,7 +16,7 @@ import pytest
 from tokenweir import LLM, SamplingParams
 from tokenweir.config import EngineConfig
 from tokenweir.engine.async_engine import AsyncEngine
-from tokenweir.engine.engine_thread import EngineThread
+from tokenweir.engine.engine_thread import EngineThread, wants_output_thread
 from tokenweir.engine.llm_engine import LLMEngine
 from tokenweir.model.llama import CausalLM
 
@@ -89,3 +89,23 @@ def test_the_served_engine_is_built_and_stepped_on_one_thread(tiny_path, monkeyp
     assert served == [list(o.outputs[0].token_ids) for o in offline]
     worker.join(timeout=30)
     assert not worker.is_alive()  # the loop was its last job: shutdown ended the thread
+
+
+@pytest.mark.parametrize("spare", [0, 1])
+def test_auto_output_thread_only_with_a_core_beside_torchs_threads(monkeypatch, spare):
+    worker = EngineThread()
+    try:
+        torch_threads = worker.call(__import__("torch").get_num_threads)
+        seen = []  # the probe: auto really asked for the process's cores
+
+        def cores(pid):
+            seen.append(pid)
+            return set(range(torch_threads + spare))
+
+        monkeypatch.setattr("os.sched_getaffinity", cores)
+        assert wants_output_thread("auto", worker) is bool(spare)
+        assert seen == [0]
+        assert wants_output_thread("on", worker) and not wants_output_thread("off", worker)
+        assert seen == [0]  # on / off never look
+    finally:
+        worker.stop()

@@ -15,7 +15,7 @@ from tokenweir.config import DEFAULT_MODEL, engine_kwargs
 def run_serve(args: argparse.Namespace) -> int:
     from tokenweir.config import EngineConfig
     from tokenweir.engine.async_engine import AsyncEngine
-    from tokenweir.engine.engine_thread import EngineThread
+    from tokenweir.engine.engine_thread import EngineThread, wants_output_thread
     from tokenweir.engine.llm_engine import LLMEngine
     from tokenweir.server.serve import serve
     from tokenweir.server.settings import ServerSettings
@@ -31,8 +31,12 @@ def run_serve(args: argparse.Namespace) -> int:
     profile = ServingProfile() if args.profile_serving else None
     config = EngineConfig.from_kwargs(**kwargs)
     engine_thread = EngineThread()  # builds the engine, then steps it: one thread for torch
-    engine = AsyncEngine(engine_thread.call(lambda: LLMEngine(config)),
-                         output_thread=not args.inline_output, profile=profile,
+    llm_engine = engine_thread.call(lambda: LLMEngine(config))
+    output_thread = wants_output_thread(args.output_thread, engine_thread)
+    logging.getLogger(__name__).info(
+        "outputs processed on %s (--output-thread %s)",
+        "a thread of their own" if output_thread else "the engine thread", args.output_thread)
+    engine = AsyncEngine(llm_engine, output_thread=output_thread, profile=profile,
                          engine_thread=engine_thread)
     names = tuple(args.served_model_name or ()) or (kwargs["model"],)
     if engine.model_name not in names:
