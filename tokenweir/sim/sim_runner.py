@@ -38,7 +38,7 @@ _UNBOUNDED = 1 << 40  # regular samples left for a decoding request without a ta
 def shared_token_lists(vocab_size: int) -> list[list[int]]:
     """[[0], [1], ..., [vocab_size - 1]], one per vocabulary size for the whole process: a
     step's sampled token as `ModelRunnerOutput.sampled_token_ids` holds it (read-only)."""
-    return [[t] for t in range(vocab_size)]
+    return [(t,) for t in range(vocab_size)]
 
 
 class _Tracked:
@@ -87,7 +87,7 @@ class SimRunner:
         # per instance of a cluster).
         self._samples = shared_token_lists(vocab_size)
         self._eos_sample = self._samples[eos_token_id] if 0 <= eos_token_id < vocab_size \
-            else [eos_token_id]
+            else (eos_token_id,)
         # position k's regular sample is this list's [(k * STRIDE + len(id)) % span]
         self._regular_samples = self._samples[_FIRST_REGULAR_TOKEN:vocab_size]
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
