@@ -180,3 +180,59 @@ def test_a_step_that_only_preempts_is_followed_by_another_not_by_idling():
     result = sim.run()
     assert preempt_only  # the case really happened
     assert all(r.num_finishes == 1 for r in result.requests) and len(result.requests) == 400
+
+
+def test_runner_decoding_fast_path_gives_what_the_per_row_path_gives():
+    """SimRunner's fast path for decoding requests (one small int each, contexts from the
+    output) samples, times and leaves state exactly as the per-row path does: a run with it,
+    one without it, and one that leaves it every few steps (back to per-row state, then in
+    again) come out the same; before every step the runner's counts are the scheduler's."""
+    engine = {"max_model_len": 1024, "num_gpu_blocks_override": 120,
+              "max_num_batched_tokens": 256, "scheduler_reserve_full_isl": False}
+    sims = [build_simulation(engine, _specs(), SMALL, "h100", itl_counts=True)
+            for _ in range(3)]
+    fast, plain, toggled = sims
+    plain.runner._fast_path_for = lambda out, predict_totals: False
+    moved, steps, left = [0], [0], [0]
+    start_decoding = fast.runner._start_decoding
+
+    def counting(*args):
+        moved[0] += 1
+        start_decoding(*args)
+
+    fast.runner._start_decoding = counting
+    fast_path_for = toggled.runner._fast_path_for
+
+    def every_fifth_step_off(out, predict_totals):
+        return steps[0] % 5 != 0 and fast_path_for(out, predict_totals)
+
+    leave = toggled.runner._leave_fast_path
+
+    def counting_leave():
+        left[0] += 1
+        leave()
+
+    toggled.runner._fast_path_for = every_fifth_step_off
+    toggled.runner._leave_fast_path = counting_leave
+    advance = toggled.runner._advance
+
+    def checked_advance(out):
+        steps[0] += 1
+        runner, requests = toggled.runner, toggled.scheduler.requests
+        computed, known = runner.computed, runner.known
+        assert computed.keys() == known.keys() and len(computed) == runner.num_tracked
+        for rid in out.num_scheduled_tokens:
+            assert computed[rid] == requests[rid].num_computed_tokens
+            assert known[rid] == len(requests[rid].all_token_ids)
+        return advance(out)
+
+    toggled.runner._advance = checked_advance
+    results = [sim.run() for sim in sims]
+    assert moved[0] > 100 and left[0] > 10 and steps[0] > 100  # each path really ran
+    want = results[1]
+    assert want.stats.num_preemptions > 0  # re-admissions after preemption are covered
+    for got in (results[0], results[2]):
+        assert [dataclasses.asdict(r) for r in got.requests] == \
+            [dataclasses.asdict(r) for r in want.requests]
+        assert got.steps == want.steps and got.stats == want.stats
+        assert list(got.itl) == list(want.itl)

@@ -7,6 +7,16 @@ brings its computed tokens up to the tokens the runner knows for it. The sampled
 when that output reaches the request's target length (`target_output_len`), otherwise a
 deterministic non-EOS id. The step's duration comes from the latency model, given each
 request's cached context before the step.
+
+Decoding requests (they have sampled, and owe exactly one token) take a fast path: the runner
+keeps one small int for each, the regular samples left before EOS (`_left`), and takes a row's
+context from the output's `cached_num_computed_tokens` (the runner's own count, by the
+contract), its position from that and its token by rule. A step then touches one dict entry per
+decoding request, not an object and the int objects it held: in a 64-instance cluster every
+instance's requests have gone cold between two of its steps, and those touches were most of the
+runner's time. Prefilling requests, and all requests on a step with `check`, `keep_undo` (a cut
+must be undone), a sliding window or a latency model without `predict_totals`, take the
+per-row path (`_Tracked`).
 """
 
 from __future__ import annotations
@@ -21,13 +31,14 @@ DEFAULT_EOS = 2
 _FIRST_REGULAR_TOKEN = 3
 _TOKEN_STRIDE = 7919  # regular token at position k: FIRST + (k * STRIDE + len(id)) % span
 _NEVER = float("inf")  # eos_at of a request without a target: EOS is never sampled
+_UNBOUNDED = 1 << 40  # regular samples left for a decoding request without a target
 
 
 @lru_cache(maxsize=None)
 def shared_token_lists(vocab_size: int) -> list[list[int]]:
     """[[0], [1], ..., [vocab_size - 1]], one per vocabulary size for the whole process: a
     step's sampled token as `ModelRunnerOutput.sampled_token_ids` holds it (read-only)."""
-    return [[t] for t in range(vocab_size)]
+    return [(t,) for t in range(vocab_size)]
 
 
 class _Tracked:
@@ -64,6 +75,11 @@ class SimRunner:
         # Per tracked request, its state (one lookup per request per step); the target is
         # read when the request (re)arrives in `scheduled_new_reqs`.
         self._state: dict[str, _Tracked] = {}
+        # Decoding requests on the fast path instead (not in `_state`): regular samples left
+        # before EOS (eos_at - known, <= 0: the next sample is EOS), and (known, left, eos_at)
+        # when they came to it, which give `known` back: known + (that left - left now).
+        self._left: dict[str, int] = {}
+        self._base: dict[str, tuple[int, int, float]] = {}
         # A request's sampled tokens, as `_advance` returns them: one shared, read-only
         # one-element list per token id (no list made per request per step). Its int is one
         # object per token id for every runner of the process: requests' token lists and the
@@ -71,7 +87,9 @@ class SimRunner:
         # per instance of a cluster).
         self._samples = shared_token_lists(vocab_size)
         self._eos_sample = self._samples[eos_token_id] if 0 <= eos_token_id < vocab_size \
-            else [eos_token_id]
+            else (eos_token_id,)
+        # position k's regular sample is this list's [(k * STRIDE + len(id)) % span]
+        self._regular_samples = self._samples[_FIRST_REGULAR_TOKEN:vocab_size]
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -80,16 +98,18 @@ class SimRunner:
     @property
     def computed(self) -> dict[str, int]:
         """Request id -> tokens whose KV the runner has written (a copy, for inspection)."""
-        return {rid: st.computed for rid, st in self._state.items()}
+        return {**{rid: st.computed for rid, st in self._state.items()},
+                **{rid: known - 1 for rid, known in self._fast_known()}}
 
     @property
     def known(self) -> dict[str, int]:
         """Request id -> tokens the runner knows: prompt + outputs so far (a copy)."""
-        return {rid: st.known for rid, st in self._state.items()}
+        return {**{rid: st.known for rid, st in self._state.items()},
+                **dict(self._fast_known())}
 
     @property
     def num_tracked(self) -> int:
-        return len(self._state)
+        return len(self._state) + len(self._left)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._forget(out.finished_req_ids)
@@ -97,6 +117,8 @@ class SimRunner:
         state, targets = self._state, self.target_output_len
         for new in out.scheduled_new_reqs:
             rid = new.req_id
+            if self._base.pop(rid, None) is not None:  # never without a _forget first
+                del self._left[rid]
             target = targets.get(rid)
             eos_at = _NEVER if target is None else new.num_prompt_tokens + target - 1
             known = len(new.token_ids)
@@ -108,9 +130,11 @@ class SimRunner:
             self._check_cached(out)
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={}, step_seconds=0.0)
+        predict_totals = getattr(self.latency_model, "predict_totals", None)
+        if self._left and not self._fast_path_for(out, predict_totals):
+            self._leave_fast_path()
         if self.keep_undo:
             self._undo = {rid: state[rid].saved() for rid in out.num_scheduled_tokens}
-        predict_totals = getattr(self.latency_model, "predict_totals", None)
         if predict_totals is None:  # a model that needs the whole step
             context = {rid: state[rid].computed for rid in out.num_scheduled_tokens}
             seconds = self.latency_model.predict(out, context)  # context before advancing
@@ -148,14 +172,86 @@ class SimRunner:
         return _FIRST_REGULAR_TOKEN + (k * _TOKEN_STRIDE + len(rid)) % span
 
     def _forget(self, request_ids) -> None:
+        state, left, base = self._state, self._left, self._base
         for rid in request_ids:
-            if self._state.pop(rid, None) is not None:
-                self.num_blocks.pop(rid, None)
+            if state.pop(rid, None) is None and base.pop(rid, None) is not None:
+                del left[rid]
+            self.num_blocks.pop(rid, None)
+
+    # ---- the decoding fast path --------------------------------------------------------------
+    def _fast_path_for(self, out: SchedulerOutput, predict_totals) -> bool:
+        """Whether a step may take the fast path: nothing needs per-row state (checks, cut
+        undos, windowed contexts, a whole-step latency model), and the output lists every
+        running request it schedules in `cached_req_ids` (their contexts are read there)."""
+        return (not self.check and not self.keep_undo and self._window == _NEVER
+                and predict_totals is not None
+                and len(out.cached_req_ids) + len(out.scheduled_new_reqs)
+                == len(out.num_scheduled_tokens))
+
+    def _start_decoding(self, rid: str, known: int, eos_at: float) -> None:
+        """`rid` (computed == known - 1 after sampling) leaves `_state` for the fast path."""
+        left = _UNBOUNDED if eos_at == _NEVER else int(eos_at) - known
+        del self._state[rid]
+        self._left[rid] = left
+        self._base[rid] = (known, left, eos_at)
+
+    def _fast_known(self):
+        """(request id, known) of each request on the fast path."""
+        left = self._left
+        return ((rid, known + start - left[rid]) for rid, (known, start, _) in self._base.items())
+
+    def _leave_fast_path(self) -> None:
+        """Back to per-row state for every request (a step the fast path cannot take)."""
+        for rid, known in list(self._fast_known()):
+            eos_at = self._base[rid][2]
+            self._state[rid] = _Tracked(known - 1, known, eos_at, self._regular_token(rid, known))
+        self._left.clear()
+        self._base.clear()
 
     def _advance(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], StepTotals]:
         """Advance computed counts, sample where a step reaches the known tokens, and sum the
         step's shape for the latency model (context = computed before the step, capped at the
-        model's sliding window).
+        model's sliding window): decoding requests on the fast path, the others row by row."""
+        scheduled = out.num_scheduled_tokens
+        sampled: dict[str, list[int]] = {}
+        if not (self._left or self._fast_path_for(
+                out, getattr(self.latency_model, "predict_totals", None))):
+            return sampled, self._totals(len(scheduled), 0,
+                                         self._advance_rows(scheduled.items(), sampled, False))
+        state, left_of = self._state, self._left
+        get = scheduled.get
+        rows = {rid: n for rid in state if (n := get(rid)) is not None} if state else None
+        # Each decoding request computes its one owed token (context c) and samples position
+        # c + 1: EOS when no regular sample is left, else its regular token.
+        regular, eos, span = self._regular_samples, self._eos_sample, len(self._regular_samples)
+        decode_context = 0
+        for rid, c in zip(out.cached_req_ids, out.cached_num_computed_tokens):
+            left = left_of.get(rid)
+            if left is None:
+                continue  # prefilling: a row of its own
+            decode_context += c
+            sampled[rid] = regular[((c + 1) * _TOKEN_STRIDE + len(rid)) % span] \
+                if left > 0 else eos
+            left_of[rid] = left - 1
+        sums = self._advance_rows(rows.items(), sampled, True) if rows else _NO_ROWS
+        return sampled, self._totals(len(scheduled), decode_context, sums)
+
+    @staticmethod
+    def _totals(num_scheduled: int, decode_context: int, sums: tuple) -> StepTotals:
+        """The step's StepTotals from the per-row pass's `sums` and the `decode_context` of
+        the other rows (each computing one token)."""
+        tokens, rows, context, q_context, q_squared, row_decode_context = sums
+        num_decodes = num_scheduled - rows
+        decode_context += row_decode_context
+        return StepTotals(tokens + num_decodes, rows + num_decodes, num_decodes,
+                          context + decode_context, q_context + decode_context,
+                          q_squared + num_decodes, decode_context)
+
+    def _advance_rows(self, items, sampled: dict[str, list[int]], fast: bool) -> tuple:
+        """The per-row pass over (request id, tokens) `items`, sampling into `sampled`;
+        returns (tokens, rows, context, q * context, q * q) over the rows computing more than
+        one token and the context over those computing one. With `fast`, a request that
+        samples (it then owes exactly one token) moves to the fast path.
 
         The token at position k (0-based over prompt + output) is EOS when it is the
         target-th output token or later, else `_regular_token(rid, k)`, stepped from position
@@ -165,11 +261,9 @@ class SimRunner:
         windowed = window != _NEVER
         span = self.vocab_size - _FIRST_REGULAR_TOKEN
         stride, end = _TOKEN_STRIDE % span, _FIRST_REGULAR_TOKEN + span
-        sampled: dict[str, list[int]] = {}
         decode_context = 0  # over q == 1 rows, summed apart: the common, cheap case
         tokens = rows = context = q_context = q_squared = 0  # over the other rows
-        scheduled = out.num_scheduled_tokens
-        for rid, n in scheduled.items():
+        for rid, n in items:
             st = state[rid]
             c = st.computed
             done = c + n
@@ -192,10 +286,11 @@ class SimRunner:
                 regular += stride
                 st.next = regular - span if regular >= end else regular
                 st.known = k + 1
+                if fast:
+                    self._start_decoding(rid, k + 1, st.eos_at)
             elif self.check:
                 assert done < k, f"{rid}: computed {done} past the {k} known tokens"
-        num_decodes = len(scheduled) - rows
-        totals = StepTotals(tokens + num_decodes, rows + num_decodes, num_decodes,
-                            context + decode_context, q_context + decode_context,
-                            q_squared + num_decodes, decode_context)
-        return sampled, totals
+        return tokens, rows, context, q_context, q_squared, decode_context
+
+
+_NO_ROWS = (0, 0, 0, 0, 0, 0)
