@@ -38,6 +38,12 @@ relative to their mean, and marks "*" an error inside it: a cell whose error is 
 real runs' own spread is within the machine's noise, whatever the model. Counts: real mean / sim
 mean. Calibration never sees a validation run (seed 0 only).
 
+Before each real run the suite waits for an idle machine (`wait_for_quiet`), and it runs again
+(at most --retries times) a run with stalled steps (`stalled_steps`: the engine descheduled,
+decode steps 80x their usual time in issue 16's runs while another job ran): on a 2-core
+machine two torch threads stall on anything else running, and such a run measures that job.
+The calibration fit also leaves out steps that stalled alone (calibrate_trace.find_stalls).
+
 `--trace-dir DIR` keeps the real runs (traces, and `<workload>-seed<k>.records.json` with each
 request's times); `--replay DIR` refits and resimulates from them without the real engine.
 `--noise-floor` runs each validation workload at least twice on the real engine and prints the
@@ -65,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -140,6 +147,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sensitivity", action="store_true",
                    help="also resimulate with every step 2%% faster and 2%% slower; print how "
                         "many points each error moves per 1%% of step time")
+    p.add_argument("--retries", type=int, default=2,
+                   help="real runs redone at most this many times each when stalled "
+                        "(`stalled_steps`)")
     p.add_argument("--json", dest="json_out", help="write every figure here")
     return p.parse_args()
 
@@ -250,9 +260,71 @@ def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
         runs += [("validation" if k == 0 else f"validation repeat {k}", args.seed + 1,
                   repeat_suffix(k)) for k in range(num_validation_runs(args))]
         for kind, seed, suffix in runs:
-            seconds = run_engine(args, loaded, name, seed,
-                                 real_path(trace_dir, name, seed, suffix))
-            print(f"{kind} run {name}: {seconds:.0f} s", flush=True)
+            path = real_path(trace_dir, name, seed, suffix)
+            for attempt in range(args.retries + 1):
+                waited = wait_for_quiet(threads=args.threads)
+                seconds = run_engine(args, loaded, name, seed, path)
+                stalls = stalled_steps(path)
+                print(f"{kind} run {name}: {seconds:.0f} s"
+                      + (f" (waited {waited:.0f} s for an idle machine)" if waited >= 1 else "")
+                      + (f"; {len(stalls)} stalled steps ({sum(stalls):.1f} s)"
+                         + ("" if attempt == args.retries else ": run again")
+                         if stalls else ""), flush=True)
+                if not stalls:
+                    break
+
+
+# ---- a busy machine ---------------------------------------------------------------------------
+# Two torch threads on a 2-core machine stall whenever anything else runs: every operator ends
+# at a barrier that waits for the descheduled thread's next time slice. In the kept runs of
+# issue 16, whenever another job ran (even at nice 19) decode steps took 1.2 s instead of 15 ms
+# for tens of seconds, and 512-token prefills 3 s instead of 0.4 s: such a run measures the
+# other job, not the engine. The suite waits for an idle machine before each real run and runs
+# again (--retries) one that stalled anyway.
+QUIET_BUSY = 0.10  # share of the machine's CPU time used by others that still counts as idle
+QUIET_MAX_WAIT_S = 600.0
+STALL_DECODE_FACTOR = 5.0  # a decode step 5x the run's median decode step (jitter: < 3.5x)
+STALL_STEP_S = 1.0  # no step of the suite's workloads takes 1 s (a 512-token prefill: ~0.4 s)
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet(sample_s: float = 1.0, max_wait_s: float = QUIET_MAX_WAIT_S,
+                   threads: int = 0) -> float:
+    """Wait (at most max_wait_s) until the CPUs the engine's `threads` need are idle: others
+    use at most QUIET_BUSY of the machine over `sample_s`, plus the cores the engine leaves
+    free (0 threads: all of them needed). Returns the seconds waited. No-op where /proc/stat
+    is missing."""
+    if not Path("/proc/stat").exists():
+        return 0.0
+    cores = os.cpu_count() or 1
+    allowed = QUIET_BUSY + max(0, cores - threads) / cores if threads else QUIET_BUSY
+    started = time.monotonic()
+    while True:
+        busy0, total0 = _cpu_times()
+        time.sleep(sample_s)
+        busy1, total1 = _cpu_times()
+        if busy1 - busy0 <= allowed * max(1, total1 - total0) \
+                or time.monotonic() - started > max_wait_s:
+            return time.monotonic() - started - sample_s
+
+
+def stalled_steps(trace: Path) -> list[float]:
+    """The runner seconds of the stalled steps of one real run: decode-only steps over
+    STALL_DECODE_FACTOR times the run's median decode step, and any step over STALL_STEP_S."""
+    from tokenweir.sim.calibrate_trace import step_kind, traced_steps
+    from tokenweir.timeline.records import load_jsonl
+
+    steps = traced_steps(load_jsonl(trace))
+    decodes = sorted(s.runner for s in steps if step_kind(s.totals) == "decode")
+    median = decodes[len(decodes) // 2] if decodes else float("inf")
+    return [s.runner for s in steps if s.runner > STALL_STEP_S or (
+        step_kind(s.totals) == "decode" and s.runner > STALL_DECODE_FACTOR * median)]
 
 
 def _serve(engine, specs: list[RequestSpec], prompts: list[list[int]]) -> list:

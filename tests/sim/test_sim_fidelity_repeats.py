@@ -124,3 +124,32 @@ def test_missing_repeat_is_an_error(fid, kept, monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="no kept run"):
         run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--profile", str(profile),
                  "--workloads", "light", "--repeats", "4")
+
+
+def test_stalled_steps_finds_a_descheduled_run(fid, kept):
+    """A kept run with phases (each step's time all `forward`) has no stall; one decode step
+    at 20x, or any step over a second, is one."""
+    from tokenweir.timeline.records import load_jsonl
+
+    d, _ = kept
+    trace = load_jsonl(fid.real_path(d, "light", 1))
+    for s in trace.steps:
+        s["phases"] = {"forward": s["duration"]}
+    path = d / "phased.jsonl"
+    write_jsonl(trace, path)
+    assert fid.stalled_steps(path) == []
+    decode = next(s for s in trace.steps if len(s["reqs"]) == 1 and s["reqs"][0]["decode"])
+    decode["phases"]["forward"] *= 20
+    prefill = next(s for s in trace.steps if s["reqs"][0]["prefill"] > 1)
+    prefill["phases"]["forward"] = 1.5
+    write_jsonl(trace, path)
+    assert sorted(fid.stalled_steps(path)) == pytest.approx(
+        sorted([decode["phases"]["forward"], 1.5]))
+
+
+def test_wait_for_quiet_waits_while_the_machine_is_busy(fid, monkeypatch):
+    jiffies = iter([(0, 100), (90, 200), (90, 200), (95, 300)])  # 90% busy, then 5%
+    monkeypatch.setattr(fid, "_cpu_times", lambda: next(jiffies))
+    monkeypatch.setattr(fid.time, "sleep", lambda s: None)
+    fid.wait_for_quiet(sample_s=0.0)
+    assert next(jiffies, None) is None  # sampled twice: busy, then idle
