@@ -264,7 +264,7 @@ def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
             for attempt in range(args.retries + 1):
                 waited = wait_for_quiet(threads=args.threads)
                 seconds = run_engine(args, loaded, name, seed, path)
-                stalls = stalled_steps(path)
+                stalls = stalled_steps(path, args.threads)
                 print(f"{kind} run {name}: {seconds:.0f} s"
                       + (f" (waited {waited:.0f} s for an idle machine)" if waited >= 1 else "")
                       + (f"; {len(stalls)} stalled steps ({sum(stalls):.1f} s)"
@@ -284,7 +284,9 @@ def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
 QUIET_BUSY = 0.10  # share of the machine's CPU time used by others that still counts as idle
 QUIET_MAX_WAIT_S = 600.0
 STALL_DECODE_FACTOR = 5.0  # a decode step 5x the run's median decode step (jitter: < 3.5x)
-STALL_STEP_S = 1.0  # no step of the suite's workloads takes 1 s (a 512-token prefill: ~0.4 s)
+# no step of the suite's workloads takes 1 s on two threads (a 512-token prefill: ~0.4 s; on
+# one thread 0.7 s): the limit is this times 2 / threads
+STALL_STEP_S = 1.0
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -314,16 +316,18 @@ def wait_for_quiet(sample_s: float = 1.0, max_wait_s: float = QUIET_MAX_WAIT_S,
             return time.monotonic() - started - sample_s
 
 
-def stalled_steps(trace: Path) -> list[float]:
+def stalled_steps(trace: Path, threads: int = 2) -> list[float]:
     """The runner seconds of the stalled steps of one real run: decode-only steps over
-    STALL_DECODE_FACTOR times the run's median decode step, and any step over STALL_STEP_S."""
+    STALL_DECODE_FACTOR times the run's median decode step, and any step over STALL_STEP_S
+    (times 2 / threads)."""
     from tokenweir.sim.calibrate_trace import step_kind, traced_steps
     from tokenweir.timeline.records import load_jsonl
 
     steps = traced_steps(load_jsonl(trace))
     decodes = sorted(s.runner for s in steps if step_kind(s.totals) == "decode")
     median = decodes[len(decodes) // 2] if decodes else float("inf")
-    return [s.runner for s in steps if s.runner > STALL_STEP_S or (
+    longest = STALL_STEP_S * 2 / max(1, threads)
+    return [s.runner for s in steps if s.runner > longest or (
         step_kind(s.totals) == "decode" and s.runner > STALL_DECODE_FACTOR * median)]
 
 

@@ -141,10 +141,11 @@ def test_stalled_steps_finds_a_descheduled_run(fid, kept):
     decode = next(s for s in trace.steps if len(s["reqs"]) == 1 and s["reqs"][0]["decode"])
     decode["phases"]["forward"] *= 20
     prefill = next(s for s in trace.steps if s["reqs"][0]["prefill"] > 1)
-    prefill["phases"]["forward"] = 1.5
+    prefill["phases"]["forward"] = 1.5  # over 1 s: a stall on 2 threads, not on 1
     write_jsonl(trace, path)
     assert sorted(fid.stalled_steps(path)) == pytest.approx(
         sorted([decode["phases"]["forward"], 1.5]))
+    assert fid.stalled_steps(path, threads=1) == pytest.approx([decode["phases"]["forward"]])
 
 
 def test_wait_for_quiet_waits_while_the_machine_is_busy(fid, monkeypatch):
