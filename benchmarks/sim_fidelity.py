@@ -43,6 +43,9 @@ Before each real run the suite waits for an idle machine (`wait_for_quiet`), and
 decode steps 80x their usual time in issue 16's runs while another job ran): on a 2-core
 machine two torch threads stall on anything else running, and such a run measures that job.
 The calibration fit also leaves out steps that stalled alone (calibrate_trace.find_stalls).
+On a machine shared with other jobs, run `--threads 1` (leaving a core to them): a 1-thread
+engine slows by a few percent when another job runs, a 2-thread one by 10-80x. The wait for an
+idle machine then lets the others use the cores the engine does not.
 
 `--trace-dir DIR` keeps the real runs (traces, and `<workload>-seed<k>.records.json` with each
 request's times); `--replay DIR` refits and resimulates from them without the real engine.
