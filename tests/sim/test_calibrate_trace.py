@@ -259,3 +259,38 @@ def test_from_trace_reports_drift_apart_from_the_model_error(tmp_path):
     (speed,) = profile["machine_speed"]
     assert speed["decode"]["max"] / speed["decode"]["min"] == pytest.approx(1.3, rel=0.05)
     assert "machine speed in t.jsonl: decode" in format_report(profile)
+
+
+# ---- stalls (issue 16): a descheduled engine is no step shape -----------------------------------
+def test_from_trace_leaves_stalls_out_of_the_fit(tmp_path, monkeypatch):
+    """Three decode steps stalled to 80x (the process descheduled for a second) and one step
+    whose output processing stalled: the fit without them recovers the known coefficients, and
+    the profile counts them. Probe: with the filter off, the same trace's fit is far off."""
+    import tokenweir.sim.calibrate_trace as ct
+
+    _, trace = engine_like_trace(tmp_path / "t.jsonl", seed=8)
+    decodes = [s for s in trace.steps if s.get("phases") and all(
+        r["decode"] == 1 and not r["prefill"] for r in s["reqs"])]
+    stalled = decodes[10:40:10]
+    for s in stalled:
+        s["phases"]["forward"] *= 80
+        s["duration"] = sum(s["phases"].values())
+    other = decodes[55]
+    other["phases"]["update"] += 0.3  # an overhead stall: 300 ms in the engine's own work
+    other["duration"] = sum(other["phases"].values())
+    for later in trace.steps[trace.steps.index(other) + 1:]:
+        later["start"] += 0.3
+    write_jsonl(trace, tmp_path / "t.jsonl")
+    profile = calibrate_from_traces([str(tmp_path / "t.jsonl")], holdout_every=5)
+    assert profile["stalls"]["num_steps"] == 4
+    assert profile["stalls"]["seconds"] > 80 * 0.004 * 3
+    for name, value in RUNNER.items():
+        assert profile["coefficients"][name] == pytest.approx(value, rel=1e-3, abs=1e-9), name
+    for name, value in OVERHEAD.items():
+        assert profile["overhead"][name] == pytest.approx(value, rel=1e-3, abs=1e-9), name
+    assert abs(profile["heldout"]["total_rel_error"]) < 1e-3
+    monkeypatch.setattr(ct, "STALL_LOCAL_RATIO", float("inf"))
+    monkeypatch.setattr(ct, "STALL_OVERHEAD_S", float("inf"))
+    unfiltered = calibrate_from_traces([str(tmp_path / "t.jsonl")], holdout_every=5)
+    assert unfiltered["stalls"]["num_steps"] == 0
+    assert any(abs(unfiltered["coefficients"][n] / v - 1) > 0.1 for n, v in RUNNER.items())

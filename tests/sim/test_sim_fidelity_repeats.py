@@ -1,0 +1,156 @@
+"""benchmarks/sim_fidelity.py's --repeats: the simulator against the MEAN of K real runs, the
+real runs' spread beside each error. The "real" runs here are simulator runs at scaled
+profiles written in the real runs' format, so the expected figures are known exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenweir.timeline.records import write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILE = {"format": "tokenweir-step-profile/1", "coefficients": {"const": 0.010, "prefill_tokens": 0.0004, "decode_rows": 0.001},
+           "overhead": {"const": 0.0004}, "kv_bytes_per_token": 1024, "block_size": 16,
+           "max_model_len": 1024, "model": "test", "num_layers": 30}
+SCALES = (1.0, 1.25, 0.9)  # "real" validation runs 1..3: the machine at these speeds
+
+
+@pytest.fixture(scope="module")
+def fid():
+    spec = importlib.util.spec_from_file_location("sim_fidelity_under_test",
+                                                  ROOT / "benchmarks" / "sim_fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def kept(fid, tmp_path_factory):
+    """A trace dir holding three validation runs of `light` (quick), as --trace-dir keeps
+    them, each the simulator at PROFILE scaled by SCALES[k]; returns (dir, profile path)."""
+    d = tmp_path_factory.mktemp("kept")
+    w = fid.WORKLOADS["light"]
+    specs = fid.make_specs(w, 1, quick=True)
+    for k, scale in enumerate(SCALES):
+        records, trace = fid.run_sim(w, fid.scaled_profile(PROFILE, scale), specs)
+        path = fid.real_path(d, "light", 1, fid.repeat_suffix(k))
+        write_jsonl(trace, path)
+        fid.records_path(path).write_text(json.dumps(
+            {"workload": "light", "seed": 1, "quick": True, "records": records}))
+    profile = d / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    return d, profile
+
+
+def run_main(fid, monkeypatch, tmp_path, *argv) -> dict:
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--json", str(out)])
+    fid.main()
+    return json.loads(out.read_text())
+
+
+def test_suffixes_keep_the_noise_floor_name(fid):
+    assert [fid.repeat_suffix(k) for k in range(4)] == ["", "-repeat", "-repeat2", "-repeat3"]
+
+
+def test_one_run_reproduces_itself(fid, kept, monkeypatch, tmp_path):
+    """Single-run mode: the simulator at the profile that made run 1 matches it exactly."""
+    d, profile = kept
+    out = run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--profile", str(profile),
+                   "--workloads", "light")
+    (row,) = out["rows"]
+    assert row["runs"] == 1
+    assert all(abs(e) < 1e-9 for e in row["rel_error"].values())
+    assert all(lo == hi == 0 for lo, hi in row["real_spread"].values())
+
+
+def test_repeats_compare_with_the_mean(fid, kept, monkeypatch, tmp_path):
+    d, profile = kept
+    out = run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--profile", str(profile),
+                   "--workloads", "light", "--repeats", "3")
+    (row,) = out["rows"]
+    assert row["runs"] == 3 and len(row["real_runs"]) == 3 and len(row["machine_speed"]) == 3
+    runs = row["real_runs"]
+    # the runs differ (the probe that the three files were all read) ...
+    assert runs[1]["total_s"] > runs[0]["total_s"] > runs[2]["total_s"]
+    for k in fid.METRICS:
+        mean = sum(r[k] for r in runs) / 3
+        assert row["real"][k] == pytest.approx(mean)
+        # ... the simulator (every run's arrivals, the unscaled profile) reproduces run 1
+        assert row["sim"][k] == pytest.approx(runs[0][k], rel=1e-6)
+        assert row["rel_error"][k] == pytest.approx(runs[0][k] / mean - 1, rel=1e-6, abs=1e-12)
+        lo, hi = row["real_spread"][k]
+        assert lo == pytest.approx(min(r[k] for r in runs) / mean - 1)
+        assert hi == pytest.approx(max(r[k] for r in runs) / mean - 1)
+    lo, hi = row["real_spread"]["total_s"]
+    assert lo < 0 < hi and lo <= row["rel_error"]["total_s"] <= hi
+
+
+def test_repeats_table_marks_errors_inside_the_spread(fid):
+    row = {"workload": "w", "runs": 3,
+           "rel_error": {k: 0.02 for k in fid.METRICS} | {"ttft_p50_ms": 0.30},
+           "real_spread": {k: (-0.05, 0.04) for k in fid.METRICS},
+           "counts_real": {k: 0 for k in fid.COUNTS} | {"preemptions": 10 / 3},
+           "counts_sim": {k: 0 for k in fid.COUNTS} | {"preemptions": 3}}
+    table = fid.format_table([row])
+    line = table.splitlines()[1]
+    assert line.count("*") == len(fid.METRICS) - 1  # all but ttft p50 (+30% outside)
+    assert "+30.0% [ -5.0.. +4.0]" in line and "3.3/3" in line
+    assert "4/5 inside the real runs' own spread" in table
+    assert "*" not in fid.format_table([{**row, "runs": 1}])
+
+
+def test_noise_floor_is_the_second_run_against_the_first(fid, kept, monkeypatch, tmp_path):
+    d, profile = kept
+    out = run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--profile", str(profile),
+                   "--workloads", "light", "--noise-floor")
+    (noise,) = out["noise_floor"]
+    assert noise["rel_error"]["tpot_p50_ms"] == pytest.approx(
+        noise["sim"]["tpot_p50_ms"] / noise["real"]["tpot_p50_ms"] - 1)
+    assert noise["rel_error"]["tpot_p50_ms"] > 0.1  # run 2 ran at 1.25x
+
+
+def test_missing_repeat_is_an_error(fid, kept, monkeypatch, tmp_path):
+    d, profile = kept
+    with pytest.raises(SystemExit, match="no kept run"):
+        run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--profile", str(profile),
+                 "--workloads", "light", "--repeats", "4")
+
+
+def test_stalled_steps_finds_a_descheduled_run(fid, kept):
+    """A kept run with phases (each step's time all `forward`) has no stall; one decode step
+    at 20x, or any step over a second, is one."""
+    from tokenweir.timeline.records import load_jsonl
+
+    d, _ = kept
+    trace = load_jsonl(fid.real_path(d, "light", 1))
+    for s in trace.steps:
+        s["phases"] = {"forward": s["duration"]}
+    path = d / "phased.jsonl"
+    write_jsonl(trace, path)
+    assert fid.stalled_steps(path) == []
+    decode = next(s for s in trace.steps if len(s["reqs"]) == 1 and s["reqs"][0]["decode"])
+    decode["phases"]["forward"] *= 20
+    prefill = next(s for s in trace.steps if s["reqs"][0]["prefill"] > 1)
+    prefill["phases"]["forward"] = 1.5  # over 1 s: a stall on 2 threads, not on 1
+    write_jsonl(trace, path)
+    assert sorted(fid.stalled_steps(path)) == pytest.approx(
+        sorted([decode["phases"]["forward"], 1.5]))
+    assert fid.stalled_steps(path, threads=1) == pytest.approx([decode["phases"]["forward"]])
+
+
+def test_wait_for_quiet_waits_while_the_machine_is_busy(fid, monkeypatch):
+    jiffies = iter([(0, 100), (90, 200), (90, 200), (95, 300)])  # 90% busy, then 5%
+    monkeypatch.setattr(fid, "_cpu_times", lambda: next(jiffies))
+    monkeypatch.setattr(fid.time, "sleep", lambda s: None)
+    fid.wait_for_quiet(sample_s=0.0)
+    assert next(jiffies, None) is None  # sampled twice: busy, then idle
