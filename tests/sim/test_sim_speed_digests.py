@@ -4,7 +4,8 @@ come out unchanged. Recorded at commit dd20d94 (main before simspeed), same venv
 The 20,000-request, 64-instance run of `benchmarks/sim_speed.py --cluster --num-requests 20000`
 printed digest 919b405e2ada3b745360337c38ecef84f97a96b8b57eca0f1d98f4a2c4366bf8 before the
 changes and the same digest after the router's bitmask index (too slow for the suite;
-the coordinator may re-run it). The smaller runs below are kept as tests. That the digest
+the coordinator may re-run it). Since session 10's partial-prefill counting change (a decision
+change) it prints 26aa2b16023531ea48a1323709c0757e85b78335f0855b8b0f81c9840a5fd937. The smaller runs below are kept as tests. That the digest
 depends on the decisions at all (is no constant) is test_sim_scale's decision-change test."""
 
 from __future__ import annotations
