@@ -91,9 +91,9 @@ def test_sim_runner_totals_match_the_step_it_ran():
     runner = sim.runner
     original = runner._advance
 
-    def spy(out):
+    def spy(out, fast):
         before = {rid: runner.computed[rid] for rid in out.num_scheduled_tokens}
-        sampled, totals = original(out)
+        sampled, totals = original(out, fast)
         chunks = [(q, before[rid]) for rid, q in out.num_scheduled_tokens.items()]
         seen.append((totals, StepTotals.of_chunks(chunks)))
         return sampled, totals
@@ -216,7 +216,7 @@ def test_runner_decoding_fast_path_gives_what_the_per_row_path_gives():
     toggled.runner._leave_fast_path = counting_leave
     advance = toggled.runner._advance
 
-    def checked_advance(out):
+    def checked_advance(out, fast):
         steps[0] += 1
         runner, requests = toggled.runner, toggled.scheduler.requests
         computed, known = runner.computed, runner.known
@@ -224,7 +224,7 @@ def test_runner_decoding_fast_path_gives_what_the_per_row_path_gives():
         for rid in out.num_scheduled_tokens:
             assert computed[rid] == requests[rid].num_computed_tokens
             assert known[rid] == len(requests[rid].all_token_ids)
-        return advance(out)
+        return advance(out, fast)
 
     toggled.runner._advance = checked_advance
     results = [sim.run() for sim in sims]

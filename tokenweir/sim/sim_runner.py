@@ -131,16 +131,17 @@ class SimRunner:
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={}, step_seconds=0.0)
         predict_totals = getattr(self.latency_model, "predict_totals", None)
-        if self._left and not self._fast_path_for(out, predict_totals):
+        fast = self._fast_path_for(out, predict_totals)
+        if self._left and not fast:
             self._leave_fast_path()
         if self.keep_undo:
             self._undo = {rid: state[rid].saved() for rid in out.num_scheduled_tokens}
         if predict_totals is None:  # a model that needs the whole step
             context = {rid: state[rid].computed for rid in out.num_scheduled_tokens}
             seconds = self.latency_model.predict(out, context)  # context before advancing
-            sampled, _ = self._advance(out)
+            sampled, _ = self._advance(out, fast)
         else:  # the step's sums are gathered while advancing: one pass over the batch
-            sampled, totals = self._advance(out)
+            sampled, totals = self._advance(out, fast)
             seconds = predict_totals(totals)
         return ModelRunnerOutput(sampled_token_ids=sampled, step_seconds=seconds)
 
@@ -208,14 +209,16 @@ class SimRunner:
         self._left.clear()
         self._base.clear()
 
-    def _advance(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], StepTotals]:
+    def _advance(self, out: SchedulerOutput,
+                 fast: bool) -> tuple[dict[str, list[int]], StepTotals]:
         """Advance computed counts, sample where a step reaches the known tokens, and sum the
         step's shape for the latency model (context = computed before the step, capped at the
-        model's sliding window): decoding requests on the fast path, the others row by row."""
+        model's sliding window): with `fast` (`_fast_path_for` this step; without it no
+        request is on the fast path), decoding requests on the fast path, the others row by
+        row."""
         scheduled = out.num_scheduled_tokens
         sampled: dict[str, list[int]] = {}
-        if not (self._left or self._fast_path_for(
-                out, getattr(self.latency_model, "predict_totals", None))):
+        if not fast:
             return sampled, self._totals(len(scheduled), 0,
                                          self._advance_rows(scheduled.items(), sampled, False))
         state, left_of = self._state, self._left

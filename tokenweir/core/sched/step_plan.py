@@ -9,6 +9,7 @@ from typing import Optional
 
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import NewRequestData, SchedulerOutput
+from tokenweir.core.sched.policy import is_prefilling
 from tokenweir.request import Request
 
 
@@ -126,7 +127,7 @@ class PartialPrefills:
 
 
 def still_prefilling_after(request: Request, num_tokens: int) -> bool:
-    """The request is prefilling (`is_prefilling`: owes more than one token) and a chunk of
-    `num_tokens` (0: not scheduled) does not finish it."""
-    owed = request.num_tokens - request.num_computed_tokens
-    return owed > 1 and num_tokens < owed
+    """The request is prefilling and a chunk of `num_tokens` (0: not scheduled) does not
+    finish it."""
+    return is_prefilling(request) and \
+        request.num_computed_tokens + num_tokens < request.num_tokens
