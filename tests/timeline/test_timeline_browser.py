@@ -89,9 +89,14 @@ def _check_cells(browser: Browser, panel: int, trace) -> set[int]:
     for state, (step, rid) in cells.items():
         assert browser.evaluate(f"timelineState.stateAt({panel}, '{rid}', {step})") == \
             STATES[state], (rid, step)
-        at = browser.evaluate(f"timelineState.showCell({panel}, '{rid}', {step}, 16)")
-        pixels = [browser.evaluate(f"timelineState.pixelAt({panel}, {at['x'] + dx}, "
-                                   f"{at['y'] + dy})") for dx, dy in ((0, 0), (-4, 2), (4, -2))]
+        for _ in range(20):  # the panels' scroll sync runs on async scroll events: let it settle
+            at = browser.evaluate(f"timelineState.showCell({panel}, '{rid}', {step}, 16)")
+            time.sleep(0.01)
+            pixels = [browser.evaluate(f"timelineState.pixelAt({panel}, {at['x'] + dx}, "
+                                       f"{at['y'] + dy})")
+                      for dx, dy in ((0, 0), (-4, 2), (4, -2))]
+            if pixels.count(COLORS[state]) >= 2:
+                break
         assert pixels.count(COLORS[state]) >= 2, (STATES[state], rid, step, pixels)
     return set(cells)
 
