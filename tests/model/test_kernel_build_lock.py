@@ -39,3 +39,25 @@ def test_a_fresh_lock_is_kept(build_dir):
 def test_no_lock_is_nothing_to_do(build_dir):
     kernels._clear_stale_build_lock("tokenweir_lock_probe")
     assert not os.path.exists(os.path.join(build_dir, "lock"))
+
+
+def test_two_checkouts_of_the_same_sources_build_apart(tmp_path, monkeypatch):
+    """The build directory's name carries the sources' directory: a second checkout (a git
+    worktree, another venv) must not share it, or ninja rebuilds the module whenever the other
+    checkout loads it (build.ninja names the source path), and a build killed then blocks both."""
+    import glob
+    import shutil
+
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for path in [kernels._SOURCE, *glob.glob(os.path.join(kernels._DIR, "*.h"))]:
+        shutil.copy(path, copy)
+    here = kernels._source_hash()
+    assert kernels._source_hash() == here  # stable for one checkout
+    monkeypatch.setattr(kernels, "_DIR", str(copy))
+    monkeypatch.setattr(kernels, "_SOURCE", str(copy / os.path.basename(kernels._SOURCE)))
+    there = kernels._source_hash()
+    assert there != here
+    # the probe that the copy's sources were read: an edit there changes its hash again
+    (copy / "cpu_kernels.cpp").write_text((copy / "cpu_kernels.cpp").read_text() + "\n// edit\n")
+    assert kernels._source_hash() != there

@@ -10,7 +10,8 @@ path for None. A failed build is reported once (a warning) and not retried in th
 
 The build lands in torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
 ~/.cache/torch_extensions) under a name carrying a hash of every kernel source (the .cpp and the
-headers it includes), so an edited header is never served from a stale build.
+headers it includes) and of their directory, so an edited header is never served from a stale
+build and two checkouts never share (and rebuild) one build directory.
 
 `TOKENWEIR_CPU_ISA=avx2` forces the AVX2 variant on an AVX-512 machine (tests use it to run
 both); `TOKENWEIR_CPU_KERNELS=0` forces the torch path everywhere.
@@ -167,8 +168,12 @@ def _clear_stale_build_lock(name: str) -> None:
 
 
 def _source_hash() -> str:
-    """12 hex digits over the .cpp, every header beside it and the build flags."""
+    """12 hex digits over the .cpp, every header beside it, the build flags and the directory
+    they lie in: two checkouts of the same sources get build directories of their own (in a
+    shared one, ninja rebuilt the module each time the other checkout loaded it, since the
+    source path in build.ninja changed, and a build killed meanwhile blocked both)."""
     digest = hashlib.sha1(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(_DIR.encode())
     for path in [_SOURCE, *sorted(glob.glob(os.path.join(_DIR, "*.h")))]:
         with open(path, "rb") as f:
             digest.update(f.read())
