@@ -41,6 +41,14 @@ def shared_token_lists(vocab_size: int) -> list[list[int]]:
     return [(t,) for t in range(vocab_size)]
 
 
+@lru_cache(maxsize=None)
+def shared_regular_samples(vocab_size: int) -> list[tuple[int]]:
+    """`shared_token_lists(vocab_size)[FIRST:]`, the regular samples, also one list for the
+    whole process: a copy per runner (256 KB of pointers at 32k tokens) is read at a random
+    index per decoded token, and 64 copies in a cluster miss the caches at each read."""
+    return shared_token_lists(vocab_size)[_FIRST_REGULAR_TOKEN:]
+
+
 class _Tracked:
     """The runner's state of one request: `computed` tokens whose KV it has written, `known`
     tokens (prompt + outputs so far), `eos_at` (the `known` count at which the next sample is
@@ -89,7 +97,7 @@ class SimRunner:
         self._eos_sample = self._samples[eos_token_id] if 0 <= eos_token_id < vocab_size \
             else (eos_token_id,)
         # position k's regular sample is this list's [(k * STRIDE + len(id)) % span]
-        self._regular_samples = self._samples[_FIRST_REGULAR_TOKEN:vocab_size]
+        self._regular_samples = shared_regular_samples(vocab_size)
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
