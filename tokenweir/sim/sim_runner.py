@@ -235,15 +235,16 @@ class SimRunner:
         # Each decoding request computes its one owed token (context c) and samples position
         # c + 1: EOS when no regular sample is left, else its regular token.
         regular, eos, span = self._regular_samples, self._eos_sample, len(self._regular_samples)
-        decode_context = 0
+        row_context = 0  # of the cached requests not on the fast path
         for rid, c in zip(out.cached_req_ids, out.cached_num_computed_tokens):
             left = left_of.get(rid)
             if left is None:
+                row_context += c
                 continue  # prefilling: a row of its own
-            decode_context += c
             sampled[rid] = regular[((c + 1) * _TOKEN_STRIDE + len(rid)) % span] \
                 if left > 0 else eos
             left_of[rid] = left - 1
+        decode_context = sum(out.cached_num_computed_tokens) - row_context
         sums = self._advance_rows(rows.items(), sampled, True) if rows else _NO_ROWS
         return sampled, self._totals(len(scheduled), decode_context, sums)
 

@@ -131,30 +131,30 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan, prefills: bool, decodes: bool) -> None:
         """Give running requests their next tokens; preempt victims when the pool is full."""
-        i = 0
-        running = self.running  # mutated in place only (remove, sort)
+        i, running = 0, self.running  # `running` is mutated in place only (remove, sort)
         scheduled, paused = plan.num_scheduled, plan.paused
-        # One pass visits each request once; only a second pass (prioritize_prefill) meets
-        # requests the first one scheduled.
-        check_scheduled = bool(scheduled)
+        check_scheduled = bool(scheduled)  # a second pass (prioritize_prefill) meets the first's
         allocate, block_size = self.kv.allocate_slots, self.kv.block_size
         fresh_forks = self.kv.fresh_forks()  # parallel sampling: new to the runner, may copy
         cached_req_ids, cached_num_computed = plan.cached_req_ids, plan.cached_num_computed
         scheduled_reqs = plan.scheduled
+        # The hot case: a decode (1 token, the budget is > 0) whose computed tokens end inside a
+        # block, which has room for its next one. `plain`: no set can exclude a decode this pass.
+        plain = decodes and not (check_scheduled or paused or fresh_forks)
         while i < len(running) and plan.token_budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
             owed = len(request.all_token_ids) - computed
             rid = request.request_id
-            if not (prefills if owed > 1 else decodes) or (check_scheduled and rid in scheduled) \
-                    or (paused and rid in paused) or (owed > 1 and plan.prefills_closed):
-                i += 1  # owed > 1: policy.is_prefilling
-                continue
-            if owed == 1 and computed % block_size and not (fresh_forks and rid in fresh_forks):
-                # The hot case: a decode (1 token, as the budget is > 0) whose computed tokens
-                # end inside a block; a running request's blocks cover its computed tokens, so
-                # it has room for its next one (allocate_slots would give []). No chunk, no
-                # preemption, no new blocks (left out of new_block_ids): plan.add, inlined.
+            hot = owed == 1 and computed % block_size
+            if not (plain and hot):
+                if not (prefills if owed > 1 else decodes) \
+                        or (check_scheduled and rid in scheduled) or (paused and rid in paused) \
+                        or (owed > 1 and plan.prefills_closed):
+                    i += 1  # owed > 1: policy.is_prefilling
+                    continue
+                hot = hot and not (fresh_forks and rid in fresh_forks)
+            if hot:  # plan.add, inlined: no chunk, no preemption, no new blocks (none listed)
                 scheduled[rid] = 1
                 scheduled_reqs.append(request)
                 cached_req_ids.append(rid)
@@ -215,24 +215,23 @@ class Scheduler:
                 continue
             request_id = request.request_id
             try:  # the per-request guard: free (zero-cost) unless it raises
-                if request.num_preemptions:
-                    count.count_recomputed_tokens(self.stats, request, num_tokens)
                 computed = request.num_computed_tokens + num_tokens
-                request.num_computed_tokens = computed
-                if not request.num_preemptions or computed > request.max_computed_tokens:
+                if request.num_preemptions:  # the recompute tax; the high-water mark
+                    count.count_recomputed_tokens(self.stats, request, num_tokens)
+                else:
                     request.max_computed_tokens = computed  # never preempted: it only grew
+                request.num_computed_tokens = computed
                 if register is not None and (lagging or computed % block_size < num_tokens):
                     register(request)
                 new_token_ids = sampled.get(request_id)
                 if not new_token_ids:
                     continue
-                # Decode fast path: one token, not the first, that no stop rule can end (not an
-                # EOS token id, the request has no stop token ids, below the length cap): append
-                # it and move on. Everything else takes _append_tokens and stop.stop_status.
+                # Decode fast path: one token, not the first, that no stop rule can end: below
+                # the length cap (0 before the first token, and with stop token ids: stop.py),
+                # not an EOS token id. Everything else takes _append_tokens and stop_status.
                 token_id = new_token_ids[0]
                 all_token_ids = request.all_token_ids
-                if (len(all_token_ids) + 1 < request.fast_length_cap
-                        and request.first_token_time is not None and len(new_token_ids) == 1
+                if (len(all_token_ids) + 1 < request.fast_length_cap and len(new_token_ids) == 1
                         and token_id not in request.eos_token_ids):
                     all_token_ids.append(token_id)
                     num_fast += 1
@@ -254,6 +253,7 @@ class Scheduler:
                        now: float) -> EngineCoreOutput:
         if request.first_token_time is None:
             request.first_token_time = now
+            request.fast_length_cap = fast_length_cap(request)
             count.count_first_token(self.stats, request, now)
             self.forks.first_token(request, now)  # before a stop rule can free its blocks
         appended: list[int] = []
