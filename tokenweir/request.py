@@ -350,6 +350,9 @@ class Request:
     num_computed_tokens: int = 0
     max_computed_tokens: int = 0  # high-water mark of num_computed_tokens (survives preemption)
     num_preemptions: int = 0
+    # The length below which the scheduler's decode fast path appends a token without the stop
+    # rules (core/sched/stop.py: fast_length_cap); set when the scheduler takes the request.
+    fast_length_cap: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     stop_reason: Optional[int | str] = None
     # TTFT target: `ttft_slo_ms` after arrival, or an absolute `deadline` (engine clock); the

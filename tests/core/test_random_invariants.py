@@ -54,6 +54,8 @@ def _check_step(s, out, cfg, runner):
         assert len(scheduled) <= max_seqs and s.num_running <= max_seqs
     assert not scheduled.keys() & out.finished_req_ids
     assert not scheduled.keys() & out.preempted_req_ids
+    # the update's Request objects: one per entry, in order (after in-step preemptions too)
+    assert [r.request_id for r in out.scheduled_requests] == list(scheduled)
     if not cfg["enable_chunked_prefill"]:
         for new in out.scheduled_new_reqs:
             assert scheduled[new.req_id] == len(new.token_ids) - new.num_computed_tokens

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 from tests.core.harness import (EOS, FakeRunner, expected_output, make_request, make_scheduler,
                                 run_to_completion, step)
 from tokenweir.core.outputs import ModelRunnerOutput
@@ -186,6 +188,26 @@ def test_abort_between_schedule_and_update_is_skipped():
     outs = s.update_from_output(out, result)
     assert [o.request.request_id for o in outs] == ["b"]
     assert a.num_output_tokens == 0 and a.status == RequestStatus.FINISHED_ABORTED
+    s.check_integrity()
+
+
+def test_an_output_without_its_requests_is_updated_by_id():
+    """An output built elsewhere, or pickled (a tensor-parallel worker's copy), carries no
+    Request objects: the update finds the scheduled requests by id, skipping the aborted."""
+    s, runner = make_scheduler(), FakeRunner()
+    a, b = make_request("a", 4, 5), make_request("b", 4, 5)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert out.scheduled_requests == [a, b]
+    copy = pickle.loads(pickle.dumps(out))
+    assert copy.scheduled_requests is None
+    assert copy.num_scheduled_tokens == out.num_scheduled_tokens
+    result = runner.execute(out)
+    s.finish_requests(["a"])
+    outs = s.update_from_output(copy, result)
+    assert [o.request.request_id for o in outs] == ["b"] and b.num_computed_tokens == 4
+    assert a.num_output_tokens == 0 and b.num_output_tokens == 1
     s.check_integrity()
 
 

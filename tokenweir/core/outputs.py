@@ -69,7 +69,16 @@ class SchedulerOutput:
     # every destination written after them (a destination may be a block a swap-out of this
     # step reads; a source, a block a swap-in of this step writes).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # The scheduler's own: the Request of each entry of `num_scheduled_tokens`, in its order,
+    # for its update (no lookup by id per request per step). Runners never read it; it is
+    # not pickled (None in a tensor-parallel worker's copy), nor in an output built by hand.
+    scheduled_requests: Optional[list[Request]] = field(default=None, repr=False, compare=False)
     _cached_reqs: Optional[list[CachedRequestData]] = None
+
+    def __getstate__(self) -> tuple[None, dict]:
+        state = {name: getattr(self, name) for name in self.__slots__}
+        state["scheduled_requests"] = None
+        return None, state
 
     @property
     def scheduled_cached_reqs(self) -> list[CachedRequestData]:

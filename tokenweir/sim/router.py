@@ -102,8 +102,11 @@ class PrefixAwareRouter:
     def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
         chain = self.block_chain(tokens)
         longest, matched = self.longest_matches(chain)
-        # fallback: min over (load, blocks seen, index), one C-level pass
-        fallback = min(zip(loads, self._sizes, range(self.num_instances)))[2]
+        # fallback: min over (load, blocks seen, index); a C-level pass, or three cheaper ones
+        # when one instance alone has the least load (most routes of a big cluster)
+        least = min(loads)
+        fallback = loads.index(least) if loads.count(least) == 1 else \
+            min(zip(loads, self._sizes, range(self.num_instances)))[2]
         if longest == 0:
             best = fallback
         else:  # the longest match; ties to the less loaded, then the lower index

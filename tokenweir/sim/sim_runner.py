@@ -41,6 +41,14 @@ def shared_token_lists(vocab_size: int) -> list[list[int]]:
     return [(t,) for t in range(vocab_size)]
 
 
+@lru_cache(maxsize=None)
+def shared_regular_samples(vocab_size: int) -> list[tuple[int]]:
+    """`shared_token_lists(vocab_size)[FIRST:]`, the regular samples, also one list for the
+    whole process: a copy per runner (256 KB of pointers at 32k tokens) is read at a random
+    index per decoded token, and 64 copies in a cluster miss the caches at each read."""
+    return shared_token_lists(vocab_size)[_FIRST_REGULAR_TOKEN:]
+
+
 class _Tracked:
     """The runner's state of one request: `computed` tokens whose KV it has written, `known`
     tokens (prompt + outputs so far), `eos_at` (the `known` count at which the next sample is
@@ -89,7 +97,7 @@ class SimRunner:
         self._eos_sample = self._samples[eos_token_id] if 0 <= eos_token_id < vocab_size \
             else (eos_token_id,)
         # position k's regular sample is this list's [(k * STRIDE + len(id)) % span]
-        self._regular_samples = self._samples[_FIRST_REGULAR_TOKEN:vocab_size]
+        self._regular_samples = shared_regular_samples(vocab_size)
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -227,15 +235,16 @@ class SimRunner:
         # Each decoding request computes its one owed token (context c) and samples position
         # c + 1: EOS when no regular sample is left, else its regular token.
         regular, eos, span = self._regular_samples, self._eos_sample, len(self._regular_samples)
-        decode_context = 0
+        row_context = 0  # of the cached requests not on the fast path
         for rid, c in zip(out.cached_req_ids, out.cached_num_computed_tokens):
             left = left_of.get(rid)
             if left is None:
+                row_context += c
                 continue  # prefilling: a row of its own
-            decode_context += c
             sampled[rid] = regular[((c + 1) * _TOKEN_STRIDE + len(rid)) % span] \
                 if left > 0 else eos
             left_of[rid] = left - 1
+        decode_context = sum(out.cached_num_computed_tokens) - row_context
         sums = self._advance_rows(rows.items(), sampled, True) if rows else _NO_ROWS
         return sampled, self._totals(len(scheduled), decode_context, sums)
 

@@ -66,7 +66,7 @@ class Forks:
         sched.kv.fork(parent, children)
         for sample in children:
             sched.requests[sample.request_id] = sample
-            sched._fast_length_cap[sample.request_id] = fast_length_cap(sample)
+            sample.fast_length_cap = fast_length_cap(sample)
             sched.running.append(sample)
 
     def finished(self, request: Request, status: RequestStatus, finished_ids: set[str]) -> None:

@@ -26,7 +26,7 @@ from tokenweir.core.sched.integrity import check_integrity
 from tokenweir.core.sched.policies import Pause, SchedulingPolicy, VictimPolicy, make_policies
 from tokenweir.core.sched.policy import PreemptionCosts, num_tokens_to_schedule
 from tokenweir.core.sched.preemption import Preemption
-from tokenweir.core.sched.step_plan import StepPlan
+from tokenweir.core.sched.step_plan import StepPlan, scheduled_pairs
 from tokenweir.core.sched.stop import fast_length_cap, stop_status
 from tokenweir.request import Request, RequestStatus
 
@@ -51,8 +51,6 @@ class Scheduler:
         # (the simulator hides a pipeline's in-flight requests around one schedule()).
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Request id -> the length update_from_output's decode fast path stays below (stop.py)
-        self._fast_length_cap: dict[str, int] = {}
         self._finished_since_last_step: set[str] = set()
         self.stats = SchedulerStats()
         self.admission, self.preemption = admission.Admission(self), Preemption(self)
@@ -69,7 +67,7 @@ class Scheduler:
         self.forks.add(request)  # parallel sampling: a group's parent (forks.py)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._fast_length_cap[request.request_id] = fast_length_cap(request)
+        request.fast_length_cap = fast_length_cap(request)
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str],
@@ -89,7 +87,6 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
-        del self._fast_length_cap[request.request_id]
         self._finished_since_last_step.add(request.request_id)
         self.forks.finished(request, status, self._finished_since_last_step)
 
@@ -134,30 +131,32 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan, prefills: bool, decodes: bool) -> None:
         """Give running requests their next tokens; preempt victims when the pool is full."""
-        i = 0
-        running = self.running  # mutated in place only (remove, sort)
+        i, running = 0, self.running  # `running` is mutated in place only (remove, sort)
         scheduled, paused = plan.num_scheduled, plan.paused
-        # One pass visits each request once; only a second pass (prioritize_prefill) meets
-        # requests the first one scheduled.
-        check_scheduled = bool(scheduled)
+        check_scheduled = bool(scheduled)  # a second pass (prioritize_prefill) meets the first's
         allocate, block_size = self.kv.allocate_slots, self.kv.block_size
         fresh_forks = self.kv.fresh_forks()  # parallel sampling: new to the runner, may copy
         cached_req_ids, cached_num_computed = plan.cached_req_ids, plan.cached_num_computed
+        scheduled_reqs = plan.scheduled
+        # The hot case: a decode (1 token, the budget is > 0) whose computed tokens end inside a
+        # block, which has room for its next one. `plain`: no set can exclude a decode this pass.
+        plain = decodes and not (check_scheduled or paused or fresh_forks)
         while i < len(running) and plan.token_budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
             owed = len(request.all_token_ids) - computed
             rid = request.request_id
-            if not (prefills if owed > 1 else decodes) or (check_scheduled and rid in scheduled) \
-                    or (paused and rid in paused) or (owed > 1 and plan.prefills_closed):
-                i += 1  # owed > 1: policy.is_prefilling
-                continue
-            if owed == 1 and computed % block_size and not (fresh_forks and rid in fresh_forks):
-                # The hot case: a decode (1 token, as the budget is > 0) whose computed tokens
-                # end inside a block; a running request's blocks cover its computed tokens, so
-                # it has room for its next one (allocate_slots would give []). No chunk, no
-                # preemption, no new blocks (left out of new_block_ids): plan.add, inlined.
+            hot = owed == 1 and computed % block_size
+            if not (plain and hot):
+                if not (prefills if owed > 1 else decodes) \
+                        or (check_scheduled and rid in scheduled) or (paused and rid in paused) \
+                        or (owed > 1 and plan.prefills_closed):
+                    i += 1  # owed > 1: policy.is_prefilling
+                    continue
+                hot = hot and not (fresh_forks and rid in fresh_forks)
+            if hot:  # plan.add, inlined: no chunk, no preemption, no new blocks (none listed)
                 scheduled[rid] = 1
+                scheduled_reqs.append(request)
                 cached_req_ids.append(rid)
                 cached_num_computed.append(computed)
                 plan.token_budget -= 1
@@ -206,34 +205,33 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         requests, running = self.requests, RequestStatus.RUNNING
         sampled, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
-        kv, fast_length_cap, num_fast = self.kv, self._fast_length_cap, 0
+        kv, num_fast = self.kv, 0
         register = kv.register_computed_blocks if kv.enable_prefix_caching else None
         # Publishing has work only where a step filled a block, unless some lag (swap-outs).
         block_size, lagging = kv.block_size, kv.has_lagging_registrations()
         bulk = decoded.append if decoded is not None and not logprobs else None
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = requests.get(request_id)
-            if request is None or request.status is not running:  # statuses are the members
+        for request, num_tokens in scheduled_pairs(scheduler_output, requests):
+            if request.status is not running:  # statuses are the members
                 continue
+            request_id = request.request_id
             try:  # the per-request guard: free (zero-cost) unless it raises
-                if request.num_preemptions:
-                    count.count_recomputed_tokens(self.stats, request, num_tokens)
                 computed = request.num_computed_tokens + num_tokens
-                request.num_computed_tokens = computed
-                if not request.num_preemptions or computed > request.max_computed_tokens:
+                if request.num_preemptions:  # the recompute tax; the high-water mark
+                    count.count_recomputed_tokens(self.stats, request, num_tokens)
+                else:
                     request.max_computed_tokens = computed  # never preempted: it only grew
+                request.num_computed_tokens = computed
                 if register is not None and (lagging or computed % block_size < num_tokens):
                     register(request)
                 new_token_ids = sampled.get(request_id)
                 if not new_token_ids:
                     continue
-                # Decode fast path: one token, not the first, that no stop rule can end (not an
-                # EOS token id, the request has no stop token ids, below the length cap): append
-                # it and move on. Everything else takes _append_tokens and stop.stop_status.
+                # Decode fast path: one token, not the first, that no stop rule can end: below
+                # the length cap (0 before the first token, and with stop token ids: stop.py),
+                # not an EOS token id. Everything else takes _append_tokens and stop_status.
                 token_id = new_token_ids[0]
                 all_token_ids = request.all_token_ids
-                if (len(all_token_ids) + 1 < fast_length_cap[request_id]
-                        and request.first_token_time is not None and len(new_token_ids) == 1
+                if (len(all_token_ids) + 1 < request.fast_length_cap and len(new_token_ids) == 1
                         and token_id not in request.eos_token_ids):
                     all_token_ids.append(token_id)
                     num_fast += 1
@@ -255,6 +253,7 @@ class Scheduler:
                        now: float) -> EngineCoreOutput:
         if request.first_token_time is None:
             request.first_token_time = now
+            request.fast_length_cap = fast_length_cap(request)
             count.count_first_token(self.stats, request, now)
             self.forks.first_token(request, now)  # before a stop rule can free its blocks
         appended: list[int] = []

@@ -15,9 +15,11 @@ def count_step(stats: SchedulerStats, num_chunked: int, total_tokens: int) -> No
 
 def count_recomputed_tokens(stats: SchedulerStats, request: Request, num_tokens: int) -> None:
     """Tokens computed again after a preemption (the recompute tax): the part of this step's
-    range that lies below the request's high-water mark. Call before advancing the request."""
-    start = request.num_computed_tokens
-    stats.recomputed_tokens += max(0, min(start + num_tokens, request.max_computed_tokens) - start)
+    range that lies below the request's high-water mark, which the range then raises. Call
+    before advancing the request."""
+    start, high = request.num_computed_tokens, request.max_computed_tokens
+    stats.recomputed_tokens += max(0, min(start + num_tokens, high) - start)
+    request.max_computed_tokens = max(high, start + num_tokens)
 
 
 def count_first_token(stats: SchedulerStats, request: Request, now: float) -> None:

@@ -26,6 +26,7 @@ class StepPlan:
     token_budget: int
     now: float = 0.0
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    scheduled: list[Request] = field(default_factory=list)  # in num_scheduled's order
     new_reqs: list[Request] = field(default_factory=list)
     # The running requests scheduled, in order, and their computed tokens before this step:
     # the output's `cached_req_ids` / `cached_num_computed_tokens`, built as they are added.
@@ -43,6 +44,7 @@ class StepPlan:
     def add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
         rid = request.request_id
         self.num_scheduled[rid] = num_tokens
+        self.scheduled.append(request)
         self.new_block_ids[rid] = block_ids
         if is_new:
             self.new_reqs.append(request)
@@ -69,7 +71,8 @@ class StepPlan:
             new_block_ids=self.new_block_ids, preempted_req_ids=preempted_ids,
             finished_req_ids=finished_ids, step_id=step_id,
             blocks_to_swap_in=self.swap_in, blocks_to_swap_out=self.swap_out,
-            blocks_to_copy=[pair for pairs in self.copies.values() for pair in pairs])
+            blocks_to_copy=[pair for pairs in self.copies.values() for pair in pairs],
+            scheduled_requests=self.scheduled)
 
     def drop(self, request: Request) -> None:
         """Undo `add` for a request preempted later in the same step."""
@@ -78,6 +81,7 @@ class StepPlan:
         if num_tokens is None:
             return
         self.token_budget += num_tokens
+        self.scheduled.remove(request)
         self.new_block_ids.pop(rid, None)
         self.copies.pop(rid, None)  # its blocks went back: nothing to copy into them
         if stops_short_of_prompt(request, num_tokens):
@@ -87,6 +91,16 @@ class StepPlan:
         else:
             k = self.cached_req_ids.index(rid)
             del self.cached_req_ids[k], self.cached_num_computed[k]
+
+
+def scheduled_pairs(out: SchedulerOutput, requests: dict[str, Request]):
+    """(request, tokens) for each entry of `out.num_scheduled_tokens`, in its order: the
+    output's own `scheduled_requests`, or (an output without them) by id among `requests`,
+    skipping ids no longer there."""
+    counts = out.num_scheduled_tokens
+    if out.scheduled_requests is not None:
+        return zip(out.scheduled_requests, counts.values())
+    return [(requests[rid], n) for rid, n in counts.items() if rid in requests]
 
 
 def stops_short_of_prompt(request: Request, num_tokens: int) -> bool:

@@ -27,6 +27,9 @@ def stop_status(request: Request, token_id: int, max_model_len: int) -> Optional
 
 def fast_length_cap(request: Request) -> int:
     """The length the decode fast path stays below: prompt + max_tokens (the length cap, kept
-    within max_model_len by add_request), or 0 for a request with stop_token_ids, whose every
-    token takes the full rule."""
-    return 0 if request.sampling_params.stop_token_ids else request.max_num_tokens
+    within max_model_len by add_request), or 0 before the request's first token (its first
+    token is never on the fast path) and for a request with stop_token_ids, whose every token
+    takes the full rule."""
+    if request.first_token_time is None or request.sampling_params.stop_token_ids:
+        return 0
+    return request.max_num_tokens
