@@ -5,9 +5,10 @@ freed, and pads block tables. Every other block is either in the free list (ref_
 held by at least one owner (ref_cnt > 0); `check_integrity()` proves it.
 
 Prefix caching: a full block can be registered under a `BlockKey`
-`(parent_block_id, parent_generation, token_ids)`. The key names the parent block *and the
-generation of its content*, so equal keys mean equal token histories, exactly: a hit is
-confirmed by comparing token ids (tuple equality), never by trusting a hash. A free block keeps
+`(parent_block_id, parent_generation, token_ids)` (the KV cache manager packs the ids:
+kv_cache_manager.block_tokens_key). The key names the parent block *and the generation of its
+content*, so equal keys mean equal token histories, exactly: a hit is confirmed by comparing
+token ids (key equality), never by trusting a hash. A free block keeps
 its content and its key until it is handed out again; then its key is dropped and its
 generation bumps, so children keyed on its old content can never be reached through it.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-BlockKey = tuple  # (parent_block_id, parent_generation, tuple of token ids); parent -1 = root
+BlockKey = tuple  # (parent_block_id, parent_generation, token ids); parent -1 = root
 ROOT_PARENT = (-1, 0)
 
 

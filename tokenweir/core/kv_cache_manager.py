@@ -28,8 +28,9 @@ KVContentRunner checks it).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 from tokenweir.core.block_pool import ROOT_PARENT, BlockKey, BlockPool, KVBlock
 from tokenweir.request import Request
@@ -37,6 +38,18 @@ from tokenweir.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def block_tokens_key(pack: Callable[..., bytes], tokens: list[int]) -> Union[bytes, tuple]:
+    """A full block's token ids as its prefix-cache key holds them: packed as int64s by
+    `pack`, or their tuple when one does not fit (such a block can match only blocks of the
+    same ids, which take the same form). Equal keys still mean equal ids. A bytes object keeps
+    its hash and refers to no int objects: dropping a published block's key (each time a block
+    is handed out again) neither hashes its ids again nor touches one object per id."""
+    try:
+        return pack(*tokens)
+    except struct.error:
+        return tuple(tokens)
 
 
 @dataclass
@@ -123,6 +136,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  num_host_blocks: int = 0) -> None:
         self.block_size = block_size
+        self._pack = struct.Struct(f"{block_size}q").pack  # a full block's ids (block_tokens_key)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
@@ -207,7 +221,7 @@ class KVCacheManager:
 
     def _key(self, parent: tuple[int, int], tokens: list[int], k: int) -> BlockKey:
         bs = self.block_size
-        return (*parent, tuple(tokens[k * bs:(k + 1) * bs]))
+        return (*parent, block_tokens_key(self._pack, tokens[k * bs:(k + 1) * bs]))
 
     def register_computed_blocks(self, request: Request) -> None:
         """Publish the request's full blocks whose K/V is computed (`num_computed_tokens`)."""
@@ -219,13 +233,14 @@ class KVCacheManager:
         if full <= start:
             return
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
-        register = self.pool.register
+        register, pack = self.pool.register, self._pack
         for k in range(start, full):
+            ids = block_tokens_key(pack, tokens[k * bs:(k + 1) * bs])
             if k == 0:
-                key = (*ROOT_PARENT, tuple(tokens[:bs]))
+                key = (*ROOT_PARENT, ids)
             else:  # self._key((parent id, parent generation), tokens, k), inlined
                 parent = blocks[k - 1]
-                key = (parent.block_id, parent.generation, tuple(tokens[k * bs:(k + 1) * bs]))
+                key = (parent.block_id, parent.generation, ids)
             register(blocks[k], key)
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
