@@ -56,6 +56,7 @@ _PACKED_ATTR = "_tokenweir_packed_weight"
 
 
 _INT8_ATTR = "_tokenweir_int8_weight"  # the int8 copy has a slot of its own (kept beside)
+DIRECT_ATTR = "_tokenweir_direct_stacks"  # model/direct.py's stacks, bound to packed copies
 
 
 def packed_weight(owner: object, weight: torch.Tensor, kind: object,
@@ -78,6 +79,7 @@ def drop_packed_weights(module: nn.Module) -> None:
     for sub in (module, *module.modules()):
         sub.__dict__.pop(_PACKED_ATTR, None)
         sub.__dict__.pop(_INT8_ATTR, None)
+        sub.__dict__.pop(DIRECT_ATTR, None)
 
 
 # Weight-only int8 for decode matmuls (opt-in: `quantization="int8"`, --quantization int8).
@@ -100,13 +102,18 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.to(weight.dtype)
 
 
+def _int8_applies(x: torch.Tensor, weight: torch.Tensor, owner: object) -> bool:
+    return (getattr(owner, "quantization", None) == "int8" and x.dim() == 2
+            and x.shape[0] <= INT8_MAX_ROWS and x.device.type == "cpu"
+            and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.shape[1] % 32 == 0)
+
+
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object) -> Optional[torch.Tensor]:
     """x @ weight.T on weight's int8 copy (made once, cached on owner) when owner opted in
     (`owner.quantization == "int8"`, see set_quantization), x is a CPU bfloat16 matrix of
     <= INT8_MAX_ROWS rows and K % 32 == 0; None otherwise (the caller's unquantized path)."""
-    if (getattr(owner, "quantization", None) != "int8" or x.dim() != 2
-            or x.shape[0] > INT8_MAX_ROWS or x.device.type != "cpu"
-            or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[1] % 32):
+    if not _int8_applies(x, weight, owner):
         return None
     q, scales = packed_weight(owner, weight, "int8", quantize_int8, slot=_INT8_ATTR)
     return torch._weight_int8pack_mm(x.contiguous(), q, scales)
@@ -119,6 +126,7 @@ def set_quantization(model: nn.Module, quantization: Optional[str]) -> None:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, "
                          f"got {quantization!r}")
     for module in (model, *model.modules()):
+        module.__dict__.pop(DIRECT_ATTR, None)  # its Linears were bound for the old path
         if module is model or isinstance(module, Linear):
             object.__setattr__(module, "quantization", quantization)
 
@@ -238,6 +246,40 @@ class Linear(nn.Linear):
         if out is None:
             return bucketed_linear(x, self.weight, self.bias, owner=self)
         return out if self.bias is None else out.add_(self.bias)
+
+    def bind(self, x: torch.Tensor) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """The op `forward` runs on x, resolved now: a function of one argument that computes
+        forward(y) for every y of x's shape, dtype and device that is contiguous, with this
+        weight as it is now (packed now, once). None where forward would pad rows or take a
+        torch path. For callers that run the same shapes many times and check the weight's
+        version themselves (model/direct.py); forward's per-call routing is what it saves."""
+        weight, bias = self.weight, self.bias
+        probe = x.contiguous()
+        if _int8_applies(probe, weight, self):
+            q, scales = packed_weight(self, weight, "int8", quantize_int8, slot=_INT8_ATTR)
+            return _with_bias(lambda y: torch._weight_int8pack_mm(y, q, scales), bias)
+        if PACK_LINEAR and _few_rows_f32(probe, weight, PACKED_MAX_ROWS):
+            kernel = kernels.packed_linear_kernel()
+            if kernel is not None:
+                panels = packed_weight(self, weight, kernel.panel,
+                                       lambda w: kernels.pack_linear_weight(w, kernel.panel))
+                n = weight.shape[0]
+                return _with_bias(lambda y: kernel(y, panels, n), bias)
+        if skinny_matmul_kernel(probe, weight, SKINNY_MAX_ROWS) is not None:
+            return None  # rare (TOKENWEIR_PACK_LINEAR=0): forward's own routing
+        if (_onednn_packs(probe, weight)
+                and (not BUCKET_ROWS or row_bucket(probe.shape[0]) == probe.shape[0])):
+            packed = packed_weight(self, weight, "onednn", onednn_pack)
+            return lambda y: onednn_linear(y, packed, bias)
+        return None
+
+
+def _with_bias(matmul: Callable[[torch.Tensor], torch.Tensor],
+               bias: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """matmul, followed by adding bias in place when there is one (as Linear.forward does)."""
+    if bias is None:
+        return matmul
+    return lambda y: matmul(y).add_(bias)
 
 
 class Embedding(nn.Embedding):

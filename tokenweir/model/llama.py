@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenweir.model.arch import ArchConfig
 from tokenweir.model.attention import AttentionMetadata, paged_attention
+from tokenweir.model.direct import direct_stack
 from tokenweir.model.layers import (PACKED_MAX_ROWS_LM_HEAD, SKINNY_MAX_ROWS_LM_HEAD,
                                     Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
                                     RotaryStep, bucketed_linear, drop_packed_weights,
@@ -110,6 +111,9 @@ class LlamaModel(nn.Module):
                 attn: AttentionMetadata, kv_caches: list[torch.Tensor],
                 layer_hook: Optional[LayerHook] = None) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)  # a fresh tensor: updated in place below
+        direct = direct_stack(self, residual, positions)
+        if direct is not None:  # small CPU steps: the same calls without the modules' routing
+            return direct.run(residual, positions, attn, kv_caches, self.rotary_emb, layer_hook)
         rope = self.rotary_emb.for_step(positions, residual.dtype)
         delta: Optional[torch.Tensor] = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
