@@ -1,8 +1,8 @@
 """The direct path (model/direct.py) against the module path it stands in for: bit-identical
-logits and KV caches over decode batches and small mixed steps (prefill chunks beside decodes),
-float32 and bfloat16, with biases, on the kernel variants this CPU runs and under int8
-quantization; each run probes which path ran. It declines where it must (more than MAX_ROWS
-tokens, q/k norm, kernels off) and rebinds after a weight changes."""
+logits and KV caches over decode batches, small mixed steps (prefill chunks beside decodes) and
+a step of 34 rows, float32 and bfloat16, with biases, packed and unpacked weights, on the kernel
+variants this CPU runs and under int8 quantization; each run probes which path ran. It declines
+where it must (q/k norm, kernels off) and rebinds after a weight changes."""
 
 from __future__ import annotations
 
@@ -32,36 +32,45 @@ def direct_runs(monkeypatch):
 
 
 def _greedy(model, arch, dtype, enabled: bool, monkeypatch):
+    """Two greedy runs: chunks of 5 tokens, staggered starts (steps of 1-15 rows, decodes beside
+    prefill chunks), then every prompt at once (a first step of 34 rows, bucketed in bfloat16)."""
     monkeypatch.setattr(direct, "ENABLED", enabled)
-    driver = PagedDriver(model, arch, block_size=4, dtype=dtype)
-    step, steps = driver.step, []
-    driver.step = lambda schedule: steps.append(schedule) or step(schedule)
-    tokens, records = run_greedy(driver, PROMPTS, 6, chunk=5, stagger=True)
-    assert all(sum(n for _, n in s) <= direct.MAX_ROWS for s in steps)  # every step small
-    return tokens, records, driver.kv_caches, len(steps)
+    runs, rows = [], []
+    for chunk, stagger in ((5, True), (None, False)):
+        driver = PagedDriver(model, arch, block_size=4, dtype=dtype)
+        step = driver.step
+        driver.step = lambda schedule, step=step: rows.append(sum(n for _, n in schedule)) or \
+            step(schedule)
+        tokens, records = run_greedy(driver, PROMPTS, 6, chunk=chunk, stagger=stagger)
+        runs.append((tokens, records, driver.kv_caches))
+    assert min(rows) == 1 and max(rows) == 34  # probe: small and large row classes both ran
+    return runs, len(rows)
 
 
 def _assert_same(a, b) -> None:
-    (tok_a, rec_a, kv_a, _), (tok_b, rec_b, kv_b, _) = a, b
-    assert tok_a == tok_b
-    assert len(rec_a) == len(rec_b)
-    for (rid, n, la), (_, _, lb) in zip(rec_a, rec_b):
-        assert torch.equal(la, lb), (rid, n)
-    assert all(torch.equal(x, y) for x, y in zip(kv_a, kv_b))
+    for (tok_a, rec_a, kv_a), (tok_b, rec_b, kv_b) in zip(a[0], b[0], strict=True):
+        assert tok_a == tok_b
+        assert len(rec_a) == len(rec_b)
+        for (rid, n, la), (_, _, lb) in zip(rec_a, rec_b):
+            assert torch.equal(la, lb), (rid, n)
+        assert all(torch.equal(x, y) for x, y in zip(kv_a, kv_b))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("path", ["avx2", "avx512bf16"])
+@pytest.mark.parametrize("path", ["avx2", "avx512bf16", "avx512bf16-unpacked"])
 @torch.inference_mode()
 def test_direct_equals_module_path(kind, dtype, path, tmp_path_factory, monkeypatch,
                                    direct_runs):
-    force_path(path, monkeypatch)
+    """-unpacked: TOKENWEIR_PACK_LINEAR=0 (few-rows kernel / F.linear; bfloat16 unpacked)."""
+    force_path(path.removesuffix("-unpacked"), monkeypatch)
+    if path.endswith("-unpacked"):
+        monkeypatch.setattr(layers, "PACK_LINEAR", False)
     loaded = load_tiny(tmp_path_factory, kind, 3, dtype)
     module_run = _greedy(loaded.model, loaded.arch, dtype, False, monkeypatch)
     assert direct_runs["n"] == 0
     direct_run = _greedy(loaded.model, loaded.arch, dtype, True, monkeypatch)
-    assert direct_runs["n"] == direct_run[3] > 0  # probe: every step took it
+    assert direct_runs["n"] == direct_run[1] > 0  # probe: every step took it
     _assert_same(direct_run, module_run)
 
 
@@ -99,8 +108,8 @@ def test_direct_declines(tmp_path_factory, monkeypatch):
     if _widest() == "torch":
         pytest.skip("no C++ kernels here: the direct path never applies")
     assert direct.direct_stack(model, torch.zeros(3, 64), positions) is not None
-    big = torch.zeros(direct.MAX_ROWS + 1, 64)
-    assert direct.direct_stack(model, big, torch.arange(big.shape[0])) is None
+    above = [direct.direct_stack(model, torch.zeros(n, 64), torch.arange(n)) for n in (17, 300)]
+    assert above[0] is not None and above[0] is above[1]  # one stack for every count above 16
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "0")
     assert direct.direct_stack(model, torch.zeros(3, 64), positions) is None
     monkeypatch.delenv("TOKENWEIR_CPU_KERNELS")

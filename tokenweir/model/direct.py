@@ -1,22 +1,24 @@
-"""The decoder stack as direct calls, for small CPU steps (decode batches of up to 16 rows).
+"""The decoder stack as direct calls, for CPU steps.
 
 A batch-1 decode step of SmolLM2-135M (bfloat16, AVX-512 BF16 machine) took ~10 ms, ~2 of them
 in Python: some 210 module calls, each Linear routing its input (int8? packed? oneDNN? padded?)
 and looking its packed weight up, each fused op asking whether the kernels apply. None of that
-changes between steps of the same shape. `DirectStack` resolves it once per (dtype, rows): every
-Linear bound to its op on its packed weight (`Linear.bind`), the fused ops module fetched once.
-It then runs each layer as the calls the modules make, in the same order on the same inputs, so
-its results are the module path's bit for bit (tests/model/test_direct.py).
+changes between steps of the same shape. `DirectStack` resolves it once per (dtype, row class):
+every Linear bound to its op on its packed weight (`Linear.bind`: one class per row count up to
+EXACT_ROWS, one for every count above), the fused ops module fetched once. It then runs each
+layer as the calls the modules make, in the same order on the same inputs, so its results are
+the module path's bit for bit (tests/model/test_direct.py).
 
-It applies to a step when: CPU, float32 or bfloat16, at most MAX_ROWS tokens, the compiled fused
-ops available, every layer a plain Llama layer (fused qkv and gate/up `Linear`s, no q/k norm: a
-tensor-parallel shard's row-parallel projections keep the module path) and every Linear bound
-(no row padding, no torch fallback). Otherwise `LlamaModel` runs its modules, as it always can.
-`TOKENWEIR_DIRECT_FORWARD=0` turns it off (to measure the difference).
+It applies to a step when: CPU, float32 or bfloat16, the compiled fused ops available, every
+layer a plain Llama layer (fused qkv and gate/up `Linear`s, no q/k norm: a tensor-parallel
+shard's row-parallel projections keep the module path). Otherwise `LlamaModel` runs its
+modules, as it always can. `TOKENWEIR_DIRECT_FORWARD=0` turns it off (to measure the
+difference).
 
-Contract with the weights: a stack is cached on the model per (dtype, rows, kernel env) and
-checked at every use against each Linear weight's storage and version (an in-place write or a
-new tensor rebuilds it); `drop_packed_weights` and `set_quantization` drop it.
+Contract with the weights: a stack is cached on the model per (dtype, row class, kernel env,
+packing switches) and checked at every use against each Linear weight's storage and version (an
+in-place write or a new tensor rebuilds it); `drop_packed_weights` and `set_quantization` drop
+it.
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tokenweir.model import kernels
+from tokenweir.model import kernels, layers
 from tokenweir.model.attention import AttentionMetadata, paged_attention
 from tokenweir.model.layers import DIRECT_ATTR, GatedMLP, Linear, RMSNorm
 
 ENABLED = os.environ.get("TOKENWEIR_DIRECT_FORWARD", "1") != "0"
-MAX_ROWS = 16  # = layers.EXACT_ROWS: bfloat16 matmuls of more rows are padded to a bucket
 
 MatMul = Callable[[torch.Tensor], torch.Tensor]
 
@@ -98,12 +99,13 @@ def direct_stack(model: Any, residual: torch.Tensor,
     """The cached stack for this step's input (`residual`, the embedded tokens), built on first
     use; None when the direct path does not apply (see the module docstring)."""
     rows = residual.shape[0]
-    if (not ENABLED or rows > MAX_ROWS or residual.device.type != "cpu"
+    if (not ENABLED or residual.device.type != "cpu"
             or residual.dtype not in (torch.float32, torch.bfloat16)
             or positions.dtype != torch.long or not positions.is_contiguous()):
         return None
-    key = (residual.dtype, rows, os.environ.get("TOKENWEIR_CPU_KERNELS"),
-           os.environ.get("TOKENWEIR_CPU_ISA"))
+    key = (residual.dtype, rows if rows <= layers.EXACT_ROWS else -1,
+           os.environ.get("TOKENWEIR_CPU_KERNELS"), os.environ.get("TOKENWEIR_CPU_ISA"),
+           layers.PACK_LINEAR, layers.BUCKET_ROWS)
     stacks = model.__dict__.setdefault(DIRECT_ATTR, {})
     stack = stacks.get(key, False)
     if stack is False or (stack is not None and not stack.valid()):

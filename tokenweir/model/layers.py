@@ -221,14 +221,22 @@ def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     """F.linear(x, weight, bias), with a 2-D CPU bfloat16/float16 x padded to row_bucket rows
     (the pad rows are zeros; the result has x's rows). With an `owner`, bfloat16 runs on the
     weight packed for oneDNN once and cached on it (see ONEDNN_PACK_HINT_ROWS)."""
-    rows = x.shape[0]
     if (not BUCKET_ROWS or x.dim() != 2 or x.device.type != "cpu"
-            or x.dtype not in (torch.bfloat16, torch.float16)
-            or (padded := row_bucket(rows)) == rows):
+            or x.dtype not in (torch.bfloat16, torch.float16)):
         return _linear(x, weight, bias, owner)
+    return on_bucketed_rows(lambda padded: _linear(padded, weight, bias, owner), x)
+
+
+def on_bucketed_rows(matmul: Callable[[torch.Tensor], torch.Tensor],
+                     x: torch.Tensor) -> torch.Tensor:
+    """matmul(x) with x [rows, K] padded by zero rows to row_bucket(rows); x's rows of it."""
+    rows = x.shape[0]
+    padded = row_bucket(rows)
+    if padded == rows:
+        return matmul(x)
     x_padded = x.new_zeros((padded, x.shape[1]))
     x_padded[:rows] = x
-    return _linear(x_padded, weight, bias, owner)[:rows]
+    return matmul(x_padded)[:rows]
 
 
 class Linear(nn.Linear):
@@ -248,30 +256,49 @@ class Linear(nn.Linear):
         return out if self.bias is None else out.add_(self.bias)
 
     def bind(self, x: torch.Tensor) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-        """The op `forward` runs on x, resolved now: a function of one argument that computes
-        forward(y) for every y of x's shape, dtype and device that is contiguous, with this
-        weight as it is now (packed now, once). None where forward would pad rows or take a
-        torch path. For callers that run the same shapes many times and check the weight's
-        version themselves (model/direct.py); forward's per-call routing is what it saves."""
+        """The op `forward` runs on x, resolved now (weights packed now, once): a function of
+        one argument that computes forward(y) for every contiguous y of x's dtype, device and
+        row class, with this weight as it is now. Row classes: each count up to EXACT_ROWS
+        alone, and every count above it (within a class, forward's route does not change, or
+        the function picks it by rows as forward does). None off CPU or for a non-2-D x. For
+        callers that run many steps and check the weight's version themselves
+        (model/direct.py): forward's per-call routing is what it saves."""
         weight, bias = self.weight, self.bias
         probe = x.contiguous()
-        if _int8_applies(probe, weight, self):
+        if probe.device.type != "cpu" or probe.dim() != 2:
+            return None
+        small = probe.shape[0] <= EXACT_ROWS
+        if small and _int8_applies(probe, weight, self):
             q, scales = packed_weight(self, weight, "int8", quantize_int8, slot=_INT8_ATTR)
             return _with_bias(lambda y: torch._weight_int8pack_mm(y, q, scales), bias)
-        if PACK_LINEAR and _few_rows_f32(probe, weight, PACKED_MAX_ROWS):
-            kernel = kernels.packed_linear_kernel()
-            if kernel is not None:
-                panels = packed_weight(self, weight, kernel.panel,
-                                       lambda w: kernels.pack_linear_weight(w, kernel.panel))
-                n = weight.shape[0]
-                return _with_bias(lambda y: kernel(y, panels, n), bias)
-        if skinny_matmul_kernel(probe, weight, SKINNY_MAX_ROWS) is not None:
-            return None  # rare (TOKENWEIR_PACK_LINEAR=0): forward's own routing
-        if (_onednn_packs(probe, weight)
-                and (not BUCKET_ROWS or row_bucket(probe.shape[0]) == probe.shape[0])):
+        if probe.dtype == torch.float32 and weight.dtype == torch.float32:
+            return self._bind_float32(probe, small)
+        if _onednn_packs(probe, weight):
             packed = packed_weight(self, weight, "onednn", onednn_pack)
-            return lambda y: onednn_linear(y, packed, bias)
-        return None
+            if small or not BUCKET_ROWS:
+                return lambda y: onednn_linear(y, packed, bias)
+            return lambda y: on_bucketed_rows(lambda z: onednn_linear(z, packed, bias), y)
+        return self.forward
+
+    def _bind_float32(self, x: torch.Tensor, small: bool) -> Callable[[torch.Tensor],
+                                                                       torch.Tensor]:
+        """bind for float32: the packed kernel (up to PACKED_MAX_ROWS rows, then F.linear as
+        forward), the unpacked few-rows kernel (TOKENWEIR_PACK_LINEAR=0, up to SKINNY_MAX_ROWS)
+        or F.linear."""
+        weight, bias = self.weight, self.bias
+        kernel = kernels.packed_linear_kernel() if PACK_LINEAR else None
+        if kernel is not None and _few_rows_f32(x[:1], weight, 1):  # any rows: see below
+            panels = packed_weight(self, weight, kernel.panel,
+                                   lambda w: kernels.pack_linear_weight(w, kernel.panel))
+            packed = _with_bias(lambda y: kernel(y, panels, weight.shape[0]), bias)
+            if small:
+                return packed
+            return lambda y: packed(y) if y.shape[0] <= PACKED_MAX_ROWS else F.linear(y, weight,
+                                                                                      bias)
+        skinny = skinny_matmul_kernel(x, weight, SKINNY_MAX_ROWS) if small else None
+        if skinny is not None:
+            return _with_bias(lambda y: skinny(y, weight), bias)
+        return self.forward
 
 
 def _with_bias(matmul: Callable[[torch.Tensor], torch.Tensor],
