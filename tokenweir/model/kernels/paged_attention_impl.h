@@ -369,6 +369,7 @@ inline void probabilities_to_bf16(const float* p, int64_t len, int64_t padded, u
 // transposed 16 to a vector, values in key pairs) and used by every tile of the kv head, which
 // keeps its state (max, sum, output) in the scratch between spans.
 constexpr int kSpan = 64;  // keys per online-softmax step: 4 vectors of 16 keys
+constexpr float kSlack = 8.f;  // log2 units a score may exceed the running max by
 
 // kp[(c * pairs + p) * 16 + i] = the bf16 pair (k[2p], k[2p + 1]) of key 16c + i of the span
 // (zero for keys >= n); pairs = d / 2 (a multiple of 16). keys[i]: the span's key rows.
@@ -427,9 +428,9 @@ inline void pack_span_values(const uint16_t* const* vals, int64_t n, int64_t d, 
   }
 }
 
-// 2^x for x in [-127, 0] (callers clamp): 2^round(x) * a degree-6 Taylor polynomial of 2^f,
-// |f| <= 1/2; relative error < 2e-7 (the remainder (ln2 / 2)^7 / 7! = 1.2e-7 over 2^f >= 0.7,
-// plus float rounding of the Horner steps).
+// 2^x for finite x <= 8 (below 2^-149 it flushes to 0 in vscalefps): 2^round(x) * a degree-6
+// Taylor polynomial of 2^f, |f| <= 1/2; relative error < 2e-7 (the remainder (ln2 / 2)^7 / 7!
+// = 1.2e-7 over 2^f >= 0.7, plus float rounding of the Horner steps).
 inline __m512 exp2_ps(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
@@ -451,8 +452,9 @@ struct FlashTile {
 };
 
 // One span (keys t0 + [0, nt), packed in kp / vp) for the N query vectors of a tile:
-// q32 [N][d/2] bf16 pairs; lens: keys each attends; m, l: running max (log2 units) and sum;
-// out [N][d] float32 accumulators (scaled by 2^-m); pb: room for [N][kSpan] bf16.
+// q32 [N][d/2] bf16 pairs; lens: keys each attends; m [N]: running max (log2 units); l
+// [N][16]: running sums, lane-wise; out [N][d] float32 accumulators (scaled by 2^-m); pb: room
+// for [N][kSpan] bf16.
 template <int N, int NC>
 void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, int64_t d,
                 const uint32_t* q32, const int64_t* lens, float scale_log2, float* m, float* l,
@@ -470,30 +472,50 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
       for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], q, keys[c]);
     }
   }
+  // The online softmax, with lazy rescaling: a vector's max m (log2 units) is raised only when
+  // a score exceeds it by more than kSlack, so most spans skip the horizontal max and the
+  // rescaling of the output; the probabilities 2^(s - m) are then <= 2^kSlack, which float32
+  // and bf16 hold with the same relative precision.
+  const float inv_sc = 1.f / scale_log2;
+  const __m512 sc = _mm512_set1_ps(scale_log2);
+  const bool full = nt == 16 * NC && lens[0] >= t0 + nt;  // every lane a key of every vector
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 sc = _mm512_set1_ps(scale_log2), floor_ = _mm512_set1_ps(-127.f);
-  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
   float alpha[N];
+  bool rescale = false;
   for (int i = 0; i < N; ++i) {
     __mmask16 valid[NC];
-    __m512 mx = ninf;
     for (int c = 0; c < NC; ++c) {
-      const int64_t limit = std::min<int64_t>(lens[i], t0 + nt) - t0 - 16 * c;
-      valid[c] = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(int(std::max<int64_t>(limit, 0))));
-      acc[i][c] = _mm512_mul_ps(acc[i][c], sc);
-      mx = _mm512_mask_max_ps(mx, valid[c], mx, acc[i][c]);
+      if (full) {
+        valid[c] = 0xffff;
+      } else {
+        const int64_t limit = std::min<int64_t>(lens[i], t0 + nt) - t0 - 16 * c;
+        valid[c] = _mm512_cmplt_epi32_mask(
+            lane, _mm512_set1_epi32(int(std::max<int64_t>(limit, 0))));
+      }
     }
-    const float m_new = std::max(m[i], _mm512_reduce_max_ps(mx));
-    const __m512 mv = _mm512_set1_ps(m_new);
+    // raw scores above (m + kSlack) / scale: m must rise (always at the first span: m = -inf)
+    const __m512 thr = _mm512_set1_ps((m[i] + kSlack) * inv_sc);
+    __mmask16 above = 0;
+    for (int c = 0; c < NC; ++c)
+      above |= _mm512_mask_cmp_ps_mask(valid[c], acc[i][c], thr, _CMP_GT_OQ);
+    alpha[i] = 1.f;
+    if (above) {
+      __m512 mx = _mm512_set1_ps(-__builtin_inff());
+      for (int c = 0; c < NC; ++c) mx = _mm512_mask_max_ps(mx, valid[c], mx, acc[i][c]);
+      const float m_new = _mm512_reduce_max_ps(mx) * scale_log2;
+      alpha[i] = __builtin_exp2f(m[i] - m_new);  // 0 at the first span
+      m[i] = m_new;
+      rescale = true;
+    }
+    const __m512 mv = _mm512_set1_ps(m[i]);
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < NC; ++c) {
-      acc[i][c] = _mm512_maskz_mov_ps(
-          valid[c], exp2_ps(_mm512_max_ps(_mm512_sub_ps(acc[i][c], mv), floor_)));
+      const __m512 e = exp2_ps(_mm512_fmsub_ps(acc[i][c], sc, mv));
+      acc[i][c] = full ? e : _mm512_maskz_mov_ps(valid[c], e);
       sum = _mm512_add_ps(sum, acc[i][c]);
     }
-    alpha[i] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(std::max(m[i] - m_new, -127.f))));
-    l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(sum);
-    m[i] = m_new;
+    float* li = l + 16 * i;  // lane-wise running sums
+    _mm512_storeu_ps(li, _mm512_fmadd_ps(_mm512_loadu_ps(li), _mm512_set1_ps(alpha[i]), sum));
     uint16_t* row = pb + i * kSpan;
     for (int c = 0; c + 1 < NC; c += 2)
       _mm512_storeu_si512(row + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(acc[i][c + 1], acc[i][c]));
@@ -507,8 +529,10 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
     __m512 o[N][4];
     for (int i = 0; i < N; ++i) {
       const __m512 a = _mm512_set1_ps(alpha[i]);
-      for (int u = 0; u < 4; ++u)
-        o[i][u] = _mm512_mul_ps(_mm512_loadu_ps(out + i * d + c0 + 16 * u), a);
+      for (int u = 0; u < 4; ++u) {
+        o[i][u] = _mm512_loadu_ps(out + i * d + c0 + 16 * u);
+        if (rescale) o[i][u] = _mm512_mul_ps(o[i][u], a);
+      }
     }
     for (int64_t jp = 0; jp < vpairs; ++jp) {
       __m512bh v[4];
@@ -543,7 +567,12 @@ struct FlashScratch {
   std::vector<float> out, m, l;
   std::vector<int64_t> lens, dest;
   std::vector<FlashTile> tiles;
-  std::vector<uint32_t> kp, vp;  // one span of one kv head, packed
+  // The request's keys and values as packed so far, kv head by kv head: [kv_heads][span]
+  // [kSpan * d / 2] each; spans [0, packed_len) are whole, reused by its next items (a
+  // thread's items of one request come in order, each attending a longer context).
+  std::vector<uint32_t> kp, vp;
+  const int64_t* packed_table = nullptr;  // the request packed (its block table)
+  int64_t packed_len = 0, packed_cap = 0;  // keys packed; spans of room per kv head
   std::vector<const uint16_t*> krows, vrows;
   std::vector<uint16_t> pb;  // [kMaxTile][kSpan] probabilities of one tile and span
 };
@@ -558,11 +587,28 @@ inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
   s.qh.resize(nv * d);
   s.out.assign(nv * d, 0.f);
   s.m.assign(nv, -__builtin_inff());
-  s.l.assign(nv, 0.f);
+  s.l.assign(nv * 16, 0.f);
   s.lens.resize(nv);
   s.dest.resize(nv);
-  s.kp.resize(kSpan * d / 2);
-  s.vp.resize(kSpan * d / 2);
+  const int64_t span_elems = kSpan * d / 2, spans = (max_len + kSpan - 1) / kSpan;
+  if (s.packed_table != table) {
+    s.packed_table = table;
+    s.packed_len = 0;
+  }
+  if (spans > s.packed_cap) {  // more room: keep what is packed
+    const int64_t cap = std::max(spans, 2 * s.packed_cap);
+    std::vector<uint32_t> kp(g.kv_heads * cap * span_elems), vp(kp.size());
+    for (int64_t kh = 0; kh < g.kv_heads && s.packed_len > 0; ++kh) {
+      const int64_t n = (s.packed_len / kSpan) * span_elems;
+      std::memcpy(kp.data() + kh * cap * span_elems, s.kp.data() + kh * s.packed_cap * span_elems,
+                  n * 4);
+      std::memcpy(vp.data() + kh * cap * span_elems, s.vp.data() + kh * s.packed_cap * span_elems,
+                  n * 4);
+    }
+    s.kp.swap(kp);
+    s.vp.swap(vp);
+    s.packed_cap = cap;
+  }
   s.krows.resize(kSpan);
   s.vrows.resize(kSpan);
   s.pb.resize(kMaxTile * kSpan);
@@ -584,14 +630,20 @@ inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
     const int64_t base_v = kh * per_head;
     for (int64_t t0 = 0; t0 < max_len; t0 += kSpan) {
       const int64_t nt = std::min<int64_t>(kSpan, max_len - t0);
-      for (int64_t j = 0; j < nt; ++j) {
-        const int64_t t = t0 + j;
-        const int64_t off = table[t / bs] * bs * row + (t % bs) * row + kh * d;
-        s.krows[j] = g.k_base + off;
-        s.vrows[j] = g.v_base + off;
+      const int64_t at = (kh * s.packed_cap + t0 / kSpan) * span_elems;
+      if (t0 + kSpan > s.packed_len) {  // not packed whole yet
+        for (int64_t j = 0; j < nt;) {  // the span's rows, block by block
+          const int64_t b = (t0 + j) / bs, o = t0 + j - b * bs;
+          const int64_t run = std::min(bs - o, nt - j);
+          const int64_t off = (table[b] * bs + o) * row + kh * d;
+          for (int64_t u = 0; u < run; ++u, ++j) {
+            s.krows[j] = g.k_base + off + u * row;
+            s.vrows[j] = g.v_base + off + u * row;
+          }
+        }
+        pack_span_keys(s.krows.data(), nt, d, s.kp.data() + at);
+        pack_span_values(s.vrows.data(), nt, d, s.vp.data() + at);
       }
-      pack_span_keys(s.krows.data(), nt, d, s.kp.data());
-      pack_span_values(s.vrows.data(), nt, d, s.vp.data());
       for (const FlashTile& tile : s.tiles) {
         if (tile.len <= t0) continue;
         const int64_t tn = std::min<int64_t>(nt, tile.len - t0);
@@ -599,11 +651,11 @@ inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
         const int64_t f = base_v + tile.first;
         const uint32_t* q32 = reinterpret_cast<const uint32_t*>(s.qh.data() + f * d);
         switch (tile.n) {
-#define TW_CASE(K)                                                                           \
-          case K:                                                                            \
-            flash_span_n<K>(nc, s.kp.data(), s.vp.data(), tn, t0, d, q32, s.lens.data() + f, \
-                            scale_log2, s.m.data() + f, s.l.data() + f,                      \
-                            s.out.data() + f * d, s.pb.data());                              \
+#define TW_CASE(K)                                                                        \
+          case K:                                                                         \
+            flash_span_n<K>(nc, s.kp.data() + at, s.vp.data() + at, tn, t0, d, q32,       \
+                            s.lens.data() + f, scale_log2, s.m.data() + f,                \
+                            s.l.data() + 16 * f, s.out.data() + f * d, s.pb.data());      \
             break;
           TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6)
 #undef TW_CASE
@@ -611,8 +663,9 @@ inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
       }
     }
   }
+  s.packed_len = (max_len / kSpan) * kSpan;  // whole spans (a last partial one: packed again)
   for (int64_t i = 0; i < nv; ++i) {
-    const float inv = 1.f / s.l[i];
+    const float inv = 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(s.l.data() + 16 * i));
     for (int64_t k = 0; k < d; ++k) store_elem(out_req + s.dest[i] + k, s.out[i * d + k] * inv);
   }
 }
