@@ -480,42 +480,49 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
   const __m512 sc = _mm512_set1_ps(scale_log2);
   const bool full = nt == 16 * NC && lens[0] >= t0 + nt;  // every lane a key of every vector
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  float alpha[N];
-  bool rescale = false;
+  __mmask16 valid[N][NC];
+  __mmask16 above = 0;  // raw scores above (m + kSlack) / scale: m must rise (m = -inf at first)
   for (int i = 0; i < N; ++i) {
-    __mmask16 valid[NC];
+    const __m512 thr = _mm512_set1_ps((m[i] + kSlack) * inv_sc);
     for (int c = 0; c < NC; ++c) {
       if (full) {
-        valid[c] = 0xffff;
+        valid[i][c] = 0xffff;
       } else {
         const int64_t limit = std::min<int64_t>(lens[i], t0 + nt) - t0 - 16 * c;
-        valid[c] = _mm512_cmplt_epi32_mask(
+        valid[i][c] = _mm512_cmplt_epi32_mask(
             lane, _mm512_set1_epi32(int(std::max<int64_t>(limit, 0))));
       }
+      above |= _mm512_mask_cmp_ps_mask(valid[i][c], acc[i][c], thr, _CMP_GT_OQ);
     }
-    // raw scores above (m + kSlack) / scale: m must rise (always at the first span: m = -inf)
-    const __m512 thr = _mm512_set1_ps((m[i] + kSlack) * inv_sc);
-    __mmask16 above = 0;
-    for (int c = 0; c < NC; ++c)
-      above |= _mm512_mask_cmp_ps_mask(valid[c], acc[i][c], thr, _CMP_GT_OQ);
-    alpha[i] = 1.f;
-    if (above) {
+  }
+  float alpha[N];
+  for (int i = 0; i < N; ++i) alpha[i] = 1.f;
+  if (above) {  // rare after the first span: the max of each vector, the rescaling factors
+    for (int i = 0; i < N; ++i) {
       __m512 mx = _mm512_set1_ps(-__builtin_inff());
-      for (int c = 0; c < NC; ++c) mx = _mm512_mask_max_ps(mx, valid[c], mx, acc[i][c]);
-      const float m_new = _mm512_reduce_max_ps(mx) * scale_log2;
-      alpha[i] = __builtin_exp2f(m[i] - m_new);  // 0 at the first span
-      m[i] = m_new;
-      rescale = true;
+      for (int c = 0; c < NC; ++c) mx = _mm512_mask_max_ps(mx, valid[i][c], mx, acc[i][c]);
+      const float m_new = std::max(m[i], _mm512_reduce_max_ps(mx) * scale_log2);
+      if (m_new > m[i] + kSlack || m[i] == -__builtin_inff()) {
+        alpha[i] = __builtin_exp2f(m[i] - m_new);  // 0 at the first span
+        m[i] = m_new;
+      }
     }
+  }
+  const bool rescale = above != 0;
+  for (int i = 0; i < N; ++i) {  // p = 2^(s * scale - m), <= 2^kSlack
     const __m512 mv = _mm512_set1_ps(m[i]);
-    __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < NC; ++c) {
       const __m512 e = exp2_ps(_mm512_fmsub_ps(acc[i][c], sc, mv));
-      acc[i][c] = full ? e : _mm512_maskz_mov_ps(valid[c], e);
-      sum = _mm512_add_ps(sum, acc[i][c]);
+      acc[i][c] = full ? e : _mm512_maskz_mov_ps(valid[i][c], e);
     }
+  }
+  for (int i = 0; i < N; ++i) {
+    __m512 sum = acc[i][0];
+    for (int c = 1; c < NC; ++c) sum = _mm512_add_ps(sum, acc[i][c]);
     float* li = l + 16 * i;  // lane-wise running sums
-    _mm512_storeu_ps(li, _mm512_fmadd_ps(_mm512_loadu_ps(li), _mm512_set1_ps(alpha[i]), sum));
+    _mm512_storeu_ps(li, rescale ? _mm512_fmadd_ps(_mm512_loadu_ps(li), _mm512_set1_ps(alpha[i]),
+                                                   sum)
+                                 : _mm512_add_ps(_mm512_loadu_ps(li), sum));
     uint16_t* row = pb + i * kSpan;
     for (int c = 0; c + 1 < NC; c += 2)
       _mm512_storeu_si512(row + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(acc[i][c + 1], acc[i][c]));
