@@ -503,7 +503,7 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
       for (int c = 0; c < NC; ++c) mx = _mm512_mask_max_ps(mx, valid[i][c], mx, acc[i][c]);
       const float m_new = std::max(m[i], _mm512_reduce_max_ps(mx) * scale_log2);
       if (m_new > m[i] + kSlack || m[i] == -__builtin_inff()) {
-        alpha[i] = __builtin_exp2f(m[i] - m_new);  // 0 at the first span
+        alpha[i] = m[i] == -__builtin_inff() ? 0.f : __builtin_exp2f(m[i] - m_new);
         m[i] = m_new;
       }
     }
@@ -520,9 +520,12 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
     __m512 sum = acc[i][0];
     for (int c = 1; c < NC; ++c) sum = _mm512_add_ps(sum, acc[i][c]);
     float* li = l + 16 * i;  // lane-wise running sums
-    _mm512_storeu_ps(li, rescale ? _mm512_fmadd_ps(_mm512_loadu_ps(li), _mm512_set1_ps(alpha[i]),
-                                                   sum)
-                                 : _mm512_add_ps(_mm512_loadu_ps(li), sum));
+    if (t0 == 0)  // the first span: l and out start here
+      _mm512_storeu_ps(li, sum);
+    else if (rescale)
+      _mm512_storeu_ps(li, _mm512_fmadd_ps(_mm512_loadu_ps(li), _mm512_set1_ps(alpha[i]), sum));
+    else
+      _mm512_storeu_ps(li, _mm512_add_ps(_mm512_loadu_ps(li), sum));
     uint16_t* row = pb + i * kSpan;
     for (int c = 0; c + 1 < NC; c += 2)
       _mm512_storeu_si512(row + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(acc[i][c + 1], acc[i][c]));
@@ -534,12 +537,17 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
   const int64_t vpairs = (nt + 1) / 2;
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     __m512 o[N][4];
-    for (int i = 0; i < N; ++i) {
-      const __m512 a = _mm512_set1_ps(alpha[i]);
-      for (int u = 0; u < 4; ++u) {
-        o[i][u] = _mm512_loadu_ps(out + i * d + c0 + 16 * u);
-        if (rescale) o[i][u] = _mm512_mul_ps(o[i][u], a);
-      }
+    if (t0 == 0) {  // the first span
+      for (int i = 0; i < N; ++i)
+        for (int u = 0; u < 4; ++u) o[i][u] = _mm512_setzero_ps();
+    } else if (rescale) {
+      for (int i = 0; i < N; ++i)
+        for (int u = 0; u < 4; ++u)
+          o[i][u] = _mm512_mul_ps(_mm512_loadu_ps(out + i * d + c0 + 16 * u),
+                                  _mm512_set1_ps(alpha[i]));
+    } else {
+      for (int i = 0; i < N; ++i)
+        for (int u = 0; u < 4; ++u) o[i][u] = _mm512_loadu_ps(out + i * d + c0 + 16 * u);
     }
     for (int64_t jp = 0; jp < vpairs; ++jp) {
       __m512bh v[4];
@@ -592,9 +600,9 @@ inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
   const int64_t bs = g.block_size, max_len = ctx + r1;
   const int64_t nv = (r1 - r0) * g.num_heads, per_head = (r1 - r0) * group;
   s.qh.resize(nv * d);
-  s.out.assign(nv * d, 0.f);
+  s.out.resize(nv * d);  // out and l: written by each tile's first span
   s.m.assign(nv, -__builtin_inff());
-  s.l.assign(nv * 16, 0.f);
+  s.l.resize(nv * 16);
   s.lens.resize(nv);
   s.dest.resize(nv);
   const int64_t span_elems = kSpan * d / 2, spans = (max_len + kSpan - 1) / kSpan;
@@ -625,7 +633,8 @@ inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
       for (int64_t mm = 0; mm < group; ++mm, ++v) {
         s.lens[v] = ctx + r + 1;
         s.dest[v] = (r * g.num_heads + kh * group + mm) * d;
-        std::memcpy(s.qh.data() + v * d, q_req + s.dest[v], d * sizeof(uint16_t));
+        for (int64_t k = 0; k < d; k += 32)
+          _mm512_storeu_si512(s.qh.data() + v * d + k, _mm512_loadu_si512(q_req + s.dest[v] + k));
       }
   s.tiles.clear();
   for (int64_t t = 0; t < per_head; t += kMaxTile) {
@@ -673,7 +682,11 @@ inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
   s.packed_len = (max_len / kSpan) * kSpan;  // whole spans (a last partial one: packed again)
   for (int64_t i = 0; i < nv; ++i) {
     const float inv = 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(s.l.data() + 16 * i));
-    for (int64_t k = 0; k < d; ++k) store_elem(out_req + s.dest[i] + k, s.out[i * d + k] * inv);
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t k = 0; k < d; k += 16)  // round to nearest even, as store_elem
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_req + s.dest[i] + k),
+                          (__m256i)_mm512_cvtneps_pbh(
+                              _mm512_mul_ps(_mm512_loadu_ps(s.out.data() + i * d + k), iv)));
   }
 }
 #endif  // TW_BF16_DOT
