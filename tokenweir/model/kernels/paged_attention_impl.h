@@ -6,13 +6,15 @@
 // Element type T of q, the cache and out: float, or uint16_t holding bfloat16 bits. Compute is
 // float32 throughout (bf16 is widened by a 16-bit shift, rounded to nearest-even on store),
 // except in TW_BF16_DOT builds (AVX-512 BF16), where bfloat16 prefill rows take their dot
-// products by vdpbf16ps (block_dp: float32 accumulation, bf16 inputs).
+// products by vdpbf16ps (float32 accumulation, bf16 inputs): in one pass with an online
+// softmax where head_dim % 64 == 0 (attend_item_flash), else in the two passes below
+// (block_dp).
 //
 // Work item = (request, a run of its query rows), every head. Its query vectors ((row, head)
 // pairs) are grouped by kv head (GQA) into tiles of up to kMaxTile that share each K/V row
 // load. Row r of a request with `ctx` tokens cached before the chunk attends keys [0, ctx + r]
-// (causal). Both passes walk the blocks in order and run every tile on a block while it is
-// cache-hot, so each block is read from memory once per pass.
+// (causal). Both passes (scores, then softmax, then values) walk the blocks in order and run
+// every tile on a block while it is cache-hot, so each block is read from memory once per pass.
 
 constexpr int kMaxTile = 6;  // query vectors per tile: accumulators + loads fit 16 registers
 
@@ -238,7 +240,9 @@ void tile_pass(const Paged<T>& g, const T* blk, int64_t nt, const Tile& tile, in
 }
 
 #ifdef TW_BF16_DOT
-// The AVX-512 BF16 score pass of prefill items (bfloat16 only): q.k as a small GEMM, 16 keys
+// The two-pass AVX-512 BF16 path of prefill items (bfloat16, head_dim % 64 != 0; the one-pass
+// path below takes head_dim % 64 == 0).
+// The score pass: q.k as a small GEMM, 16 keys
 // in the lanes of one vector and one vdpbf16ps per (query, pair of dims), so a key costs no
 // widening and no horizontal sum. The keys are copied into that layout once per chunk of 16
 // and kv head, and reused by every query vector of the kv head (the item's rows x group).
@@ -815,7 +819,8 @@ void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, 
 
 // Which passes of an item go by vdpbf16ps: in TW_BF16_DOT builds, bfloat16 prefill rows (a
 // decode's few query vectors per kv head do not pay for packing); the scores always then, the
-// values where head_dim % 64 == 0 and a block holds whole key pairs.
+// values where head_dim % 64 == 0 and a block holds whole key pairs. (attend_item sends
+// bfloat16 prefill rows with head_dim % 64 == 0 to the one-pass attend_item_flash first.)
 template <typename T>
 DotPasses bf16_dot_passes(const Paged<T>& g, int64_t rows) {
   DotPasses dot;
