@@ -251,3 +251,79 @@ def test_kv_cache_allocation_and_size():
     assert per_block * 10 == sum(c.numel() * c.element_size() for c in caches)
     with pytest.raises(ValueError):
         A.allocate_kv_caches(arch, 1, 8, torch.float32, torch.device("cpu"))
+
+
+def _bf16_prefill_case(query_lens, ctx, heads, kv_heads, head_dim, bs, seed, ramp=0.0):
+    """One batch through the avx512bf16 kernel (bfloat16) and a float64 reference over the same
+    cache: (kernel output, reference). ramp > 0 scales key t by (1 + ramp * t): later keys score
+    ever higher, so the running max of the one-pass softmax rises span after span."""
+    module = kernels._module()
+    if module is None or kernels.cpu_isa() != "avx512bf16":
+        pytest.skip(f"needs the avx512bf16 variant (widest here: {kernels.cpu_isa() or 'none'})")
+    gen = torch.Generator().manual_seed(seed)
+    seq = [c + q for c, q in zip(ctx, query_lens)]
+    need = [-(-s // bs) for s in seq]
+    perm = (torch.randperm(sum(need) + 2, generator=gen) + 1).tolist()  # scattered blocks
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    cache = torch.randn(2, sum(need) + 3, bs, kv_heads, head_dim, generator=gen)
+    if ramp:
+        for i, table in enumerate(tables):
+            for t in range(seq[i]):
+                cache[0, table[t // bs], t % bs] *= 1 + ramp * t
+    cache = cache.to(torch.bfloat16)
+    width = max(need)
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist())
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    out = torch.zeros_like(q)
+    module.paged_attention(q, cache, tab, qsl, torch.tensor(seq), torch.arange(len(seq)), scale,
+                           out, "avx512bf16")
+    refs = []
+    for i, (ql, sl) in enumerate(zip(query_lens, seq)):
+        k = torch.stack([cache[0, tables[i][t // bs], t % bs] for t in range(sl)]).double()
+        v = torch.stack([cache[1, tables[i][t // bs], t % bs] for t in range(sl)]).double()
+        refs.append(_reference(q[qsl[i]:qsl[i + 1]].double(), [k], [v], [ql], [sl], scale))
+    return out, torch.cat(refs).float()
+
+
+# (query_lens, ctx_before, heads, kv_heads, head_dim, block_size): tiles of 1-6 query vectors
+# (GQA groups 1, 2, 3, 4, 5, 7 over runs of 16 rows and a short last run), spans of 64 keys
+# cut anywhere (1-4 vectors of 16 keys, partial ones), contexts of several spans reused by the
+# next run of rows, blocks of 16, 5 (odd) and 64 tokens, head_dim 64 and 128.
+BF16_PREFILL_SHAPES = [
+    ([244, 37], [0, 0], 9, 3, 64, 16),
+    ([150], [0], 4, 1, 64, 5),
+    ([40, 3, 17], [300, 64, 63], 5, 1, 64, 16),
+    ([2, 66], [1, 129], 7, 1, 128, 16),
+    ([33], [200], 2, 1, 64, 64),
+    ([129, 18], [0, 17], 8, 4, 128, 5),
+]
+
+
+@pytest.mark.parametrize("shape", BF16_PREFILL_SHAPES, ids=[
+    f"q{'-'.join(map(str, s[0]))}c{'-'.join(map(str, s[1]))}h{s[2]}kv{s[3]}d{s[4]}bs{s[5]}"
+    for s in BF16_PREFILL_SHAPES])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx512bf16_one_pass_prefill_matches_float64(shape, threads):
+    """The one-pass (online softmax) bfloat16 prefill path of the avx512bf16 variant vs float64,
+    within the bf16 tolerance of the kernel tests, at 1 and 2 threads (each thread's runs of a
+    request reuse the keys/values its earlier runs packed)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ref = _bf16_prefill_case(*shape, seed=threads)
+    finally:
+        torch.set_num_threads(before)
+    assert (out.float() - ref).abs().max().item() < KERNEL_ATOL[torch.bfloat16]
+
+
+def test_avx512bf16_one_pass_prefill_rising_max():
+    """Scores that grow along the context (key t scaled by 1 + t / 8): the running max rises by
+    far more than the lazy-rescaling slack in later spans, so the output and sums are rescaled
+    mid-row; still within the bf16 tolerance of float64."""
+    out, ref = _bf16_prefill_case([100, 20], [120, 300], 6, 2, 64, 16, seed=5, ramp=1 / 8)
+    assert (out.float() - ref).abs().max().item() < KERNEL_ATOL[torch.bfloat16]

@@ -6,13 +6,15 @@
 // Element type T of q, the cache and out: float, or uint16_t holding bfloat16 bits. Compute is
 // float32 throughout (bf16 is widened by a 16-bit shift, rounded to nearest-even on store),
 // except in TW_BF16_DOT builds (AVX-512 BF16), where bfloat16 prefill rows take their dot
-// products by vdpbf16ps (block_dp: float32 accumulation, bf16 inputs).
+// products by vdpbf16ps (float32 accumulation, bf16 inputs): in one pass with an online
+// softmax where head_dim % 64 == 0 (attend_item_flash), else in the two passes below
+// (block_dp).
 //
 // Work item = (request, a run of its query rows), every head. Its query vectors ((row, head)
 // pairs) are grouped by kv head (GQA) into tiles of up to kMaxTile that share each K/V row
 // load. Row r of a request with `ctx` tokens cached before the chunk attends keys [0, ctx + r]
-// (causal). Both passes walk the blocks in order and run every tile on a block while it is
-// cache-hot, so each block is read from memory once per pass.
+// (causal). Both passes (scores, then softmax, then values) walk the blocks in order and run
+// every tile on a block while it is cache-hot, so each block is read from memory once per pass.
 
 constexpr int kMaxTile = 6;  // query vectors per tile: accumulators + loads fit 16 registers
 
@@ -238,7 +240,9 @@ void tile_pass(const Paged<T>& g, const T* blk, int64_t nt, const Tile& tile, in
 }
 
 #ifdef TW_BF16_DOT
-// The AVX-512 BF16 score pass of prefill items (bfloat16 only): q.k as a small GEMM, 16 keys
+// The two-pass AVX-512 BF16 path of prefill items (bfloat16, head_dim % 64 != 0; the one-pass
+// path below takes head_dim % 64 == 0).
+// The score pass: q.k as a small GEMM, 16 keys
 // in the lanes of one vector and one vdpbf16ps per (query, pair of dims), so a key costs no
 // widening and no horizontal sum. The keys are copied into that layout once per chunk of 16
 // and kv head, and reused by every query vector of the kv head (the item's rows x group).
@@ -358,6 +362,339 @@ inline void probabilities_to_bf16(const float* p, int64_t len, int64_t padded, u
 }
 #endif  // TW_BF16_DOT
 
+#ifdef TW_BF16_DOT
+// ---- The AVX-512 BF16 prefill path (bfloat16, head_dim % 64 == 0, rows > 1): one pass. ----
+// Each tile (up to kMaxTile query vectors of one kv head) walks the keys in spans of kSpan with
+// an online softmax (flash attention): scores of the span by vdpbf16ps into registers, the
+// running max and sum updated, the probabilities exp(s - max) rounded to bf16 and multiplied
+// into the float32 output by vdpbf16ps; the output is divided by the sum at the end. The
+// scores never leave L1 (the two-pass path above wrote, re-read and normalised a [vectors,
+// keys] float32 array in L2). A span's keys and values of one kv head are packed once (keys
+// transposed 16 to a vector, values in key pairs) and used by every tile of the kv head, which
+// keeps its state (max, sum, output) in the scratch between spans.
+constexpr int kSpan = 64;  // keys per online-softmax step: 4 vectors of 16 keys
+constexpr float kSlack = 8.f;  // log2 units a score may exceed the running max by
+
+// kp[(c * pairs + p) * 16 + i] = the bf16 pair (k[2p], k[2p + 1]) of key 16c + i of the span
+// (zero for keys >= n); pairs = d / 2 (a multiple of 16). keys[i]: the span's key rows.
+inline void pack_span_keys(const uint16_t* const* keys, int64_t n, int64_t d, uint32_t* kp) {
+  const int64_t pairs = d / 2;
+  for (int64_t c = 0; c * 16 < n; ++c) {
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      __m512i r[16], a[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = 16 * c + i < n ? _mm512_loadu_si512(keys[16 * c + i] + 2 * p0)
+                              : _mm512_setzero_si512();
+      // 16 x 16 transpose of 32-bit pairs: r[i] lane j = (key i, pair j) -> out[j] lane i.
+      for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+      }
+      for (int k = 0; k < 16; k += 4) {  // r[k + j]: pair 4L + j of keys k..k+3, 128-bit lane L
+        r[k] = _mm512_unpacklo_epi64(a[k], a[k + 2]);
+        r[k + 1] = _mm512_unpackhi_epi64(a[k], a[k + 2]);
+        r[k + 2] = _mm512_unpacklo_epi64(a[k + 1], a[k + 3]);
+        r[k + 3] = _mm512_unpackhi_epi64(a[k + 1], a[k + 3]);
+      }
+      uint32_t* o = kp + (c * pairs + p0) * 16;
+      for (int j = 0; j < 4; ++j) {
+        const __m512i x0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);
+        const __m512i x1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+        const __m512i y0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+        const __m512i y1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+        _mm512_storeu_si512(o + (0 + j) * 16, _mm512_shuffle_i32x4(x0, y0, 0x88));
+        _mm512_storeu_si512(o + (4 + j) * 16, _mm512_shuffle_i32x4(x0, y0, 0xdd));
+        _mm512_storeu_si512(o + (8 + j) * 16, _mm512_shuffle_i32x4(x1, y1, 0x88));
+        _mm512_storeu_si512(o + (12 + j) * 16, _mm512_shuffle_i32x4(x1, y1, 0xdd));
+      }
+    }
+  }
+}
+
+// vp[jp * d + i] = the bf16 pair (v_{2jp}[i], v_{2jp+1}[i]) for the span's n values (a missing
+// last odd value: zero); d % 32 == 0.
+inline void pack_span_values(const uint16_t* const* vals, int64_t n, int64_t d, uint32_t* vp) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
+                                                  6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
+                                                  12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(lo_idx);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t jp = 0; 2 * jp < n; ++jp) {
+    const uint16_t* a = vals[2 * jp];
+    const uint16_t* b = 2 * jp + 1 < n ? vals[2 * jp + 1] : nullptr;
+    uint32_t* o = vp + jp * d;
+    for (int64_t i = 0; i < d; i += 32) {
+      const __m512i va = _mm512_loadu_si512(a + i);
+      const __m512i vb = b ? _mm512_loadu_si512(b + i) : _mm512_setzero_si512();
+      _mm512_storeu_si512(o + i, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(o + i + 16, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+
+// 2^x for finite x <= 8 (below 2^-149 it flushes to 0 in vscalefps): 2^round(x) * a degree-6
+// Taylor polynomial of 2^f, |f| <= 1/2; relative error < 2e-7 (the remainder (ln2 / 2)^7 / 7!
+// = 1.2e-7 over 2^f >= 0.7, plus float rounding of the Horner steps).
+inline __m512 exp2_ps(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^6 / 720
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));  // ln2^5 / 120
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));  // ln2^4 / 24
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));  // ln2^3 / 6
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));  // ln2^2 / 2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));  // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The state of one tile between spans: per query vector the running max (log2 units) and sum.
+struct FlashTile {
+  int64_t first;  // its first query vector (index into the item's vectors)
+  int n;          // query vectors
+  int64_t len;    // keys its last (longest) vector attends
+};
+
+// One span (keys t0 + [0, nt), packed in kp / vp) for the N query vectors of a tile:
+// q32 [N][d/2] bf16 pairs; lens: keys each attends; m [N]: running max (log2 units); l
+// [N][16]: running sums, lane-wise; out [N][d] float32 accumulators (scaled by 2^-m); pb: room
+// for [N][kSpan] bf16.
+template <int N, int NC>
+void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, int64_t d,
+                const uint32_t* q32, const int64_t* lens, float scale_log2, float* m, float* l,
+                float* out, uint16_t* pb) {
+  const int64_t pairs = d / 2;
+  __m512 acc[N][NC];
+  for (int i = 0; i < N; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh keys[NC];
+    for (int c = 0; c < NC; ++c)
+      keys[c] = (__m512bh)_mm512_loadu_si512(kp + (c * pairs + p) * 16);
+    for (int i = 0; i < N; ++i) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(int(q32[i * pairs + p]));
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], q, keys[c]);
+    }
+  }
+  // The online softmax, with lazy rescaling: a vector's max m (log2 units) is raised only when
+  // a score exceeds it by more than kSlack, so most spans skip the horizontal max and the
+  // rescaling of the output; the probabilities 2^(s - m) are then <= 2^kSlack, which float32
+  // and bf16 hold with the same relative precision.
+  const float inv_sc = 1.f / scale_log2;
+  const __m512 sc = _mm512_set1_ps(scale_log2);
+  const bool full = nt == 16 * NC && lens[0] >= t0 + nt;  // every lane a key of every vector
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 valid[N][NC];
+  __mmask16 above = 0;  // raw scores above (m + kSlack) / scale: m must rise (m = -inf at first)
+  for (int i = 0; i < N; ++i) {
+    const __m512 thr = _mm512_set1_ps((m[i] + kSlack) * inv_sc);
+    for (int c = 0; c < NC; ++c) {
+      if (full) {
+        valid[i][c] = 0xffff;
+      } else {
+        const int64_t limit = std::min<int64_t>(lens[i], t0 + nt) - t0 - 16 * c;
+        valid[i][c] = _mm512_cmplt_epi32_mask(
+            lane, _mm512_set1_epi32(int(std::max<int64_t>(limit, 0))));
+      }
+      above |= _mm512_mask_cmp_ps_mask(valid[i][c], acc[i][c], thr, _CMP_GT_OQ);
+    }
+  }
+  float alpha[N];
+  for (int i = 0; i < N; ++i) alpha[i] = 1.f;
+  if (above) {  // rare after the first span: the max of each vector, the rescaling factors
+    for (int i = 0; i < N; ++i) {
+      __m512 mx = _mm512_set1_ps(-__builtin_inff());
+      for (int c = 0; c < NC; ++c) mx = _mm512_mask_max_ps(mx, valid[i][c], mx, acc[i][c]);
+      const float m_new = std::max(m[i], _mm512_reduce_max_ps(mx) * scale_log2);
+      if (m_new > m[i] + kSlack || m[i] == -__builtin_inff()) {
+        alpha[i] = m[i] == -__builtin_inff() ? 0.f : __builtin_exp2f(m[i] - m_new);
+        m[i] = m_new;
+      }
+    }
+  }
+  const bool rescale = above != 0;
+  for (int i = 0; i < N; ++i) {  // p = 2^(s * scale - m), <= 2^kSlack
+    const __m512 mv = _mm512_set1_ps(m[i]);
+    for (int c = 0; c < NC; ++c) {
+      const __m512 e = exp2_ps(_mm512_fmsub_ps(acc[i][c], sc, mv));
+      acc[i][c] = full ? e : _mm512_maskz_mov_ps(valid[i][c], e);
+    }
+  }
+  for (int i = 0; i < N; ++i) {
+    __m512 sum = acc[i][0];
+    for (int c = 1; c < NC; ++c) sum = _mm512_add_ps(sum, acc[i][c]);
+    float* li = l + 16 * i;  // lane-wise running sums
+    if (t0 == 0)  // the first span: l and out start here
+      _mm512_storeu_ps(li, sum);
+    else if (rescale)
+      _mm512_storeu_ps(li, _mm512_fmadd_ps(_mm512_loadu_ps(li), _mm512_set1_ps(alpha[i]), sum));
+    else
+      _mm512_storeu_ps(li, _mm512_add_ps(_mm512_loadu_ps(li), sum));
+    uint16_t* row = pb + i * kSpan;
+    for (int c = 0; c + 1 < NC; c += 2)
+      _mm512_storeu_si512(row + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(acc[i][c + 1], acc[i][c]));
+    if (NC % 2)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16 * (NC - 1)),
+                          (__m256i)_mm512_cvtneps_pbh(acc[i][NC - 1]));
+  }
+  // out[i] = alpha[i] * out[i] + sum_j p[i, j] v_j, 64 dims at a time, pairs of keys.
+  const int64_t vpairs = (nt + 1) / 2;
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    __m512 o[N][4];
+    if (t0 == 0) {  // the first span
+      for (int i = 0; i < N; ++i)
+        for (int u = 0; u < 4; ++u) o[i][u] = _mm512_setzero_ps();
+    } else if (rescale) {
+      for (int i = 0; i < N; ++i)
+        for (int u = 0; u < 4; ++u)
+          o[i][u] = _mm512_mul_ps(_mm512_loadu_ps(out + i * d + c0 + 16 * u),
+                                  _mm512_set1_ps(alpha[i]));
+    } else {
+      for (int i = 0; i < N; ++i)
+        for (int u = 0; u < 4; ++u) o[i][u] = _mm512_loadu_ps(out + i * d + c0 + 16 * u);
+    }
+    for (int64_t jp = 0; jp < vpairs; ++jp) {
+      __m512bh v[4];
+      for (int u = 0; u < 4; ++u) v[u] = (__m512bh)_mm512_loadu_si512(vp + jp * d + c0 + 16 * u);
+      for (int i = 0; i < N; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, pb + i * kSpan + 2 * jp, sizeof pair);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        for (int u = 0; u < 4; ++u) o[i][u] = _mm512_dpbf16_ps(o[i][u], w, v[u]);
+      }
+    }
+    for (int i = 0; i < N; ++i)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(out + i * d + c0 + 16 * u, o[i][u]);
+  }
+}
+
+template <int N>
+void flash_span_n(int nc, const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0,
+                  int64_t d, const uint32_t* q32, const int64_t* lens, float scale_log2,
+                  float* m, float* l, float* out, uint16_t* pb) {
+  switch (nc) {
+    case 1: flash_span<N, 1>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb); break;
+    case 2: flash_span<N, 2>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb); break;
+    case 3: flash_span<N, 3>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb); break;
+    default: flash_span<N, 4>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb); break;
+  }
+}
+
+// Scratch of the one-pass path (one per thread).
+struct FlashScratch {
+  std::vector<uint16_t> qh;  // [vectors][d] the item's queries, kv head by kv head
+  std::vector<float> out, m, l;
+  std::vector<int64_t> lens, dest;
+  std::vector<FlashTile> tiles;
+  // The request's keys and values as packed so far, kv head by kv head: [kv_heads][span]
+  // [kSpan * d / 2] each; spans [0, packed_len) are whole, reused by its next items (a
+  // thread's items of one request come in order, each attending a longer context).
+  std::vector<uint32_t> kp, vp;
+  const int64_t* packed_table = nullptr;  // the request packed (its block table)
+  int64_t packed_len = 0, packed_cap = 0;  // keys packed; spans of room per kv head
+  std::vector<const uint16_t*> krows, vrows;
+  std::vector<uint16_t> pb;  // [kMaxTile][kSpan] probabilities of one tile and span
+};
+
+// The one-pass path for one work item (see attend_item).
+inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
+                              const uint16_t* q_req, uint16_t* out_req, int64_t ctx, int64_t r0,
+                              int64_t r1, FlashScratch& s) {
+  const int64_t d = g.head_dim, group = g.num_heads / g.kv_heads, row = g.row();
+  const int64_t bs = g.block_size, max_len = ctx + r1;
+  const int64_t nv = (r1 - r0) * g.num_heads, per_head = (r1 - r0) * group;
+  s.qh.resize(nv * d);
+  s.out.resize(nv * d);  // out and l: written by each tile's first span
+  s.m.assign(nv, -__builtin_inff());
+  s.l.resize(nv * 16);
+  s.lens.resize(nv);
+  s.dest.resize(nv);
+  const int64_t span_elems = kSpan * d / 2, spans = (max_len + kSpan - 1) / kSpan;
+  if (s.packed_table != table) {
+    s.packed_table = table;
+    s.packed_len = 0;
+  }
+  if (spans > s.packed_cap) {  // more room: keep what is packed
+    const int64_t cap = std::max(spans, 2 * s.packed_cap);
+    std::vector<uint32_t> kp(g.kv_heads * cap * span_elems), vp(kp.size());
+    for (int64_t kh = 0; kh < g.kv_heads && s.packed_len > 0; ++kh) {
+      const int64_t n = (s.packed_len / kSpan) * span_elems;
+      std::memcpy(kp.data() + kh * cap * span_elems, s.kp.data() + kh * s.packed_cap * span_elems,
+                  n * 4);
+      std::memcpy(vp.data() + kh * cap * span_elems, s.vp.data() + kh * s.packed_cap * span_elems,
+                  n * 4);
+    }
+    s.kp.swap(kp);
+    s.vp.swap(vp);
+    s.packed_cap = cap;
+  }
+  s.krows.resize(kSpan);
+  s.vrows.resize(kSpan);
+  s.pb.resize(kMaxTile * kSpan);
+  int64_t v = 0;
+  for (int64_t kh = 0; kh < g.kv_heads; ++kh)
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t mm = 0; mm < group; ++mm, ++v) {
+        s.lens[v] = ctx + r + 1;
+        s.dest[v] = (r * g.num_heads + kh * group + mm) * d;
+        for (int64_t k = 0; k < d; k += 32)
+          _mm512_storeu_si512(s.qh.data() + v * d + k, _mm512_loadu_si512(q_req + s.dest[v] + k));
+      }
+  s.tiles.clear();
+  for (int64_t t = 0; t < per_head; t += kMaxTile) {
+    const int n = int(std::min<int64_t>(kMaxTile, per_head - t));
+    s.tiles.push_back({t, n, s.lens[t + n - 1]});
+  }
+  const float scale_log2 = g.scale * 1.4426950408889634f;
+  for (int64_t kh = 0; kh < g.kv_heads; ++kh) {
+    const int64_t base_v = kh * per_head;
+    for (int64_t t0 = 0; t0 < max_len; t0 += kSpan) {
+      const int64_t nt = std::min<int64_t>(kSpan, max_len - t0);
+      const int64_t at = (kh * s.packed_cap + t0 / kSpan) * span_elems;
+      if (t0 + kSpan > s.packed_len) {  // not packed whole yet
+        for (int64_t j = 0; j < nt;) {  // the span's rows, block by block
+          const int64_t b = (t0 + j) / bs, o = t0 + j - b * bs;
+          const int64_t run = std::min(bs - o, nt - j);
+          const int64_t off = (table[b] * bs + o) * row + kh * d;
+          for (int64_t u = 0; u < run; ++u, ++j) {
+            s.krows[j] = g.k_base + off + u * row;
+            s.vrows[j] = g.v_base + off + u * row;
+          }
+        }
+        pack_span_keys(s.krows.data(), nt, d, s.kp.data() + at);
+        pack_span_values(s.vrows.data(), nt, d, s.vp.data() + at);
+      }
+      for (const FlashTile& tile : s.tiles) {
+        if (tile.len <= t0) continue;
+        const int64_t tn = std::min<int64_t>(nt, tile.len - t0);
+        const int nc = int((tn + 15) / 16);
+        const int64_t f = base_v + tile.first;
+        const uint32_t* q32 = reinterpret_cast<const uint32_t*>(s.qh.data() + f * d);
+        switch (tile.n) {
+#define TW_CASE(K)                                                                        \
+          case K:                                                                         \
+            flash_span_n<K>(nc, s.kp.data() + at, s.vp.data() + at, tn, t0, d, q32,       \
+                            s.lens.data() + f, scale_log2, s.m.data() + f,                \
+                            s.l.data() + 16 * f, s.out.data() + f * d, s.pb.data());      \
+            break;
+          TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6)
+#undef TW_CASE
+        }
+      }
+    }
+  }
+  s.packed_len = (max_len / kSpan) * kSpan;  // whole spans (a last partial one: packed again)
+  for (int64_t i = 0; i < nv; ++i) {
+    const float inv = 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(s.l.data() + 16 * i));
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t k = 0; k < d; k += 16)  // round to nearest even, as store_elem
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_req + s.dest[i] + k),
+                          (__m256i)_mm512_cvtneps_pbh(
+                              _mm512_mul_ps(_mm512_loadu_ps(s.out.data() + i * d + k), iv)));
+  }
+}
+#endif  // TW_BF16_DOT
+
 // Which passes of a work item go by vdpbf16ps (block_dp).
 struct DotPasses {
   bool scores = false, values = false;
@@ -372,6 +709,9 @@ struct Scratch {
   std::vector<Tile> tiles;
   std::vector<int> sizes;
   std::vector<int64_t> lens, dest;  // per vector: keys attended, element offset in out
+#ifdef TW_BF16_DOT
+  FlashScratch flash;  // the one-pass path's
+#endif
 };
 
 // Lays out the item's vectors kv head by kv head, (row, member) pairs in order, cut into tiles
@@ -479,7 +819,8 @@ void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, 
 
 // Which passes of an item go by vdpbf16ps: in TW_BF16_DOT builds, bfloat16 prefill rows (a
 // decode's few query vectors per kv head do not pay for packing); the scores always then, the
-// values where head_dim % 64 == 0 and a block holds whole key pairs.
+// values where head_dim % 64 == 0 and a block holds whole key pairs. (attend_item sends
+// bfloat16 prefill rows with head_dim % 64 == 0 to the one-pass attend_item_flash first.)
 template <typename T>
 DotPasses bf16_dot_passes(const Paged<T>& g, int64_t rows) {
   DotPasses dot;
@@ -498,6 +839,14 @@ DotPasses bf16_dot_passes(const Paged<T>& g, int64_t rows) {
 template <typename T>
 void attend_item(const Paged<T>& g, const int64_t* table, const T* q_req, T* out_req,
                  int64_t ctx, int64_t r0, int64_t r1, Scratch& s) {
+#ifdef TW_BF16_DOT
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (r1 - r0 > 1 && g.head_dim % 64 == 0) {
+      attend_item_flash(g, table, q_req, out_req, ctx, r0, r1, s.flash);
+      return;
+    }
+  }
+#endif
   const int64_t max_len = ctx + r1, bs = g.block_size, row = g.row();
   const int64_t pstride = max_len + (max_len & 1);  // bf16 probability rows: whole pairs
   const DotPasses dot = bf16_dot_passes(g, r1 - r0);
