@@ -53,8 +53,10 @@ DECODE_GROUP_BYTES = 4 << 20
 # prefix is cached), whose GEMMs win on big chunks on AVX2 (the kernel has no GEMM blocking).
 # Measured with benchmarks/kernels.py (prefill section, interleaved A/B): on AVX2 (float32,
 # 2 threads) the kernel is faster up to 32 rows and slower from 64 (46 vs 61-67 GFLOP/s). On
-# AVX-512 (Zen 4, 1 thread, chunks of 32-1024 rows with no cached prefix) the kernel ran 1.8-2.6x
-# SDPA's is_causal speed in bfloat16 and 1.6-2.7x in float32: in place at every size.
+# AVX-512 (AMD EPYC Zen 5, 1 thread, chunks of 32-1024 rows with no cached prefix) the kernel
+# ran 1.8-2.6x SDPA's is_causal speed in bfloat16 and 1.6-2.7x in float32: in place at every
+# size. (Since then the AVX-512 BF16 variant's one-pass bfloat16 path doubled that: 600-730
+# GFLOP/s at 2 threads on 256-2048-row chunks, benchmarks/prefill_attention.py.)
 PREFILL_IN_PLACE_MAX_ROWS: dict[str, int] = {"avx2": 32, "avx512": 1 << 30,
                                               "avx512bf16": 1 << 30}
 
