@@ -112,6 +112,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     peer.add_argument("--ready-timeout", type=float, default=900.0,
                       help="seconds a server may take to start")
 
+    p.add_argument("--percentiles", default="50,90,99",
+                   help="latency percentiles measured and compared, e.g. 10,25,50,75,90,99 "
+                        "(where in the distribution two servers differ)")
     p.add_argument("--json", metavar="PATH", default="results/serve_vs_peer.json",
                    help="write the results here ('' to skip)")
     p.add_argument("--log-dir",
@@ -135,7 +138,7 @@ def bench_namespace(args: argparse.Namespace, base_url: str, **overrides) -> arg
     for name in ("num_prompts", "input_len", "output_len", "length_dist", "range_ratio",
                  "burstiness", "max_concurrency", "seed", "no_progress"):
         setattr(ns, name, getattr(args, name))
-    ns.percentiles = "50,90,99"
+    ns.percentiles = args.percentiles
     ns.timeout = 3600.0
     for name, value in overrides.items():
         setattr(ns, name, value)
@@ -286,21 +289,26 @@ def peer_side(args: argparse.Namespace, rate_holder: dict) -> dict:
 
 # ----------------------------------------------------------------------------- report
 
-def comparison_keys() -> list[str]:
+def comparison_keys(percentiles: str = "50,90,99") -> list[str]:
+    """Throughputs, then per latency its mean, median and each other percentile asked for."""
+    others = [p for p in percentiles.split(",") if p and float(p) != 50]
     keys = list(THROUGHPUT_KEYS)
     for name in LATENCY_NAMES:
-        keys += [f"mean_{name}_ms", f"median_{name}_ms", f"p99_{name}_ms"]
+        keys += [f"mean_{name}_ms", f"median_{name}_ms"] + [f"p{p}_{name}_ms" for p in others]
     return keys
 
 
-def ratios(ours: dict, theirs: dict) -> dict[str, Optional[float]]:
-    return {k: (ours[k] / theirs[k] if theirs.get(k) else None) for k in comparison_keys()}
+def ratios(ours: dict, theirs: dict, percentiles: str = "50,90,99"
+           ) -> dict[str, Optional[float]]:
+    return {k: (ours[k] / theirs[k] if theirs.get(k) else None)
+            for k in comparison_keys(percentiles)}
 
 
-def print_comparison(ours: dict, theirs: dict, peer_name: str) -> dict:
-    r = ratios(ours, theirs)
+def print_comparison(ours: dict, theirs: dict, peer_name: str,
+                     percentiles: str = "50,90,99") -> dict:
+    r = ratios(ours, theirs, percentiles)
     print(f"\n{'metric':<30}{'tokenweir':>12}{peer_name:>18}{'tokenweir/peer':>16}  better")
-    for k in comparison_keys():
+    for k in comparison_keys(percentiles):
         better = "higher" if k in THROUGHPUT_KEYS else "lower"
         ratio = "-" if r[k] is None else f"{r[k]:.2f}"
         print(f"{k:<30}{ours[k]:>12.2f}{theirs[k]:>18.2f}{ratio:>16}  {better}")
@@ -334,13 +342,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\n== saturation (every request at once) ==")
         summary["ratios_saturation"] = print_comparison(
             sides[0]["saturation"]["result"], sides[1]["saturation"]["result"],
-            sides[1]["system"])
+            sides[1]["system"], args.percentiles)
     if len(sides) == 2 and len(ok_sides) == 2:
         if args.also_saturation:
             print(f"\n== {rate_holder['request_rate']:.3f} req/s "
                   f"({args.rate_fraction:g} x tokenweir's saturation) ==")
         summary["ratios"] = print_comparison(sides[0]["result"], sides[1]["result"],
-                                             sides[1]["system"])
+                                             sides[1]["system"], args.percentiles)
     for s in sides:
         if s["status"] != "ok":
             print(f"{s['system']}: {s['status']}: {s['error']}")

@@ -16,6 +16,7 @@ from tokenweir.config import EngineConfig
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.engine_core import EngineCore
+from tokenweir.engine.malloc_tuning import tune_malloc
 from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
 from tokenweir.guided.engine_hooks import attach_guided_decoder, check_guided
@@ -166,6 +167,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        if self.device.type == "cpu":
+            tune_malloc()  # activations reused, not faulted in again each step: see the module
         if loaded is None:
             loaded = load_model(config.model.model, self.dtype, self.device)
         check_quantization(config, self.device, self.dtype)
