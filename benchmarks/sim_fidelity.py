@@ -29,6 +29,12 @@ arrival offsets the engine actually saw in each validation run, the same prompt 
 lengths, prefix groups, TTFT targets and the same engine configuration (the slo workload
 predicts the step in flight by the TTFT line on both sides: `slo_step_predictor`).
 
+`--order round-robin` runs every calibration run first, then the workloads' validation runs in
+rounds, so that the machine's drift over minutes spreads over every workload rather than
+landing on one (issue 16, session 12: decode steps held one of two speeds ~40% apart for whole
+runs and switched between runs a minute apart; round-robin put 16/25 errors inside the real
+runs' own spread, back to back 10-11/25, with the worst error about the same).
+
 `--repeats K` (recommended 3; default 1) runs each validation workload K times on the real engine,
 back to back after its calibration run (files `<workload>-seed<k>.jsonl`, `...-repeat`,
 `...-repeat2`, ...). The simulator runs once per real run (at the arrival offsets that run saw) and
@@ -153,6 +159,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--retries", type=int, default=2,
                    help="real runs redone at most this many times each when stalled "
                         "(`stalled_steps`)")
+    p.add_argument("--order", choices=("workload", "round-robin"), default="workload",
+                   help="workload: each workload's runs back to back; round-robin: every "
+                        "calibration run, then the workloads' validation runs in rounds "
+                        "(machine drift over minutes then spreads over every workload)")
     p.add_argument("--json", dest="json_out", help="write every figure here")
     return p.parse_args()
 
@@ -249,32 +259,47 @@ def run_engine(args, loaded, name: str, seed: int, trace_path: Path) -> float:
     return time.perf_counter() - started
 
 
+def real_runs(args, names: list[str], calibrate: bool) -> list[tuple[str, str, int, str]]:
+    """(kind, workload, seed, file suffix) of every real run, in the order they run.
+    --order workload: per workload its calibration run (seed), then its validation runs
+    (seed + 1, --repeats of them) back to back. --order round-robin: every calibration run,
+    then the first validation run of every workload, then the second, ...: each workload's
+    runs spread over the whole suite, as the one profile fitted to all calibration runs is."""
+    validations = num_validation_runs(args)
+    calibration = [("calibration", n, args.seed, "") for n in names] if calibrate else []
+
+    def validation(name: str, k: int) -> tuple[str, str, int, str]:
+        kind = "validation" if k == 0 else f"validation repeat {k}"
+        return (kind, name, args.seed + 1, repeat_suffix(k))
+
+    if args.order == "round-robin":
+        return calibration + [validation(n, k) for k in range(validations) for n in names]
+    by_name = {run[1]: [run] for run in calibration}
+    return [run for n in names
+            for run in by_name.get(n, []) + [validation(n, k) for k in range(validations)]]
+
+
 def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
-    """Every real run, per workload one after the other: calibration (seed), then the
-    validation runs (seed + 1; --repeats of them, back to back)."""
+    """Every real run, in the order of `real_runs`."""
     import torch
 
     from tokenweir.model.loader import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
-    for name in names:
-        runs = [("calibration", args.seed, "")] if calibrate else []
-        runs += [("validation" if k == 0 else f"validation repeat {k}", args.seed + 1,
-                  repeat_suffix(k)) for k in range(num_validation_runs(args))]
-        for kind, seed, suffix in runs:
-            path = real_path(trace_dir, name, seed, suffix)
-            for attempt in range(args.retries + 1):
-                waited = wait_for_quiet(threads=args.threads)
-                seconds = run_engine(args, loaded, name, seed, path)
-                stalls = stalled_steps(path, args.threads)
-                print(f"{kind} run {name}: {seconds:.0f} s"
-                      + (f" (waited {waited:.0f} s for an idle machine)" if waited >= 1 else "")
-                      + (f"; {len(stalls)} stalled steps ({sum(stalls):.1f} s)"
-                         + ("" if attempt == args.retries else ": run again")
-                         if stalls else ""), flush=True)
-                if not stalls:
-                    break
+    for kind, name, seed, suffix in real_runs(args, names, calibrate):
+        path = real_path(trace_dir, name, seed, suffix)
+        for attempt in range(args.retries + 1):
+            waited = wait_for_quiet(threads=args.threads)
+            seconds = run_engine(args, loaded, name, seed, path)
+            stalls = stalled_steps(path, args.threads)
+            print(f"{kind} run {name}: {seconds:.0f} s"
+                  + (f" (waited {waited:.0f} s for an idle machine)" if waited >= 1 else "")
+                  + (f"; {len(stalls)} stalled steps ({sum(stalls):.1f} s)"
+                     + ("" if attempt == args.retries else ": run again")
+                     if stalls else ""), flush=True)
+            if not stalls:
+                break
 
 
 # ---- a busy machine ---------------------------------------------------------------------------

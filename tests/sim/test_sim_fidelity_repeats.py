@@ -154,3 +154,24 @@ def test_wait_for_quiet_waits_while_the_machine_is_busy(fid, monkeypatch):
     monkeypatch.setattr(fid.time, "sleep", lambda s: None)
     fid.wait_for_quiet(sample_s=0.0)
     assert next(jiffies, None) is None  # sampled twice: busy, then idle
+
+
+def test_run_orders(fid):
+    """--order workload: each workload's runs back to back; round-robin: every calibration
+    run, then the validation runs in rounds. Both run the same set of runs."""
+    import argparse
+
+    args = argparse.Namespace(seed=0, repeats=2, noise_floor=False, order="workload")
+    names = ["light", "slo"]
+    by_workload = fid.real_runs(args, names, calibrate=True)
+    assert [(r[1], r[2], r[3]) for r in by_workload] == [
+        ("light", 0, ""), ("light", 1, ""), ("light", 1, "-repeat"),
+        ("slo", 0, ""), ("slo", 1, ""), ("slo", 1, "-repeat")]
+    args.order = "round-robin"
+    rounds = fid.real_runs(args, names, calibrate=True)
+    assert [(r[1], r[2], r[3]) for r in rounds] == [
+        ("light", 0, ""), ("slo", 0, ""), ("light", 1, ""), ("slo", 1, ""),
+        ("light", 1, "-repeat"), ("slo", 1, "-repeat")]
+    assert sorted(rounds) == sorted(by_workload)
+    assert [r[1] for r in fid.real_runs(args, names, calibrate=False)] == [
+        "light", "slo", "light", "slo"]
