@@ -13,13 +13,14 @@ import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
 
-from tokenweir.model import attention as A  # noqa: E402
+from kernels import HEAD_DIM, HEADS, _paged_setup  # noqa: E402  (benchmarks/kernels.py)
 from tokenweir.model import kernels  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BS = 9, 3, 64, 16
+BS = 16
 
 # (label, query rows per request, cached context per request)
 SHAPES = [
@@ -34,23 +35,12 @@ SHAPES = [
 
 
 def setup(q_lens, ctx, dtype):
-    seq = [c + q for c, q in zip(ctx, q_lens)]
-    need = [-(-s // BS) for s in seq]
-    num_blocks = sum(need) + 1
-    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at:at + n])
-        at += n
-    width = max(need)
-    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-    cache = torch.randn(2, num_blocks, BS, KV_HEADS, HEAD_DIM).to(dtype)
-    q = torch.randn(sum(q_lens), HEADS, HEAD_DIM).to(dtype)
-    qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(q_lens), 0).tolist()), dtype=torch.long)
-    seq_t = torch.tensor(seq, dtype=torch.long)
+    """The kernel's arguments for one shape (blocks at random places in the pool: the paged
+    setup of benchmarks/kernels.py), and the shape's FLOPs."""
+    cache, meta, q, _ = _paged_setup(q_lens, ctx, dtype, BS)
     reqs = torch.arange(len(q_lens), dtype=torch.long)
     flop = 4 * HEADS * HEAD_DIM * sum(c + r + 1 for c, n in zip(ctx, q_lens) for r in range(n))
-    return cache, tab, qsl, seq_t, reqs, q, flop
+    return cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, reqs, q, flop
 
 
 def main() -> None:

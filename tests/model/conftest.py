@@ -15,3 +15,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def int8_calls(monkeypatch):
+    """Count torch's int8 weight-only matmuls (rows per call)."""
+    calls: list[int] = []
+    real = torch._weight_int8pack_mm
+
+    def counted(x, q, scales):
+        calls.append(x.shape[0])
+        return real(x, q, scales)
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", counted)
+    return calls

@@ -75,18 +75,12 @@ def test_direct_equals_module_path(kind, dtype, path, tmp_path_factory, monkeypa
 
 
 @torch.inference_mode()
-def test_direct_under_int8(tmp_path_factory, monkeypatch, direct_runs):
+def test_direct_under_int8(tmp_path_factory, monkeypatch, direct_runs, int8_calls):
     if not layers.onednn_bf16_packing():
         pytest.skip("int8 decode needs oneDNN bfloat16 (AVX-512)")
     force_path(_widest(), monkeypatch)
     loaded = load_tiny(tmp_path_factory, "llama_tied", 13, torch.bfloat16)
-    int8_rows: list[int] = []
-    real = torch._weight_int8pack_mm
-
-    def counted(x, q, scales):
-        int8_rows.append(x.shape[0])
-        return real(x, q, scales)
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", counted)
+    int8_rows = int8_calls
     layers.set_quantization(loaded.model, "int8")
     module_run = _greedy(loaded.model, loaded.arch, torch.bfloat16, False, monkeypatch)
     module_int8 = len(int8_rows)

@@ -14,19 +14,6 @@ from tokenweir.engine.llm_engine import check_quantization
 from tokenweir.model import layers
 
 
-@pytest.fixture
-def int8_calls(monkeypatch):
-    """Count torch's int8 weight-only matmuls (rows per call)."""
-    calls: list[int] = []
-    real = torch._weight_int8pack_mm
-
-    def counted(x, q, scales):
-        calls.append(x.shape[0])
-        return real(x, q, scales)
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", counted)
-    return calls
-
-
 def test_quantize_int8_is_within_half_a_step_per_weight():
     torch.manual_seed(0)
     w = torch.randn(40, 96) * torch.linspace(0.01, 3, 40)[:, None]  # rows of unlike scales
