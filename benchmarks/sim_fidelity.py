@@ -20,20 +20,24 @@ one request's race with an arrival):
   slo       the slo policy with mid-step cuts; 25% urgent requests (TTFT target 1.3x their
             predicted solo TTFT), the rest 6x; prompts 64-600, budget 512
 
-Real runs: per workload, a calibration run with seed `--seed` then a validation run with seed
-`--seed + 1`, one after the other (so that a machine whose speed drifts over minutes, as these
-shared ones do, drifts under both), each traced (`LLMEngine.start_trace`, after a warm-up).
-Calibration: `tokenweir calibrate --from-trace` fits ONE profile to the five calibration traces
-(runner model + engine overhead, held-out error printed). Validation: the simulator gets the
+Real runs: per workload, `--calibration-runs` (default 2) calibration runs, seeds `--seed`,
+`--seed + 2`, ..., then a validation run with seed `--seed + 1`, one after the other (so that a
+machine whose speed drifts over minutes, as these shared ones do, drifts under both), each
+traced (`LLMEngine.start_trace`, after a warm-up). Calibration: `tokenweir calibrate
+--from-trace` fits ONE profile to every calibration trace (runner model + engine overhead,
+held-out error printed). Two seeds rather than one because one run per workload left the
+fit's decode-attention term unidentified (issue 16, session 13: the seed-0 runs' decode steps
+reached 7 rows and 1,863 context tokens, the validation runs' 10 rows and 4,644, where the
+fit then ran 10-19% fast). Validation: the simulator gets the
 arrival offsets the engine actually saw in each validation run, the same prompt and output
 lengths, prefix groups, TTFT targets and the same engine configuration (the slo workload
 predicts the step in flight by the TTFT line on both sides: `slo_step_predictor`).
 
-`--order round-robin` runs every calibration run first, then the workloads' validation runs in
-rounds, so that the machine's drift over minutes spreads over every workload rather than
-landing on one (issue 16, session 12: decode steps held one of two speeds ~40% apart for whole
-runs and switched between runs a minute apart; round-robin put 16/25 errors inside the real
-runs' own spread, back to back 10-11/25, with the worst error about the same).
+`--order round-robin` runs the workloads in rounds, calibration rounds interleaved with the
+validation rounds (`real_runs`), so that the machine's drift over minutes spreads over every
+workload rather than landing on one, and the profile is fitted to the same minutes it is
+judged on (issue 16: on two threads decode steps held one of two speeds ~40% apart for whole
+runs; on one thread the same prefill chunk ran 4-8% slower twenty minutes later).
 
 `--repeats K` (recommended 3; default 1) runs each validation workload K times on the real engine,
 back to back after its calibration run (files `<workload>-seed<k>.jsonl`, `...-repeat`,
@@ -49,9 +53,15 @@ Before each real run the suite waits for an idle machine (`wait_for_quiet`), and
 decode steps 80x their usual time in issue 16's runs while another job ran): on a 2-core
 machine two torch threads stall on anything else running, and such a run measures that job.
 The calibration fit also leaves out steps that stalled alone (calibrate_trace.find_stalls).
-On a machine shared with other jobs, run `--threads 1` (leaving a core to them): a 1-thread
-engine slows by a few percent when another job runs, a 2-thread one by 10-80x. The wait for an
-idle machine then lets the others use the cores the engine does not.
+The real engine runs on ONE torch thread by default (`--threads`). On these 2-vCPU machines
+two threads' memory bandwidth jumps between two states for seconds to minutes at a time (a
+bfloat16 GEMV on 2 threads: 22-23 GB/s, then 31-32 GB/s, then 23 again within 30 s; on one
+thread, either vCPU, 17-18 GB/s throughout: the host placing the two vCPUs on one physical
+core or two, measured in issue 16, session 13). Decode steps follow it, ~40% apart, so on two
+threads the suite measured the host (the fit's held-out step error 14%, noise floor 46.5%);
+on one thread the fit's held-out error is 3.3% and the noise floor 17.7% (the same suite, the
+same day). One thread also leaves a core to other jobs: a 1-thread engine slows by a few
+percent when another job runs, a 2-thread one by 10-80x.
 
 `--trace-dir DIR` keeps the real runs (traces, and `<workload>-seed<k>.records.json` with each
 request's times); `--replay DIR` refits and resimulates from them without the real engine.
@@ -141,8 +151,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-profile", help="write the profile fitted here")
     p.add_argument("--quick", action="store_true", help="half the requests per workload")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0, help="calibration seed; validation: seed+1")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the real engine (default 1: see the module doc)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="first calibration seed; validation: seed+1")
+    p.add_argument("--calibration-runs", type=int, default=2, metavar="N",
+                   help="calibration runs per workload, seeds `calibration_seeds` (seed, "
+                        "seed+2, seed+3, ...: never the validation seed); default 2")
     p.add_argument("--trace-dir", help="keep the real runs here (default: a temp dir)")
     p.add_argument("--replay", metavar="DIR",
                    help="no real engine: refit and resimulate the runs kept in DIR")
@@ -222,6 +237,14 @@ def num_validation_runs(args) -> int:
     return max(args.repeats, 2 if args.noise_floor else 1)
 
 
+def calibration_seeds(args) -> list[int]:
+    """The seeds of each workload's --calibration-runs calibration runs: --seed, then seed+2,
+    seed+3, ... (seed+1 is the validation seed, which calibration never sees)."""
+    if args.calibration_runs < 1:
+        raise SystemExit(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
+    return [args.seed] + [args.seed + 1 + k for k in range(1, args.calibration_runs)]
+
+
 def validation_paths(args, trace_dir: Path, name: str, count: int) -> list[Path]:
     """The traces of workload `name`'s first `count` validation runs, in the order they ran."""
     return [real_path(trace_dir, name, args.seed + 1, repeat_suffix(k)) for k in range(count)]
@@ -262,21 +285,29 @@ def run_engine(args, loaded, name: str, seed: int, trace_path: Path) -> float:
 def real_runs(args, names: list[str], calibrate: bool) -> list[tuple[str, str, int, str]]:
     """(kind, workload, seed, file suffix) of every real run, in the order they run.
     --order workload: per workload its calibration run (seed), then its validation runs
-    (seed + 1, --repeats of them) back to back. --order round-robin: every calibration run,
-    then the first validation run of every workload, then the second, ...: each workload's
-    runs spread over the whole suite, as the one profile fitted to all calibration runs is."""
+    (seed + 1, --repeats of them) back to back. --order round-robin: rounds of every
+    workload, the calibration rounds (one per calibration seed) interleaved evenly with the
+    validation rounds (calibration round i at i / C of the suite, validation round j at
+    (j + 0.5) / V, a tie to calibration): the runs the profile is fitted to and the runs it
+    is judged on sample the machine's drift over the same minutes. With one calibration seed:
+    every calibration run, then the validation rounds."""
     validations = num_validation_runs(args)
-    calibration = [("calibration", n, args.seed, "") for n in names] if calibrate else []
+    seeds = calibration_seeds(args) if calibrate else []
+    calibration = [("calibration", n, seed, "") for seed in seeds for n in names]
 
     def validation(name: str, k: int) -> tuple[str, str, int, str]:
         kind = "validation" if k == 0 else f"validation repeat {k}"
         return (kind, name, args.seed + 1, repeat_suffix(k))
 
     if args.order == "round-robin":
-        return calibration + [validation(n, k) for k in range(validations) for n in names]
-    by_name = {run[1]: [run] for run in calibration}
+        rounds = [(i / len(seeds), 0, [c for c in calibration if c[2] == seed])
+                  for i, seed in enumerate(seeds)]
+        rounds += [((k + 0.5) / validations, 1, [validation(n, k) for n in names])
+                   for k in range(validations)]
+        return [run for *_, runs in sorted(rounds, key=lambda r: r[:2]) for run in runs]
     return [run for n in names
-            for run in by_name.get(n, []) + [validation(n, k) for k in range(validations)]]
+            for run in [c for c in calibration if c[1] == n]
+            + [validation(n, k) for k in range(validations)]]
 
 
 def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
@@ -607,7 +638,11 @@ def calibrate_on_traces(args, names: list[str], trace_dir: Path) -> dict:
     from tokenweir.sim.calibrate import format_report
     from tokenweir.sim.calibrate_trace import calibrate_from_traces
 
-    profile = calibrate_from_traces([str(real_path(trace_dir, n, args.seed)) for n in names])
+    paths = [real_path(trace_dir, n, seed) for seed in calibration_seeds(args) for n in names]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise SystemExit(f"no calibration run {missing} (fewer kept than --calibration-runs?)")
+    profile = calibrate_from_traces([str(p) for p in paths])
     print(format_report(profile), flush=True)
     return profile
 
@@ -635,8 +670,10 @@ def main() -> int:
         noise = ([noise_floor(args, name, trace_dir) for name in names]
                  if args.noise_floor else [])
     runs = args.repeats
-    print(f"\n{len(names)} workloads, {args.threads} thread(s), calibrated on seed {args.seed}, "
-          f"validated on seed {args.seed + 1}" + (f" ({runs} real runs each)" if runs > 1 else "")
+    seeds = "" if args.profile else ", ".join(map(str, calibration_seeds(args)))
+    print(f"\n{len(names)} workloads, {args.threads} thread(s), "
+          + (f"profile {args.profile}" if args.profile else f"calibrated on seed(s) {seeds}")
+          + f", validated on seed {args.seed + 1}" + (f" ({runs} real runs each)" if runs > 1 else "")
           + f"; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
     print(format_speeds(rows))

@@ -161,7 +161,8 @@ def test_run_orders(fid):
     run, then the validation runs in rounds. Both run the same set of runs."""
     import argparse
 
-    args = argparse.Namespace(seed=0, repeats=2, noise_floor=False, order="workload")
+    args = argparse.Namespace(seed=0, repeats=2, noise_floor=False, order="workload",
+                              calibration_runs=1)
     names = ["light", "slo"]
     by_workload = fid.real_runs(args, names, calibrate=True)
     assert [(r[1], r[2], r[3]) for r in by_workload] == [
@@ -175,3 +176,50 @@ def test_run_orders(fid):
     assert sorted(rounds) == sorted(by_workload)
     assert [r[1] for r in fid.real_runs(args, names, calibrate=False)] == [
         "light", "slo", "light", "slo"]
+
+
+def test_calibration_runs_never_use_the_validation_seed(fid):
+    """--calibration-runs N: seeds seed, seed+2, seed+3, ... (seed+1 validates); in workload
+    order each workload's calibration runs precede its validation runs."""
+    import argparse
+
+    args = argparse.Namespace(seed=5, repeats=1, noise_floor=False, order="workload",
+                              calibration_runs=3)
+    assert fid.calibration_seeds(args) == [5, 7, 8]
+    runs = fid.real_runs(args, ["light", "slo"], calibrate=True)
+    assert [(r[0], r[1], r[2]) for r in runs] == [
+        ("calibration", "light", 5), ("calibration", "light", 7), ("calibration", "light", 8),
+        ("validation", "light", 6),
+        ("calibration", "slo", 5), ("calibration", "slo", 7), ("calibration", "slo", 8),
+        ("validation", "slo", 6)]
+    args.order = "round-robin"
+    # calibration rounds at 0, 1/3, 2/3 of the suite, the validation round at 1/2
+    assert [(r[1], r[2]) for r in fid.real_runs(args, ["light", "slo"], calibrate=True)] == [
+        ("light", 5), ("slo", 5), ("light", 7), ("slo", 7), ("light", 6), ("slo", 6),
+        ("light", 8), ("slo", 8)]
+    args.calibration_runs, args.repeats = 2, 3  # the suite's: cal, val, cal, val, val
+    assert [(r[0][:3], r[2], r[3]) for r in fid.real_runs(args, ["light"], calibrate=True)] == [
+        ("cal", 5, ""), ("val", 6, ""), ("cal", 7, ""), ("val", 6, "-repeat"),
+        ("val", 6, "-repeat2")]
+    args.calibration_runs = 0
+    with pytest.raises(SystemExit, match="calibration-runs"):
+        fid.calibration_seeds(args)
+
+
+def test_replay_calibrates_on_every_calibration_seed(fid, kept, monkeypatch, tmp_path):
+    """The fit reads the traces of every calibration seed; a missing one is an error."""
+    d, _ = kept
+    import shutil
+
+    for seed in (0, 2):  # "calibration runs": copies of validation run 1 under their names
+        shutil.copy(fid.real_path(d, "light", 1), fid.real_path(d, "light", seed))
+    seen = []  # the paths fitted (simulated traces have no phase times to fit: PROFILE)
+    from tokenweir.sim import calibrate_trace
+    monkeypatch.setattr(calibrate_trace, "calibrate_from_traces",
+                        lambda paths: seen.append(list(paths)) or dict(PROFILE))
+    monkeypatch.setattr("tokenweir.sim.calibrate.format_report", lambda profile: "")
+    run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--workloads", "light")
+    assert seen == [[str(fid.real_path(d, "light", 0)), str(fid.real_path(d, "light", 2))]]
+    with pytest.raises(SystemExit, match="no calibration run"):
+        run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--workloads", "light",
+                 "--calibration-runs", "3")
