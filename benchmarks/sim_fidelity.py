@@ -602,7 +602,8 @@ def scaled_profile(profile: dict, factor: float) -> dict:
     """The profile with every step time (runner and engine overhead) times `factor`."""
     return {**profile,
             "coefficients": {f: c * factor for f, c in profile["coefficients"].items()},
-            "overhead": {f: c * factor for f, c in (profile.get("overhead") or {}).items()}}
+            "overhead": {f: c * factor for f, c in (profile.get("overhead") or {}).items()},
+            "few_rows": {n: c * factor for n, c in (profile.get("few_rows") or {}).items()}}
 
 
 def sensitivity(args, name: str, profile: dict, trace_dir: Path, step: float = 0.02) -> dict:

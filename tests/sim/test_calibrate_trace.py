@@ -151,7 +151,7 @@ def test_runner_fit_weights_each_step_by_the_square_root_of_its_time(tmp_path, m
     engine_like_trace(tmp_path / "t.jsonl", seed=1)
     calibrate_from_traces([str(tmp_path / "t.jsonl")])
     # probe: the trace fit used the weighting, scaled by predicted times
-    assert used == [(ct.RUNNER_WEIGHT_POWER, ct.RUNNER_REWEIGHT_ROUNDS)]
+    assert used and set(used) == {(ct.RUNNER_WEIGHT_POWER, ct.RUNNER_REWEIGHT_ROUNDS)}
     assert ct.RUNNER_WEIGHT_POWER == 0.5 and ct.RUNNER_REWEIGHT_ROUNDS > 0
 
 

@@ -328,12 +328,16 @@ def format_report(profile: dict) -> str:
     lines = [f"--- tokenweir calibrate: {profile['model']} ({profile['dtype']}, "
              f"{profile['device']}, {profile['threads']} thread(s)), {fit['num_points']} "
              f"points x {profile['repeats']} ---",
-             "step seconds = " + " + ".join(f"{coef[f]:.4g}*{f}" for f in FITTED_FEATURES),
+             "step seconds = " + " + ".join(f"{coef[f]:.4g}*{f}" for f in FITTED_FEATURES)
+             + (" + few_rows[num_tokens]" if profile.get("few_rows") else ""),
              f"fit: R^2 {fit['r2']:.4f}, relative error mean {100 * fit['mean_rel_error']:.1f}% "
              f"max {100 * fit['max_rel_error']:.1f}%",
              f"TTFT line: {1000 * ttft['a']:.3f} ms/token * uncached prompt tokens + "
              + (f"{1e6 * ttft['b']:.4g} us/token^2 * tokens^2 + " if ttft.get("b") else "")
              + f"{1000 * ttft['c']:.1f} ms (R^2 {ttft['r2']:.4f})"]
+    if profile.get("few_rows"):
+        lines.append("few_rows (ms, by tokens in the step): " + ", ".join(
+            f"{n}: {1000 * s:+.2f}" for n, s in profile["few_rows"].items()))
     if profile.get("source") == "trace":
         from tokenweir.sim.calibrate_trace import format_heldout
         lines.append(format_heldout(profile))

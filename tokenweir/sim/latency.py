@@ -222,6 +222,26 @@ def fitted_features(t: StepTotals) -> tuple[float, ...]:
 OVERHEAD_FEATURES = ("const", "requests", "decode_requests")
 
 
+# Steps of few rows (decode batches): every matmul of the step runs on x of num_tokens rows,
+# and the CPU kernels pick their code by that count (the direct path binds one op per count up
+# to 16; the float32 packed kernel keeps 6 rows per pass, so 7 rows take a second one): the
+# time is a staircase in the count that no linear term follows (issue 16, SmolLM2 float32 on
+# one thread: 6 decode rows 0.9 ms below the linear fit, 7 rows 2.4 ms above). A fitted
+# profile may carry a table {num_tokens: seconds} for counts up to FEW_ROWS_MAX, added to the
+# runner time of a step of that many tokens (`calibrate --from-trace` fits it: the median
+# residual of the linear model per count; counts it saw too rarely are absent, i.e. 0).
+FEW_ROWS_MAX = 16
+
+
+def few_rows_table(table: Optional[Mapping]) -> dict[int, float]:
+    """{num_tokens: seconds} from a profile's "few_rows" (JSON keys are strings)."""
+    out = {int(k): float(v) for k, v in (table or {}).items()}
+    bad = [k for k in out if not 1 <= k <= FEW_ROWS_MAX]
+    if bad:
+        raise ValueError(f"few_rows counts {sorted(bad)} outside 1..{FEW_ROWS_MAX}")
+    return out
+
+
 def overhead_features(t: StepTotals) -> tuple[float, ...]:
     """The regressors of the engine overhead, in OVERHEAD_FEATURES order."""
     return (1.0, float(t.num_reqs), float(t.num_decode_reqs))
@@ -231,7 +251,8 @@ class FittedLatencyModel:
     """Step time = runner time + engine overhead. Runner time: sum of coefficient x feature
     (see `fitted_features`), fitted by least squares to a real runner's timings (`tokenweir
     calibrate`, which writes the profile JSON that `from_profile` reads; its format is
-    documented in sim/calibrate.py). Engine overhead: sum of `overhead` coefficient x
+    documented in sim/calibrate.py), plus `few_rows[num_tokens]` for a step of few rows
+    (FEW_ROWS_MAX; profiles fitted from traces; absent: 0). Engine overhead: sum of `overhead` coefficient x
     `overhead_features` (all 0 unless the profile was fitted from real-engine traces; a
     profile without them loads as before and predicts the same floats).
 
@@ -242,7 +263,8 @@ class FittedLatencyModel:
 
     def __init__(self, coefficients: Mapping[str, float], kv_bytes_per_token: int = 0,
                  max_model_len: int = 0, block_size: int = 16, name: str = "fitted",
-                 overhead: Optional[Mapping[str, float]] = None, num_layers: int = 0) -> None:
+                 overhead: Optional[Mapping[str, float]] = None, num_layers: int = 0,
+                 few_rows: Optional[Mapping] = None) -> None:
         unknown = set(coefficients) - set(FITTED_FEATURES)
         if unknown:
             raise ValueError(f"unknown fitted-model coefficients {sorted(unknown)}; "
@@ -256,6 +278,7 @@ class FittedLatencyModel:
         self.overhead = {f: float((overhead or {}).get(f, 0.0)) for f in OVERHEAD_FEATURES}
         self._overhead_weights = (tuple(self.overhead[f] for f in OVERHEAD_FEATURES)
                                   if any(self.overhead.values()) else None)
+        self.few_rows = few_rows_table(few_rows)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -280,7 +303,7 @@ class FittedLatencyModel:
         return cls(coefficients, int(data.get("kv_bytes_per_token", 0)),
                    int(data.get("max_model_len", 0)), int(data.get("block_size", 16)),
                    str(data.get("model", "fitted")), data.get("overhead"),
-                   int(data.get("num_layers") or 0))
+                   int(data.get("num_layers") or 0), data.get("few_rows"))
 
     def predict_totals(self, totals: StepTotals) -> float:
         if not totals.num_tokens:
@@ -291,7 +314,8 @@ class FittedLatencyModel:
         return seconds
 
     def runner_seconds(self, totals: StepTotals) -> float:
-        return sum(w * x for w, x in zip(self._weights, fitted_features(totals)))
+        return (sum(w * x for w, x in zip(self._weights, fitted_features(totals)))
+                + self.few_rows.get(totals.num_tokens, 0.0))
 
     def overhead_seconds(self, totals: StepTotals) -> float:
         return sum(w * x for w, x in zip(self._overhead_weights or (0.0,) * 3,
