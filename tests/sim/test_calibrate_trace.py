@@ -294,3 +294,97 @@ def test_from_trace_leaves_stalls_out_of_the_fit(tmp_path, monkeypatch):
     unfiltered = calibrate_from_traces([str(tmp_path / "t.jsonl")], holdout_every=5)
     assert unfiltered["stalls"]["num_steps"] == 0
     assert any(abs(unfiltered["coefficients"][n] / v - 1) > 0.1 for n, v in RUNNER.items())
+
+
+def _add_staircase(path, extra: dict[int, float]) -> list[int]:
+    """Adds extra[n] seconds to the runner (forward) of every step of n tokens in the trace at
+    `path`; returns the token count of each of its steps."""
+    from tokenweir.timeline.records import load_jsonl
+
+    trace = load_jsonl(path)
+    counts = []
+    for s in trace.steps:
+        n = sum(e["prefill"] + e["decode"] for e in s["reqs"])
+        counts.append(n)
+        if n in extra and s.get("phases"):
+            s["phases"]["forward"] += extra[n]
+            s["duration"] += extra[n]
+    write_jsonl(trace, path)
+    return counts
+
+
+def test_few_rows_table_learns_the_kernels_staircase_across_runs(tmp_path):
+    """Two runs whose steps of one row count (a decode batch) take 3 ms more than the linear
+    model says (the float32 kernel's second pass at 7 rows, in the real traces): the fit's
+    few_rows table finds +3 ms at that count and ~0 at the others, and the held-out error
+    falls to the linear truth's (probe: the same fit without the table errs)."""
+    import tokenweir.sim.calibrate_trace as ct
+
+    paths = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for seed, path in zip((4, 5), paths):
+        engine_like_trace(path, seed=seed)
+    seen = [_add_staircase(p, {}) for p in paths]
+    common = [n for n in range(1, 17)
+              if all(c.count(n) >= ct.FEW_ROWS_MIN_RUN_STEPS for c in seen)
+              and sum(c.count(n) for c in seen) >= 3 * ct.FEW_ROWS_MIN_STEPS]
+    assert common, "the runs have few-row steps of one count in both"
+    step_up = max(common, key=lambda n: sum(c.count(n) for c in seen))
+    for p in paths:
+        _add_staircase(p, {step_up: 0.003})
+    profile = calibrate_from_traces([str(p) for p in paths], holdout_every=5)
+    table = {int(n): s for n, s in profile["few_rows"].items()}
+    model, truth = FittedLatencyModel.from_profile(profile), known_model()
+    for rows in table:  # the table carries the step: each count predicted within 0.2 ms
+        totals = StepTotals.of_chunks([(1, 100)] * rows)
+        extra = 0.003 if rows == step_up else 0.0
+        assert model.runner_seconds(totals) == pytest.approx(
+            truth.runner_seconds(totals) + extra, abs=2e-4), rows
+    assert table[step_up] > 0.002 and max(table.values()) == table[step_up]
+    with_table = profile["heldout"]["runner_mean_rel_error"]
+    ct_min = ct.FEW_ROWS_MIN_STEPS
+    try:
+        ct.FEW_ROWS_MIN_STEPS = 10 ** 9  # no count qualifies: the linear model alone
+        without = calibrate_from_traces([str(p) for p in paths], holdout_every=5)
+    finally:
+        ct.FEW_ROWS_MIN_STEPS = ct_min
+    assert without["few_rows"] == {}
+    assert with_table < 0.3 * without["heldout"]["runner_mean_rel_error"]
+
+
+def test_few_rows_table_needs_two_runs(tmp_path):
+    """One run gives no table: its drift could not be told from a count's cost (a count that
+    only occurs while the machine runs slow)."""
+    engine_like_trace(tmp_path / "t.jsonl", seed=4)
+    counts = _add_staircase(tmp_path / "t.jsonl", {8: 0.003})
+    assert counts.count(8) >= 10  # probe: the staircase is there to be learnt
+    assert calibrate_from_traces([str(tmp_path / "t.jsonl")])["few_rows"] == {}
+
+
+def test_few_rows_in_a_profile():
+    """JSON keys are strings; a table entry adds to steps of exactly that many tokens; a count
+    beyond FEW_ROWS_MAX is refused; a profile without the table predicts as before."""
+    from tokenweir.sim.latency import FEW_ROWS_MAX
+
+    base = {"coefficients": RUNNER}
+    model = FittedLatencyModel.from_profile({**base, "few_rows": {"7": 0.002}})
+    plain = FittedLatencyModel.from_profile(base)
+    for rows, extra in ((7, 0.002), (6, 0.0), (8, 0.0)):
+        totals = StepTotals.of_chunks([(1, 50)] * rows)
+        assert model.predict_totals(totals) - plain.predict_totals(totals) == \
+            pytest.approx(extra, abs=1e-15)
+    assert model.step_time([(7, 0)]) == pytest.approx(plain.step_time([(7, 0)]) + 0.002)
+    with pytest.raises(ValueError, match="outside"):
+        FittedLatencyModel.from_profile({**base, "few_rows": {str(FEW_ROWS_MAX + 1): 0.001}})
+
+
+def test_few_rows_table_keeps_only_the_staircase_shape():
+    """The table less its weighted line: a table on a line is all zeros (the linear model
+    keeps level and slope, so the alternating fit settles); a step keeps its shape."""
+    from tokenweir.sim.calibrate_trace import _detrended
+
+    line = {n: 0.001 + 0.0005 * n for n in range(1, 9)}
+    assert all(abs(v) < 1e-12 for v in _detrended(line, {n: 1 for n in line}).values())
+    step = {n: 0.003 if n >= 7 else 0.0 for n in range(1, 9)}
+    out = _detrended(step, {n: 1 for n in step})
+    assert out[7] - out[6] == pytest.approx(0.003, abs=0.001)  # the jump survives
+    assert _detrended({1: 0.002, 2: 0.001}, {1: 5, 2: 5}) == {1: 0.0, 2: 0.0}  # < 3: no shape

@@ -313,14 +313,29 @@ def fit_few_rows(model: FittedLatencyModel, steps: Sequence[TracedStep],
         if s.totals.num_tokens <= FEW_ROWS_MAX:
             residuals.setdefault(s.totals.num_tokens, {}).setdefault(run, []).append(
                 s.runner - linear.runner_seconds(s.totals))
-    table = {}
+    table, weight = {}, {}
     for n, by_run in sorted(residuals.items()):
         medians = [statistics.median(r) for r in by_run.values()
                    if len(r) >= FEW_ROWS_MIN_RUN_STEPS]
         if (len(medians) >= FEW_ROWS_MIN_RUNS
                 and sum(map(len, by_run.values())) >= FEW_ROWS_MIN_STEPS):
-            table[n] = statistics.median(medians)
-    return table
+            table[n], weight[n] = statistics.median(medians), sum(map(len, by_run.values()))
+    return _detrended(table, weight)
+
+
+def _detrended(table: dict[int, float], weight: dict[int, float]) -> dict[int, float]:
+    """The table less its weighted least-squares line a + b * n: the linear model's constant
+    and per-row terms keep the level and the slope, the table only the staircase's shape
+    (without this the two trade a common offset round after round and never settle)."""
+    if len(table) < 3:
+        return {n: 0.0 for n in table}
+    import numpy as np
+
+    n = np.array(list(table), dtype=float)
+    y = np.array([table[k] for k in table])
+    w = np.sqrt(np.array([weight[k] for k in table], dtype=float))
+    a, b = np.linalg.lstsq(np.stack([w, w * n], axis=1), w * y, rcond=None)[0]
+    return {k: float(v - a - b * k) for k, v in table.items()}
 
 
 def fit_with_few_rows(steps: Sequence[TracedStep], runs: Sequence[int], fit,
