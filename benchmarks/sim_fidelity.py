@@ -175,9 +175,10 @@ def parse_args() -> argparse.Namespace:
                    help="real runs redone at most this many times each when stalled "
                         "(`stalled_steps`)")
     p.add_argument("--order", choices=("workload", "round-robin"), default="workload",
-                   help="workload: each workload's runs back to back; round-robin: every "
-                        "calibration run, then the workloads' validation runs in rounds "
-                        "(machine drift over minutes then spreads over every workload)")
+                   help="workload: each workload's runs back to back; round-robin: rounds "
+                        "of every workload, calibration rounds interleaved with validation "
+                        "rounds (`real_runs`: the machine's drift then spreads over every "
+                        "workload, and over the fit as over the runs it is judged on)")
     p.add_argument("--json", dest="json_out", help="write every figure here")
     return p.parse_args()
 
@@ -674,7 +675,8 @@ def main() -> int:
     seeds = "" if args.profile else ", ".join(map(str, calibration_seeds(args)))
     print(f"\n{len(names)} workloads, {args.threads} thread(s), "
           + (f"profile {args.profile}" if args.profile else f"calibrated on seed(s) {seeds}")
-          + f", validated on seed {args.seed + 1}" + (f" ({runs} real runs each)" if runs > 1 else "")
+          + f", validated on seed {args.seed + 1}"
+          + (f" ({runs} real runs each)" if runs > 1 else "")
           + f"; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
     print(format_speeds(rows))

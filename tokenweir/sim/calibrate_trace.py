@@ -20,8 +20,8 @@ explains it), found with the fitted model and the fits redone until none is new.
 those steps: per step (mean, p90) and on their summed time (what a run's total time sees).
 The runner's time also gets a `few_rows` table (latency.FEW_ROWS_MAX): per count of tokens in a
 step of few rows, what the kernels' choice by row count adds to the linear model
-(`fit_with_few_rows`; held-out step error on the fidelity suite's traces 3.2% -> 2.6%, p90
-6.7% -> 5.0%).
+(`fit_with_few_rows`; held-out step error on the fidelity suite's traces 3.2% -> 2.7%, p90
+6.7% -> 5.2%).
 
 The profile is calibrate.py's format with, in addition:
     "source": "trace", "traces": [paths], "num_steps": N,
@@ -183,9 +183,10 @@ def local_ratios(model: FittedLatencyModel, steps: Sequence[TracedStep],
 STALL_LOCAL_RATIO = 4.0
 STALL_OVERHEAD_S = 0.05  # the engine's own per-step work is ~0.4 ms
 STALL_ROUNDS = 4
-# The few-rows table (`fit_few_rows`): a count needs this many fitted steps to get an entry,
-# in this many runs with this many steps each; the linear fit and the table are fitted alternately this many rounds (2: the table moved by
-# < 0.05 ms in a third on the fidelity suite's traces).
+# The few-rows table (`fit_few_rows`): a count needs FEW_ROWS_MIN_STEPS fitted steps to get an
+# entry, FEW_ROWS_MIN_RUN_STEPS in each of FEW_ROWS_MIN_RUNS runs; the linear fit and the table
+# are fitted alternately FEW_ROWS_ROUNDS rounds (on the fidelity suite's traces 4, 8 and 16
+# rounds gave the table of 2 within 0.01 ms).
 FEW_ROWS_MIN_STEPS = 10
 FEW_ROWS_MIN_RUNS = 2
 FEW_ROWS_MIN_RUN_STEPS = 3

@@ -228,8 +228,9 @@ OVERHEAD_FEATURES = ("const", "requests", "decode_requests")
 # time is a staircase in the count that no linear term follows (issue 16, SmolLM2 float32 on
 # one thread: 6 decode rows 0.9 ms below the linear fit, 7 rows 2.4 ms above). A fitted
 # profile may carry a table {num_tokens: seconds} for counts up to FEW_ROWS_MAX, added to the
-# runner time of a step of that many tokens (`calibrate --from-trace` fits it: the median
-# residual of the linear model per count; counts it saw too rarely are absent, i.e. 0).
+# runner time of a step of that many tokens (`calibrate --from-trace` fits it from the linear
+# model's residuals per count: calibrate_trace.fit_few_rows; counts it saw too rarely are
+# absent, i.e. 0).
 FEW_ROWS_MAX = 16
 
 
@@ -252,9 +253,9 @@ class FittedLatencyModel:
     (see `fitted_features`), fitted by least squares to a real runner's timings (`tokenweir
     calibrate`, which writes the profile JSON that `from_profile` reads; its format is
     documented in sim/calibrate.py), plus `few_rows[num_tokens]` for a step of few rows
-    (FEW_ROWS_MAX; profiles fitted from traces; absent: 0). Engine overhead: sum of `overhead` coefficient x
-    `overhead_features` (all 0 unless the profile was fitted from real-engine traces; a
-    profile without them loads as before and predicts the same floats).
+    (FEW_ROWS_MAX; profiles fitted from traces; absent: 0). Engine overhead: sum of
+    `overhead` coefficient x `overhead_features` (all 0 unless the profile was fitted from
+    real-engine traces; a profile without them loads as before and predicts the same floats).
 
     Also carries what the simulator needs to size the KV pool as the real engine would:
     `kv_bytes_per_token`, `block_size` and `max_model_len` of the calibrated model, and its
