@@ -388,3 +388,55 @@ def test_few_rows_table_keeps_only_the_staircase_shape():
     out = _detrended(step, {n: 1 for n in step})
     assert out[7] - out[6] == pytest.approx(0.003, abs=0.001)  # the jump survives
     assert _detrended({1: 0.002, 2: 0.001}, {1: 5, 2: 5}) == {1: 0.0, 2: 0.0}  # < 3: no shape
+
+
+# ---- the machine's variability (issue 16): what the simulator's machine draws are drawn from ---
+def test_variability_measures_step_jitter_and_run_speed(tmp_path):
+    """Four runs with 4% log-normal step jitter, the machine at exp(+-5%) of the model's speed
+    (one sign per run and step kind): `variability` recovers both sigmas. Probe: the same
+    runs without jitter or speed offsets measure ~0 for both."""
+    import dataclasses
+    import math
+
+    from tokenweir.sim.calibrate_trace import step_kind, variability
+
+    signs = [(+1, -1), (-1, +1), (+1, +1), (-1, -1)]  # (decode, prefill) per run
+    clean, noisy = [], []
+    for k, (dec, pre) in enumerate(signs):
+        _, plain = engine_like_trace(tmp_path / f"c{k}.jsonl", seed=20 + k)
+        _, jittered = engine_like_trace(tmp_path / f"n{k}.jsonl", seed=20 + k, noise=0.04)
+        clean.append(traced_steps(plain))
+        noisy.append([dataclasses.replace(s, runner=s.runner * math.exp(
+            0.05 * (dec if step_kind(s.totals) == "decode" else pre)))
+            for s in traced_steps(jittered)])
+    model = known_model()
+    none = [[False] * len(t) for t in clean]
+    quiet = variability(model, clean, none)
+    assert quiet["step_sigma"] < 1e-6 and quiet["run_sigma"] < 1e-6
+    v = variability(model, noisy, none)
+    assert v["num_run_kinds"] == 8 and v["num_steps"] > 0.9 * sum(map(len, noisy))
+    # the jitter was drawn on the whole step, overhead included: the runner's share is a bit
+    # larger than 4%
+    assert 0.035 < v["step_sigma"] < 0.05
+    assert v["run_sigma"] == pytest.approx(0.05, abs=0.01)
+    # a stalled step counts in neither
+    stalled = [[i == 30 for i in range(len(t))] for t in noisy]
+    wild = [t[:30] + [dataclasses.replace(t[30], runner=50 * t[30].runner)] + t[31:]
+            for t in noisy]
+    assert variability(model, wild, stalled)["run_sigma"] == pytest.approx(v["run_sigma"],
+                                                                          rel=0.1)
+    assert variability(model, wild, none)["run_sigma"] > 2 * v["run_sigma"]  # probe
+
+
+def test_from_trace_profile_carries_the_variability(tmp_path):
+    from tokenweir.sim.calibrate import format_report
+
+    paths = []
+    for k in range(2):
+        engine_like_trace(tmp_path / f"t{k}.jsonl", seed=30 + k, noise=0.03)
+        paths.append(str(tmp_path / f"t{k}.jsonl"))
+    profile = calibrate_from_traces(paths, holdout_every=5)
+    v = profile["variability"]
+    assert 0.02 < v["step_sigma"] < 0.05 and v["num_run_kinds"] == 4
+    assert "machine variability (log-space sigma, `variability`): step to step" in \
+        format_report(profile)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import pytest
 
+from tokenweir.sim.latency import FittedLatencyModel
 from tokenweir.timeline.records import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +43,8 @@ def kept(fid, tmp_path_factory):
     w = fid.WORKLOADS["light"]
     specs = fid.make_specs(w, 1, quick=True)
     for k, scale in enumerate(SCALES):
-        records, trace = fid.run_sim(w, fid.scaled_profile(PROFILE, scale), specs)
+        model = FittedLatencyModel.from_profile(fid.scaled_profile(PROFILE, scale))
+        records, trace = fid.run_sim(w, model, specs)
         path = fid.real_path(d, "light", 1, fid.repeat_suffix(k))
         write_jsonl(trace, path)
         fid.records_path(path).write_text(json.dumps(
@@ -223,3 +226,20 @@ def test_replay_calibrates_on_every_calibration_seed(fid, kept, monkeypatch, tmp
     with pytest.raises(SystemExit, match="no calibration run"):
         run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--workloads", "light",
                  "--calibration-runs", "3")
+
+
+def test_sim_samples_draw_the_profiles_variability(fid, kept, monkeypatch, tmp_path):
+    """--sim-samples N: N simulations per real run, each a draw of the profile's variability,
+    their mean compared. Probe: the draws differ; with N 1 the deterministic model."""
+    d, _ = kept
+    noisy = tmp_path / "noisy.json"
+    noisy.write_text(json.dumps({**PROFILE, "variability": {"run_sigma": 0.05,
+                                                            "step_sigma": 0.03}}))
+    argv = ("--replay", str(d), "--profile", str(noisy), "--workloads", "light")
+    (row,) = run_main(fid, monkeypatch, tmp_path, *argv, "--sim-samples", "4")["rows"]
+    totals = [r["total_s"] for r in row["sim_runs"]]
+    assert len(totals) == 4 and len(set(totals)) == 4
+    (det,) = run_main(fid, monkeypatch, tmp_path, *argv, "--sim-samples", "1")["rows"]
+    assert len(det["sim_runs"]) == 1 and det["rel_error"]["total_s"] == pytest.approx(0, abs=1e-9)
+    assert row["sim"]["total_s"] == pytest.approx(statistics.fmean(totals))
+    assert min(totals) < det["sim"]["total_s"] < max(totals)

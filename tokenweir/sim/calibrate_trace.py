@@ -37,12 +37,15 @@ The profile is calibrate.py's format with, in addition:
     "machine_speed": [per trace: machine_speed(...)] (measured / fitted runner time per step
                      kind, over the run and its range over windows: the machine's drift),
     "stalls": {"num_steps": n, "seconds": s (their measured cycle time)},
+    "variability": {"step_sigma": s, "run_sigma": s, "num_steps": n, "num_run_kinds": n}
+                   (log-space scatter of step times around the model: `variability`),
 and the TTFT predictor (a, b, c: quadratic) fitted to the model's own solo-TTFT curve (no
 hand-built grid points).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -193,6 +196,38 @@ FEW_ROWS_MIN_RUN_STEPS = 3
 FEW_ROWS_ROUNDS = 2
 
 
+def variability(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedStep]],
+                stalled: Sequence[Sequence[bool]]) -> dict:
+    """How much the machine's step times scatter around the fitted model, in log space (the
+    simulator's `latency.sample_machines` draws from it):
+
+    - "step_sigma": step to step, the machine's drift divided out: 1.4826 x the median
+      absolute log of the steps' local ratios (`local_ratios`; a robust standard deviation,
+      blind to the rare stall). It also holds the model's error between shapes that run near
+      each other, so it is an upper bound of the jitter alone.
+    - "run_sigma": run to run: the root mean square of the log of each run's measured/modelled
+      runner time, per step kind with MIN_WINDOW_STEPS steps in the run (0 with fewer than 3
+      such (run, kind) pairs). The fit was made on these runs, so it is a lower bound of what
+      a new run sees.
+
+    Stalls (`stalled`, per trace per step) count in neither."""
+    logs: list[float] = []
+    run_logs: list[float] = []
+    for steps, flags in zip(per_trace, stalled):
+        kept = [s for s, f in zip(steps, flags) if not f]
+        logs += [math.log(r) for r in local_ratios(model, kept) if r]
+        for kind in KINDS:
+            mine = [s for s in kept if step_kind(s.totals) == kind]
+            predicted = sum(model.runner_seconds(s.totals) for s in mine)
+            if len(mine) >= MIN_WINDOW_STEPS and predicted > 0:
+                run_logs.append(math.log(sum(s.runner for s in mine) / predicted))
+    step_sigma = 1.4826 * statistics.median(abs(x) for x in logs) if logs else 0.0
+    run_sigma = (math.sqrt(statistics.fmean(x * x for x in run_logs))
+                 if len(run_logs) >= 3 else 0.0)
+    return {"step_sigma": step_sigma, "run_sigma": run_sigma, "num_steps": len(logs),
+            "num_run_kinds": len(run_logs)}
+
+
 def find_stalls(model: FittedLatencyModel, steps: Sequence[TracedStep]) -> list[bool]:
     """Per step of one run: True for a stall (see STALL_LOCAL_RATIO, STALL_OVERHEAD_S)."""
     local = local_ratios(model, steps)
@@ -292,6 +327,7 @@ def calibrate_from_traces(paths: Sequence[str], holdout_every: int = 5) -> dict:
                     "max_rel_error": fit.max_rel_error, "num_points": len(fit_steps)},
             "heldout": heldout_errors(model, held, held_local),
             "machine_speed": [machine_speed(model, t) for t in per_trace],
+            "variability": variability(model, per_trace, _per_trace(stalled, per_trace)),
             "stalls": {"num_steps": sum(stalled),
                        "seconds": sum(s.cycle for s, f in zip(steps, stalled) if f)},
             "ttft": _ttft_curve(model, budget, int(meta.get("max_model_len") or 2048)),
@@ -357,6 +393,15 @@ def fit_with_few_rows(steps: Sequence[TracedStep], runs: Sequence[int], fit,
     return fit, table
 
 
+def _per_trace(flags: Sequence[bool], per_trace: Sequence[Sequence]) -> list[list[bool]]:
+    """Flags over all traces' steps, split back per trace."""
+    out, at = [], 0
+    for steps in per_trace:
+        out.append(list(flags[at:at + len(steps)]))
+        at += len(steps)
+    return out
+
+
 def _common_meta(traces: list[Trace], paths: Sequence[str]) -> dict:
     """The run settings of the first trace; ValueError when another disagrees on one that
     changes step times (model, dtype, device, threads)."""
@@ -400,6 +445,11 @@ def format_heldout(profile: dict) -> str:
         lines.append(f"stalls left out of the fit: {stalls['num_steps']} steps, "
                      f"{stalls['seconds']:.2f} s (runner > {STALL_LOCAL_RATIO:g}x its "
                      f"neighbours, or overhead > {1000 * STALL_OVERHEAD_S:g} ms)")
+    v = profile.get("variability")
+    if v:
+        lines.append(f"machine variability (log-space sigma, `variability`): step to step "
+                     f"{100 * v['step_sigma']:.1f}% over {v['num_steps']} steps, run to run "
+                     f"{100 * v['run_sigma']:.1f}% over {v['num_run_kinds']} (run, kind) pairs")
     names = [Path(t).name for t in profile.get("traces", [])]
     lines += [format_speed(f"machine speed in {name}", speed)
               for name, speed in zip(names, profile.get("machine_speed", []))]

@@ -165,15 +165,18 @@ class NoisyLatencyModel:
     policy's gain survives predictions that are right only on average.
 
     Only `predict_totals` draws; it is what the SimRunner times each step with, once per step,
-    so a run stays deterministic for a given seed. `predict` and `step_time` return the
-    noise-free mean: what a scheduler forecasting a step, or a fit of solo TTFTs, sees.
+    so a run stays deterministic for a given seed. `scale` multiplies every drawn step (a
+    machine running slower or faster than the model all run long: `sample_machines`).
+    `predict` and `step_time` return the noise-free, unscaled mean: what a scheduler
+    forecasting a step, or a fit of solo TTFTs, sees.
     """
 
-    def __init__(self, base, sigma: float, seed: int = 0) -> None:
-        if sigma < 0:
-            raise ValueError(f"sigma must be >= 0, got {sigma}")
+    def __init__(self, base, sigma: float, seed: int = 0, scale: float = 1.0) -> None:
+        if sigma < 0 or scale <= 0:
+            raise ValueError(f"need sigma >= 0 and scale > 0, got {sigma}, {scale}")
         self.base = base
         self.sigma = sigma
+        self.scale = scale
         self._rng = random.Random(seed)
         self._mu = -sigma * sigma / 2  # E[exp(N(mu, sigma))] = 1
 
@@ -181,7 +184,8 @@ class NoisyLatencyModel:
         return getattr(self.base, name)
 
     def predict_totals(self, totals: StepTotals) -> float:
-        return self.base.predict_totals(totals) * math.exp(self._rng.gauss(self._mu, self.sigma))
+        return (self.base.predict_totals(totals) * self.scale
+                * math.exp(self._rng.gauss(self._mu, self.sigma)))
 
     def predict(self, scheduler_output: SchedulerOutput,
                 context_lens: Mapping[str, int]) -> float:
@@ -329,3 +333,28 @@ class FittedLatencyModel:
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         """Seconds for one step computing `(num_new_tokens, num_cached_tokens)` per request."""
         return self.predict_totals(StepTotals.of_chunks(chunks))
+
+
+def sample_machines(profile: Mapping, count: int, seed: int = 0) -> list:
+    """`count` draws of the machine a trace-fitted profile was measured on, as latency models:
+    draw k runs slower or faster than the profile all run long by the k-th of `count`
+    evenly spaced quantiles of a log-normal of mean 1 and log-space sigma
+    profile["variability"]["run_sigma"] (stratified: a few draws already span the spread),
+    and each of its steps by its own seeded log-normal factor of sigma "step_sigma"
+    (NoisyLatencyModel, seed `seed + k`). What one simulation cannot show, a real engine's
+    run-to-run spread (which step an arrival lands in, which request a cut picks), the mean
+    over the draws follows. count 1, or a profile without "variability": the profile's own
+    deterministic model, once per draw."""
+    from statistics import NormalDist
+
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    model = FittedLatencyModel.from_profile(profile)
+    v = profile.get("variability") or {}
+    run_sigma, step_sigma = float(v.get("run_sigma", 0.0)), float(v.get("step_sigma", 0.0))
+    if count == 1 or not (run_sigma or step_sigma):
+        return [model] * count
+    unit = NormalDist()
+    return [NoisyLatencyModel(model, step_sigma, seed=seed + k, scale=math.exp(
+        run_sigma * unit.inv_cdf((k + 0.5) / count) - run_sigma * run_sigma / 2))
+            for k in range(count)]
