@@ -57,7 +57,9 @@ and the order of requests near a step boundary flip on a millisecond, so its per
 10-15% between two real runs of the same arrivals; one deterministic simulation is one more
 such draw, not their mean. On the kept suites of issue 16 (session 14) the 32-draw mean
 against the deterministic simulation: worst error 6.2% -> 3.5% (6 real runs per workload),
-5.7% -> 4.8% and 14.2% -> 9.0% (3 real runs). The counts are knife-edged the other way:
+5.7% -> 4.8% and 14.2% -> 9.0% (3 real runs); a fresh suite (6 real runs): 24/25 cells
+within 5%, the 25th prefix TPOT p50 at -16.9% where one of the six real runs met a machine
+7-14% slow (its `machine speed` line) and the real runs spread -16.5..+30.5%. The counts are knife-edged the other way:
 overload's recompute preemptions are 4 in draws a percent faster than the profile and 2 in
 draws a percent slower, so their mean over draws can sit below the real runs' (2.3 vs 3.7 in
 one suite) where the deterministic simulation matched. `--sim-samples 1`: the profile's
