@@ -51,18 +51,19 @@ mean. Calibration never sees a validation run (seed 0 only).
 `--sim-samples N` (default 32): each simulation of a real run is one draw of the machine
 the profile was measured on (`latency.sample_machines`): the whole run slower or faster by a
 stratified quantile of the run-to-run spread the calibration runs showed, each step by its own
-jitter (the profile's "variability", `calibrate_trace.variability`: on this suite ~1.2% and
-~1.5% log-space sigma). A real run is one draw of that machine, and the slo workload's cuts
-and the order of requests near a step boundary flip on a millisecond, so its percentiles move
-10-15% between two real runs of the same arrivals; one deterministic simulation is one more
-such draw, not their mean. On the kept suites of issue 16 (session 14) the 32-draw mean
-against the deterministic simulation: worst error 6.2% -> 3.5% (6 real runs per workload),
-5.7% -> 4.8% and 14.2% -> 9.0% (3 real runs); a fresh suite (6 real runs): 24/25 cells
-within 5%, the 25th prefix TPOT p50 at -16.9% where one of the six real runs met a machine
-7-14% slow (its `machine speed` line) and the real runs spread -16.5..+30.5%. The counts are knife-edged the other way:
-overload's recompute preemptions are 4 in draws a percent faster than the profile and 2 in
-draws a percent slower, so their mean over draws can sit below the real runs' (2.3 vs 3.7 in
-one suite) where the deterministic simulation matched. `--sim-samples 1`: the profile's
+jitter (the profile's "variability", `calibrate_trace.variability`: on these suites run to
+run 0.8-1.3%, step to step 1.2-1.6% log-space sigma). A real run is one draw of that machine,
+and the slo workload's cuts and the order of requests near a step boundary flip on a
+millisecond, so its percentiles move 10-15% between two real runs of the same arrivals; one
+deterministic simulation is one more such draw, not their mean. On the kept suites of issue 16
+(session 14) the 32-draw mean against the deterministic simulation: worst error 6.2% -> 3.5%
+(6 real runs per workload), 5.7% -> 4.8% and 14.2% -> 9.0% (3 real runs); a fresh suite (6
+real runs): 24/25 cells within 5%, the 25th prefix TPOT p50 at -16.9% where one of the six
+real runs met a machine 7-14% slow (its `machine speed` line) and the real runs spread
+-16.5..+30.5%. The counts are knife-edged: overload's recompute preemptions are 4 in draws a
+percent faster than the profile and 2 in draws a percent slower, so their mean over draws can
+sit away from the real runs' (2.3 vs 3.7 real in one suite, where the deterministic
+simulation matched; 3.7 vs 3.2 real in another). `--sim-samples 1`: the profile's
 deterministic model.
 
 Before each real run the suite waits for an idle machine (`wait_for_quiet`), and it runs again

@@ -343,7 +343,8 @@ def sample_machines(profile: Mapping, count: int, seed: int = 0) -> list:
     and each of its steps by its own seeded log-normal factor of sigma "step_sigma"
     (NoisyLatencyModel, seed `seed + k`). What one simulation cannot show, a real engine's
     run-to-run spread (which step an arrival lands in, which request a cut picks), the mean
-    over the draws follows. count 1, or a profile without "variability": the profile's own
+    over the draws follows. Each noisy draw carries its own random stream: use it for one
+    simulation. count 1, or a profile without "variability": the profile's own
     deterministic model, once per draw."""
     from statistics import NormalDist
 
