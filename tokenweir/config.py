@@ -443,6 +443,11 @@ class SimulateConfig(SimulationConfig):
     chrome_trace: Optional[str] = _f(
         None, "write a Chrome/Perfetto trace JSON here (cluster runs: one process per instance)")
     json_out: Optional[str] = _f(None, "write the metrics as JSON here", flag="--json")
+    samples: int = _f(
+        1, "simulations, each a draw of the machine the --profile measured (its "
+        "\"variability\", from calibrate --from-trace: run-to-run speed and step jitter); "
+        "the report is each metric's mean over them, with their spread (1: the profile's "
+        "deterministic model)", metavar="N")
 
 
 @dataclass(frozen=True)

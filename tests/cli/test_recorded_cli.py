@@ -74,6 +74,9 @@ NEW_DESTS |= {"slo_step_predictor"}
 for _c in ("generate", "serve", "simulate", "sweep"):
     NEW_SPELLINGS[f"tokenweir {_c}"] |= {"--quantization"}
 NEW_DESTS |= {"quantization"}
+# issue 16: simulations over draws of the machine a trace-fitted profile measured
+NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir simulate"] | {"--samples"}
+NEW_DESTS |= {"samples"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

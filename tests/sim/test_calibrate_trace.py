@@ -440,3 +440,38 @@ def test_from_trace_profile_carries_the_variability(tmp_path):
     assert 0.02 < v["step_sigma"] < 0.05 and v["num_run_kinds"] == 4
     assert "machine variability (log-space sigma, `variability`): step to step" in \
         format_report(profile)
+
+
+def test_runner_scale_applies_a_measured_speed_per_step_kind(tmp_path):
+    """A profile's "runner_scale" multiplies each kind's runner time (not the overhead): the
+    model at the speed machine_speed measured on a slow run measures that run at 1.0x."""
+    from tokenweir.sim.calibrate_trace import machine_speed
+
+    _, trace = engine_like_trace(tmp_path / "t.jsonl", seed=7)
+    steps = traced_steps(trace)
+    slow = drifting(drifting(steps, 1.3, 0.0), 1.1, 0.0, "prefill")
+    assert slow != steps  # the slowdown happened
+    profile = {"coefficients": RUNNER, "overhead": OVERHEAD}
+    speed = machine_speed(FittedLatencyModel.from_profile(profile), slow)
+    assert speed["decode"]["ratio"] == pytest.approx(1.3)
+    assert speed["prefill"]["ratio"] == pytest.approx(1.1)
+    scaled = FittedLatencyModel.from_profile(
+        {**profile, "runner_scale": {k: s["ratio"] for k, s in speed.items()}})
+    assert scaled.runner_scale == pytest.approx({"decode": 1.3, "prefill": 1.1})
+    again = machine_speed(scaled, slow)
+    assert {k: s["ratio"] for k, s in again.items()} == pytest.approx(
+        {"decode": 1.0, "prefill": 1.0})
+    base = known_model()
+    decode, mixed = StepTotals.of_chunks([(1, 40), (1, 90)]), StepTotals.of_chunks(
+        [(64, 0), (1, 90)])
+    for totals, factor in ((decode, 1.3), (mixed, 1.1)):
+        assert scaled.predict_totals(totals) == pytest.approx(
+            factor * base.runner_seconds(totals) + base.overhead_seconds(totals))
+    # no scale, or every factor 1: the same floats as before
+    ones = FittedLatencyModel(RUNNER, overhead=OVERHEAD,
+                              runner_scale={"decode": 1.0, "prefill": 1.0})
+    assert ones.predict_totals(mixed) == base.predict_totals(mixed)
+    with pytest.raises(ValueError, match="kinds"):
+        FittedLatencyModel(RUNNER, runner_scale={"decodes": 1.2})
+    with pytest.raises(ValueError, match="> 0"):
+        FittedLatencyModel(RUNNER, runner_scale={"decode": 0})

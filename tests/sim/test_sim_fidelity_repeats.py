@@ -38,13 +38,19 @@ def fid():
 @pytest.fixture(scope="module")
 def kept(fid, tmp_path_factory):
     """A trace dir holding three validation runs of `light` (quick), as --trace-dir keeps
-    them, each the simulator at PROFILE scaled by SCALES[k]; returns (dir, profile path)."""
+    them, each the simulator at PROFILE on a machine whose runner runs at SCALES[k] of the
+    profile's time, each step's time split into phases as the engine traces them (the
+    profile's overhead, the rest the forward); returns (dir, profile path)."""
     d = tmp_path_factory.mktemp("kept")
     w = fid.WORKLOADS["light"]
     specs = fid.make_specs(w, 1, quick=True)
+    overhead = PROFILE["overhead"]["const"]
     for k, scale in enumerate(SCALES):
-        model = FittedLatencyModel.from_profile(fid.scaled_profile(PROFILE, scale))
+        model = FittedLatencyModel.from_profile(
+            {**PROFILE, "runner_scale": {"decode": scale, "prefill": scale}})
         records, trace = fid.run_sim(w, model, specs)
+        for s in trace.steps:
+            s["phases"] = {"schedule": overhead, "forward": s["duration"] - overhead}
         path = fid.real_path(d, "light", 1, fid.repeat_suffix(k))
         write_jsonl(trace, path)
         fid.records_path(path).write_text(json.dumps(
@@ -243,3 +249,31 @@ def test_sim_samples_draw_the_profiles_variability(fid, kept, monkeypatch, tmp_p
     assert len(det["sim_runs"]) == 1 and det["rel_error"]["total_s"] == pytest.approx(0, abs=1e-9)
     assert row["sim"]["total_s"] == pytest.approx(statistics.fmean(totals))
     assert min(totals) < det["sim"]["total_s"] < max(totals)
+
+
+def test_speed_matched_takes_the_drift_between_runs_out(fid, kept, monkeypatch, tmp_path):
+    """Each kept run measures its machine at SCALES[k] (run_speed); simulated at that speed
+    (at_run_speed) it is reproduced, while the prediction at the profile's speed is not (the
+    probe: the drift is there to take out)."""
+    d, profile = kept
+    out = run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--profile", str(profile),
+                   "--workloads", "light", "--repeats", "3", "--sim-samples", "1")
+    (row,) = out["rows"]
+    for speed, scale in zip(row["machine_speed"], SCALES):
+        assert {k: s["ratio"] for k, s in speed.items()} == pytest.approx(
+            {"decode": scale, "prefill": scale}, rel=1e-6)
+    assert abs(row["rel_error"]["tpot_p50_ms"]) > 0.02
+    matched = row["speed_matched"]
+    assert matched["rel_error"] == pytest.approx({k: 0.0 for k in fid.METRICS}, abs=1e-6)
+    for sim, real in zip(matched["sim_runs"], matched["real_runs"]):
+        assert sim == pytest.approx(real, rel=1e-6)
+
+
+def test_at_run_speed_keeps_the_step_jitter_and_drops_the_run_draw(fid):
+    noisy = {**PROFILE, "variability": {"run_sigma": 0.05, "step_sigma": 0.02}}
+    speed = {"decode": {"ratio": 1.2}, "prefill": {"ratio": 0.9}}
+    at = fid.at_run_speed(noisy, speed)
+    assert at["runner_scale"] == {"decode": 1.2, "prefill": 0.9}
+    assert at["variability"] == {"run_sigma": 0.0, "step_sigma": 0.02}
+    assert noisy["variability"]["run_sigma"] == 0.05  # the profile itself is untouched
+    assert fid.at_run_speed(PROFILE, speed)["variability"] == {}

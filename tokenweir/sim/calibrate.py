@@ -23,6 +23,10 @@ terms of their own, to steps a real engine ran (sim/calibrate_trace.py documents
 the keys it adds: "source", "overhead", "heldout"). A profile without "overhead" (every one
 written before) loads as before: no overhead.
 
+Written by hand, never by a fit: "runner_scale": {"decode": d, "prefill": p} multiplies the
+runner time of decode-only steps by d and of steps with a prefill chunk by p (the machine
+slower or faster than the one calibrated; `FittedLatencyModel`). Absent: 1.
+
 Profile JSON (format "tokenweir-step-profile/1"); times in seconds:
 
     {

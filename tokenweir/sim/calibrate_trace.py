@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from tokenweir.sim.latency import (FEW_ROWS_MAX, FITTED_FEATURES, OVERHEAD_FEATURES,
-                                  FittedLatencyModel, StepTotals, overhead_features)
+                                  STEP_KINDS, FittedLatencyModel, StepTotals,
+                                  overhead_features, step_kind)
 from tokenweir.timeline.records import Trace, load_jsonl
 from tokenweir.timeline.tracer import RUNNER_PHASES
 
@@ -112,12 +113,7 @@ def traced_steps(trace: Trace) -> list[TracedStep]:
 SPEED_WINDOW_S = 3.0
 MIN_WINDOW_STEPS = 5  # a window with fewer steps of a kind gives that kind no ratio
 LOCAL_NEIGHBOURS = 6  # same-kind steps on each side that set a step's local speed
-KINDS = ("decode", "prefill")
-
-
-def step_kind(totals: StepTotals) -> str:
-    """"decode" when every request computes one token, else "prefill" (a chunk in it)."""
-    return "decode" if totals.num_decode_reqs == totals.num_reqs else "prefill"
+KINDS = STEP_KINDS
 
 
 def speed_windows(model: FittedLatencyModel, steps: Sequence[TracedStep],

@@ -113,6 +113,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from tokenweir.sim.metrics import format_report
 
     kwargs = _engine_kwargs(args)
+    if args.samples != 1:
+        return _simulate_samples(args, kwargs)
     specs = _workload(args, kwargs)
     metrics = simulate_once(kwargs, specs, args.model_shape, args.hardware, args.tp,
                             args.ttft_slo_ms, args.tpot_slo_ms, args.chrome_trace,
@@ -122,6 +124,70 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(metrics, f, indent=1)
+    return 0
+
+
+# ---- draws of a noisy machine (--samples) --------------------------------------------------
+SPREAD_METRICS = ("request_throughput", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
+                  "tpot_p90_ms", "preemptions")
+
+
+def simulate_samples(kwargs: dict[str, Any], specs, profile: dict, count: int,
+                     ttft_slo_ms: Optional[float], tpot_slo_ms: Optional[float]) -> list[dict]:
+    """The metrics of `count` simulations of `specs`, each on one draw of the machine the
+    profile measured (`latency.sample_machines`, seeded by the engine seed)."""
+    from tokenweir.sim.build import build_simulation
+    from tokenweir.sim.latency import sample_machines
+    from tokenweir.sim.metrics import summarize
+
+    return [summarize(build_simulation(kwargs, specs, latency_model=machine).run(),
+                      ttft_slo_ms, tpot_slo_ms)
+            for machine in sample_machines(profile, count, seed=kwargs.get("seed", 0))]
+
+
+def mean_metrics(runs: list[dict]) -> dict:
+    """Each numeric metric's mean over `runs`; other values from the first run."""
+    import statistics
+
+    out = {}
+    for key, value in runs[0].items():
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        out[key] = statistics.fmean(r[key] for r in runs) if numeric else value
+    return out
+
+
+def _simulate_samples(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
+    """--samples N: N draws of the --profile's machine, each metric's mean and spread."""
+    from tokenweir.sim.calibrate import load_profile
+    from tokenweir.sim.metrics import format_report
+
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if not args.profile:
+        raise ValueError("--samples draws the machine a --profile measured: give --profile "
+                         "(the roofline has no measured variability)")
+    if args.chrome_trace:
+        raise ValueError("--chrome-trace writes one run: give it without --samples")
+    profile = load_profile(args.profile)
+    variability = profile.get("variability") or {}
+    if not (variability.get("run_sigma") or variability.get("step_sigma")):
+        raise ValueError(f"{args.profile} measured no variability (profiles from `tokenweir "
+                         f"calibrate --from-trace` do): --samples would repeat one run")
+    specs = _workload(args, kwargs)
+    runs = simulate_samples(kwargs, specs, profile, args.samples, args.ttft_slo_ms,
+                            args.tpot_slo_ms)
+    mean = mean_metrics(runs)
+    print(f"--- tokenweir simulate: {_where(args)}, mean of {len(runs)} draws of its machine "
+          f"(run to run {100 * variability.get('run_sigma', 0):.1f}%, step to step "
+          f"{100 * variability.get('step_sigma', 0):.1f}%) ---")
+    print(format_report(mean))
+    print("spread over the draws (min .. max):")
+    for key in SPREAD_METRICS:
+        values = [r[key] for r in runs]
+        print(f"  {key:26s} {min(values):,.4f} .. {max(values):,.4f}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"mean": mean, "draws": runs}, f, indent=1)
     return 0
 
 
@@ -138,6 +204,8 @@ def _simulate_cluster(args: argparse.Namespace) -> int:
     from tokenweir.sim.sessions import synthetic_sessions
     from tokenweir.sim.trace import write_cluster_chrome_trace
 
+    if getattr(args, "samples", 1) != 1:
+        raise ValueError("--samples simulates one instance (no cluster options)")
     kwargs = _engine_kwargs(args)
     sessions = None
     if args.sessions:

@@ -247,6 +247,31 @@ def few_rows_table(table: Optional[Mapping]) -> dict[int, float]:
     return out
 
 
+# A step is "decode" when every request in it computes one token (memory-bound: it reads every
+# weight for a few rows), else "prefill" (a chunk in it: compute-bound). A machine's speed
+# drifts differently for the two (calibrate_trace.machine_speed measures it per kind), and a
+# fitted profile may scale each kind's runner time ("runner_scale").
+STEP_KINDS = ("decode", "prefill")
+
+
+def step_kind(totals: StepTotals) -> str:
+    """"decode" when every request computes one token, else "prefill" (a chunk in it)."""
+    return "decode" if totals.num_decode_reqs == totals.num_reqs else "prefill"
+
+
+def runner_scale_factors(scale: Optional[Mapping]) -> Optional[tuple[float, float]]:
+    """(decode, prefill) factors from a profile's "runner_scale" ({kind: factor}, a kind
+    absent: 1); None when there is none or every factor is 1."""
+    scale = dict(scale or {})
+    unknown = set(scale) - set(STEP_KINDS)
+    if unknown:
+        raise ValueError(f"runner_scale kinds {sorted(unknown)}; known: {list(STEP_KINDS)}")
+    factors = tuple(float(scale.get(k, 1.0)) for k in STEP_KINDS)
+    if any(not f > 0 for f in factors):
+        raise ValueError(f"runner_scale factors must be > 0, got {scale}")
+    return None if factors == (1.0, 1.0) else factors
+
+
 def overhead_features(t: StepTotals) -> tuple[float, ...]:
     """The regressors of the engine overhead, in OVERHEAD_FEATURES order."""
     return (1.0, float(t.num_reqs), float(t.num_decode_reqs))
@@ -261,6 +286,11 @@ class FittedLatencyModel:
     `overhead` coefficient x `overhead_features` (all 0 unless the profile was fitted from
     real-engine traces; a profile without them loads as before and predicts the same floats).
 
+    `runner_scale` ({"decode": d, "prefill": p}, profile key "runner_scale"; absent: 1)
+    multiplies the runner time of each kind of step (`step_kind`): the machine slower (> 1) or
+    faster than the one calibrated, e.g. as a real run measured it (calibrate_trace.
+    machine_speed). The engine overhead is not scaled.
+
     Also carries what the simulator needs to size the KV pool as the real engine would:
     `kv_bytes_per_token`, `block_size` and `max_model_len` of the calibrated model, and its
     `num_layers` (where a mid-step cut can fall; 0: unknown, profiles written before it).
@@ -269,7 +299,8 @@ class FittedLatencyModel:
     def __init__(self, coefficients: Mapping[str, float], kv_bytes_per_token: int = 0,
                  max_model_len: int = 0, block_size: int = 16, name: str = "fitted",
                  overhead: Optional[Mapping[str, float]] = None, num_layers: int = 0,
-                 few_rows: Optional[Mapping] = None) -> None:
+                 few_rows: Optional[Mapping] = None,
+                 runner_scale: Optional[Mapping[str, float]] = None) -> None:
         unknown = set(coefficients) - set(FITTED_FEATURES)
         if unknown:
             raise ValueError(f"unknown fitted-model coefficients {sorted(unknown)}; "
@@ -284,6 +315,8 @@ class FittedLatencyModel:
         self._overhead_weights = (tuple(self.overhead[f] for f in OVERHEAD_FEATURES)
                                   if any(self.overhead.values()) else None)
         self.few_rows = few_rows_table(few_rows)
+        self._runner_scale = runner_scale_factors(runner_scale)
+        self.runner_scale = dict(zip(STEP_KINDS, self._runner_scale or (1.0, 1.0)))
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -308,7 +341,8 @@ class FittedLatencyModel:
         return cls(coefficients, int(data.get("kv_bytes_per_token", 0)),
                    int(data.get("max_model_len", 0)), int(data.get("block_size", 16)),
                    str(data.get("model", "fitted")), data.get("overhead"),
-                   int(data.get("num_layers") or 0), data.get("few_rows"))
+                   int(data.get("num_layers") or 0), data.get("few_rows"),
+                   data.get("runner_scale"))
 
     def predict_totals(self, totals: StepTotals) -> float:
         if not totals.num_tokens:
@@ -319,8 +353,11 @@ class FittedLatencyModel:
         return seconds
 
     def runner_seconds(self, totals: StepTotals) -> float:
-        return (sum(w * x for w, x in zip(self._weights, fitted_features(totals)))
-                + self.few_rows.get(totals.num_tokens, 0.0))
+        seconds = (sum(w * x for w, x in zip(self._weights, fitted_features(totals)))
+                   + self.few_rows.get(totals.num_tokens, 0.0))
+        if self._runner_scale is None:
+            return seconds
+        return seconds * self._runner_scale[step_kind(totals) != "decode"]
 
     def overhead_seconds(self, totals: StepTotals) -> float:
         return sum(w * x for w, x in zip(self._overhead_weights or (0.0,) * 3,
