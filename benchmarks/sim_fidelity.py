@@ -103,8 +103,9 @@ error (scheduling, step composition, the fit's shape). In issue 16's fid22 suite
 prefix TPOT p50 was -16.9% predicted: one of six real runs ran 1.14x slow on decode and 1.07x
 on prefill, and the simulator at 1.05x and 1.08x its profile gives 86.5 and 102.9 ms where the
 real runs at those speeds gave 83-86 and 104 ms (at 1.0x: 65 ms, real 67-71). Speed-matched,
-that cell is -5.0% and the worst of the suite 5.0% (24/25). Session 15's fresh suite
-(fid23): predicted worst 4.5%, speed-matched 2.7%, both 25/25.
+that cell is -5.0% and the worst of the suite 5.0% (24/25). Session 15's three fresh suites,
+replayed by the final code: predicted worst 4.5% (25/25), 14.7% and 9.8% (one cell over 5%
+in each, where the six real runs themselves spread 25-45%); speed-matched 2.7%, 3.1%, 6.3%.
 
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves

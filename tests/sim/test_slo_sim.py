@@ -94,3 +94,40 @@ def test_cut_layers_follow_a_profile_num_layers():
         dict(profile, max_model_len=8192)), check=True)
     sim.run()
     assert sim.instance.cutter.num_layers == 30 and sim.scheduler.stats.slo_cut_steps == 1
+
+
+def test_a_poll_cuts_when_the_running_prefill_turns_hopeless():
+    """The real SLO monitor also looks every POLL_SECONDS, not only at arrivals (slack shrinks
+    as time passes); so does the simulator's. Here the urgent arrival's own look holds (the
+    running prefill still has slack), and ~0.7 s later that prefill's slack crosses zero: a
+    poll cuts it. The probe: with the polls taken away, nothing cuts."""
+    from tokenweir.engine.slo_monitor import POLL_SECONDS
+    from tokenweir.sim.slo_cuts import SimStepCutter
+
+    specs = [RequestSpec("long", 0.0, 4000, 8, ttft_slo_ms=15_000.0, index=0),
+             RequestSpec("urgent", 0.3, 200, 8, ttft_slo_ms=3000.0, index=1)]
+
+    def run():
+        sim = build_simulation(dict(KW), specs, model_shape="smollm2-135m",
+                               hardware="cpu-epyc-2c", check=True)
+        return sim, sim.run()
+
+    sim, result = run()
+    stats = sim.scheduler.stats
+    assert stats.slo_cut_steps == 1
+    cut_at = sim.steps[0].seconds
+    full = sim.runner.latency_model.step_time([(4000, 0)])
+    # not at the arrival's layer boundary: at one after a later poll, on the timer's chain
+    # from the arrival's look
+    assert 0.3 + full / 30 < cut_at < full
+    polls = [0.3 + k * POLL_SECONDS for k in range(1, 1000)]
+    assert any(p <= cut_at <= p + full / 30 for p in polls)
+    assert all(r.num_finishes == 1 for r in result.requests)
+
+    original = SimStepCutter.next_poll
+    try:
+        SimStepCutter.next_poll = lambda self, now: None  # the monitor looks at arrivals only
+        blind, _ = run()
+    finally:
+        SimStepCutter.next_poll = original
+    assert blind.scheduler.stats.slo_cut_steps == 0

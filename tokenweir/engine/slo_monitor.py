@@ -22,6 +22,11 @@ from tokenweir.runner.interrupt import CutOrder, CutSignal
 logger = logging.getLogger("tokenweir")
 
 
+# How often the monitor looks at the step in flight when no arrival wakes it (the simulator's
+# cutter polls on the same clock: sim/slo_cuts.py).
+POLL_SECONDS = 0.02
+
+
 class SLOMonitor:
     """Looks at the step in flight at once when `wake` is set (the engine core sets it on each
     submitted request: arrivals are what can make the gate fire mid-step), and otherwise every
@@ -30,7 +35,7 @@ class SLOMonitor:
     slower; a layer boundary is milliseconds apart, a prefill chunk hundreds of them."""
 
     def __init__(self, policy, signal: CutSignal, arrivals: Callable[[], Sequence[Request]],
-                 clock: Callable[[], float] = time.monotonic, poll_seconds: float = 0.02,
+                 clock: Callable[[], float] = time.monotonic, poll_seconds: float = POLL_SECONDS,
                  wake: Optional[threading.Event] = None) -> None:
         self.policy = policy  # a deadline-aware scheduling policy (policies/slo.py)
         self.signal = signal

@@ -1,11 +1,11 @@
 """The simulator's events and their queue.
 
 An event is a small typed object; the queue orders them by (time, kind, sequence): ties in
-time break by kind (arrivals, then KV transfers done, then step ends, then wake-ups), then by
-insertion order, so a run is a pure function of its inputs. Arrivals first means every request
-arriving at an instant is queued before a step starting at that instant is planned; step ends
-before wake-ups means a wake-up never starts a step on an instance whose step ends at that
-same instant before the step end is accounted.
+time break by kind (arrivals, then KV transfers done, then step ends, then wake-ups, then SLO
+monitor polls), then by insertion order, so a run is a pure function of its inputs. Arrivals
+first means every request arriving at an instant is queued before a step starting at that
+instant is planned; step ends before wake-ups means a wake-up never starts a step on an
+instance whose step ends at that same instant before the step end is accounted.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class EventKind(IntEnum):
     TRANSFER_DONE = 1
     STEP_END = 2
     WAKE = 3
+    POLL = 4
 
 
 @dataclass(slots=True)
@@ -62,7 +63,17 @@ class Wake:
     instance: Instance
 
 
-Event = Union[Arrival, TransferDone, StepEnd, Wake]
+@dataclass(slots=True)
+class Poll:
+    """The SLO monitor of `instance` looks at `batch` in flight (its timer, not an arrival).
+    Stale (ignored) unless `batch` is still in flight and `chain` is still the cutter's poll
+    chain (an arrival restarts the monitor's timer: slo_cuts.SimStepCutter)."""
+    instance: Instance
+    batch: Batch
+    chain: int
+
+
+Event = Union[Arrival, TransferDone, StepEnd, Wake, Poll]
 
 
 class EventQueue:

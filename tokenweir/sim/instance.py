@@ -129,11 +129,23 @@ class Instance(SimEngine):
         return batch
 
     def cut_if_ordered(self, request: Request, now: float) -> Optional[Batch]:
-        """`request` was just added: with a batch in flight, let the SLO monitor see it. When
-        it orders that batch cut, returns the replacing batch, which ends at the cut."""
-        if self.cutter is None or not self.in_flight:
+        """`request` was just added: the SLO monitor sees it (with no batch in flight it only
+        restarts its timer). When it orders the batch in flight cut, returns the replacing
+        batch, which ends at the cut."""
+        if self.cutter is None:
             return None
-        cut = self.cutter.on_arrival(request, now)
+        return self._replace_if_cut(self.cutter.on_arrival(request, now))
+
+    def poll(self, now: float) -> Optional[Batch]:
+        """The SLO monitor's timer look at the batch in flight; a cut as `cut_if_ordered`."""
+        return self._replace_if_cut(self.cutter.look(now))
+
+    def next_poll(self, now: float) -> Optional[float]:
+        """When the SLO monitor's timer next looks at the batch in flight (None: no cutter,
+        or not before the batch ends)."""
+        return None if self.cutter is None else self.cutter.next_poll(now)
+
+    def _replace_if_cut(self, cut) -> Optional[Batch]:
         if cut is None:
             return None
         end, runner_out = cut
@@ -197,6 +209,8 @@ class Instance(SimEngine):
     def finish_batch(self, now: float) -> list[EngineCoreOutput]:
         """Complete the oldest in-flight batch at `now`; returns the scheduler's outputs."""
         batch = self.in_flight.popleft()
+        if self.cutter is not None:
+            self.cutter.step_ended()
         return self.complete_step(batch.out, batch.runner_out, now)
 
     # ---- KV hand-over (prefill/decode disaggregation) ---------------------------------------

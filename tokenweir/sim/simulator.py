@@ -12,7 +12,9 @@ lands `step_seconds` later (through the pipeline stages when pp_size > 1); at a 
 (sim_engine.py); this file only decides when steps start and end, and where requests go.
 
 A request added to an instance while a step runs there is shown to that instance's SLO cutter
-(slo policy, mid-step cuts): a cut replaces the step's end with an earlier one.
+(slo policy, mid-step cuts), which also looks at the step on its monitor's timer (Poll
+events, every POLL_SECONDS from its last look): a cut replaces the step's end with an earlier
+one.
 
 Prefill/decode disaggregation (`pd=(P, D)`, disagg.py): a request is routed to a prefill
 instance and runs there with max_tokens=1; when it finishes, a decode instance (chosen by the
@@ -40,7 +42,8 @@ from tokenweir.core.outputs import SchedulerStats
 from tokenweir.request import Request
 from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.disagg import Handoff, KVLinks, TransferRecord
-from tokenweir.sim.events import Arrival, EventKind, EventQueue, StepEnd, TransferDone, Wake
+from tokenweir.sim.events import (Arrival, EventKind, EventQueue, Poll, StepEnd, TransferDone,
+                                  Wake)
 from tokenweir.sim.instance import Instance
 from tokenweir.sim.router import RoundRobinRouter
 from tokenweir.sim.sessions import Session
@@ -48,8 +51,9 @@ from tokenweir.sim.sim_engine import RequestRecord, StepRecord, gc_paused, make_
 from tokenweir.sim.slo_cuts import SimStepCutter
 from tokenweir.sim.workload import RequestSpec
 
-ARRIVAL, TRANSFER_DONE, STEP_END, WAKE = (EventKind.ARRIVAL, EventKind.TRANSFER_DONE,
-                                          EventKind.STEP_END, EventKind.WAKE)
+ARRIVAL, TRANSFER_DONE, STEP_END, WAKE, POLL = (
+    EventKind.ARRIVAL, EventKind.TRANSFER_DONE, EventKind.STEP_END, EventKind.WAKE,
+    EventKind.POLL)
 
 
 @dataclass
@@ -135,7 +139,7 @@ class Simulator:
         self._queue_first_arrivals()
         events = self.events
         by_kind = {ARRIVAL: self._on_arrival, TRANSFER_DONE: self._on_transfer_done,
-                   STEP_END: self._on_step_end, WAKE: self._on_wake}
+                   STEP_END: self._on_step_end, WAKE: self._on_wake, POLL: self._on_poll}
         handlers = [by_kind[kind] for kind in sorted(EventKind)]  # indexed by kind
         now = 0.0
         while events:
@@ -194,6 +198,22 @@ class Simulator:
         if inst.can_start(now):
             self._start(inst, now)
 
+    def _on_poll(self, event: Poll, now: float) -> None:
+        inst = event.instance
+        if not inst.is_current(event.batch) or event.chain != inst.cutter.chain:
+            return  # the batch ended or was cut, or an arrival restarted the timer
+        cut = inst.poll(now)
+        if cut is not None:
+            self.events.push(cut.end, STEP_END, StepEnd(inst, cut))
+        else:
+            self._queue_poll(inst, event.batch, now)
+
+    def _queue_poll(self, inst: Instance, batch, now: float) -> None:
+        """The SLO monitor's next timer look at `batch`, if it falls inside it."""
+        at = inst.next_poll(now)
+        if at is not None:
+            self.events.push(at, POLL, Poll(inst, batch, inst.cutter.chain))
+
     def _poke(self, inst: Instance, now: float) -> None:
         """Something new for `inst`: start a batch at `now` if it is free. If it is not, a batch
         end or a stage-free wake-up is already queued for it."""
@@ -205,6 +225,7 @@ class Simulator:
         batch = inst.start_batch(now)
         if batch is not None:
             self.events.push(batch.end, STEP_END, StepEnd(inst, batch))
+            self._queue_poll(inst, batch, now)
             if inst.pp_size > 1:  # the next micro-batch may enter when stage 0 frees
                 self.events.push(inst.stage0_free, WAKE, Wake(inst))
         elif inst.step_again:  # the step only preempted: its victims may be re-admitted now
@@ -250,6 +271,8 @@ class Simulator:
         cut = inst.cut_if_ordered(request, now)
         if cut is not None:
             self.events.push(cut.end, STEP_END, StepEnd(inst, cut))
+        elif inst.in_flight and inst.cutter is not None:  # the timer restarted at this look
+            self._queue_poll(inst, inst.in_flight[0], now)
         self._poke(inst, now)
 
     def _complete(self, inst: Instance, request: Request, now: float) -> None:

@@ -1,7 +1,10 @@
 """The SLO monitor and the layer-boundary cut, modelled on the simulator's virtual clock.
 
-The real engine's monitor thread polls; here it is consulted at each arrival during a step
-(the moment a new urgent request can change the gate's answer). It is the same SLOMonitor,
+The real engine's monitor thread looks at the step in flight when an arrival wakes it and
+otherwise every POLL_SECONDS (its timer restarts at each look; slack shrinks as time passes,
+so a poll can fire where the arrival's look did not). Here it looks at the same moments: at
+each arrival during a step, and at the polls of that timer's chain that fall inside a step
+(the simulator queues them as Poll events: `next_poll`, `poll`). It is the same SLOMonitor,
 reading the same scheduler snapshot, writing the same CutOrder into the same CutSignal; the
 runner's layer boundaries are evenly spaced in the step's predicted time, so an order issued at
 time t is obeyed at the next boundary, i = ceil((t - start) / seconds * num_layers), unless i
@@ -15,7 +18,7 @@ from typing import Optional
 
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.slo import TTFTPredictor
-from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
+from tokenweir.engine.slo_monitor import POLL_SECONDS, SLOMonitor, resolve_ttft_predictor
 from tokenweir.request import Request
 from tokenweir.runner.interrupt import CutSignal
 from tokenweir.sim.sim_runner import SimRunner
@@ -32,17 +35,42 @@ class SimStepCutter:
         self.arrived: list[Request] = []  # arrivals since the step in flight was scheduled
         self.monitor = SLOMonitor(scheduler.policy, self.signal, lambda: self.arrived)
         self._step: Optional[tuple[float, float, SchedulerOutput]] = None
+        self.poll_seconds = POLL_SECONDS
+        self.last_look = 0.0  # when the monitor last looked (its timer runs from there)
+        self.chain = 0  # bumped when an arrival restarts the timer: older polls are stale
         runner.keep_undo = True
 
     def step_started(self, start: float, seconds: float, out: SchedulerOutput) -> None:
         self._step = (start, seconds, out)
         self.arrived = []
 
+    def step_ended(self) -> None:
+        """The step in flight completed (a look from now on finds none until the next)."""
+        self._step = None
+
+    def next_poll(self, now: float) -> Optional[float]:
+        """The monitor's first timer look after `now` (its timer ticks every poll_seconds
+        from its last look), if it falls before the step in flight ends; else None."""
+        if self._step is None:
+            return None
+        start, seconds, _ = self._step
+        ticks = max(1, math.floor((now - self.last_look) / self.poll_seconds) + 1)
+        at = self.last_look + ticks * self.poll_seconds
+        return at if at < start + seconds else None
+
     def on_arrival(self, request: Request, now: float
                    ) -> Optional[tuple[float, ModelRunnerOutput]]:
-        """Called for each arrival while a step runs. Returns (the time the step ends, cut,
-        and the cut runner output) when the monitor orders the step in flight cut."""
+        """Called for each arrival while a step runs (it wakes the monitor, which restarts its
+        timer). Returns (the time the step ends, cut, and the cut runner output) when the
+        monitor orders the step in flight cut."""
         self.arrived.append(request)
+        self.chain += 1
+        return self.look(now)
+
+    def look(self, now: float) -> Optional[tuple[float, ModelRunnerOutput]]:
+        """The monitor looks at the step in flight at `now` (an arrival's wake or a timer
+        poll); returns the cut as `on_arrival` does."""
+        self.last_look = now
         if self._step is None:
             return None
         start, seconds, out = self._step
