@@ -225,7 +225,8 @@ class Simulator:
         batch = inst.start_batch(now)
         if batch is not None:
             self.events.push(batch.end, STEP_END, StepEnd(inst, batch))
-            self._queue_poll(inst, batch, now)
+            if inst.cutter is not None:
+                self._queue_poll(inst, batch, now)
             if inst.pp_size > 1:  # the next micro-batch may enter when stage 0 frees
                 self.events.push(inst.stage0_free, WAKE, Wake(inst))
         elif inst.step_again:  # the step only preempted: its victims may be re-admitted now
