@@ -60,9 +60,9 @@ class SimStepCutter:
 
     def on_arrival(self, request: Request, now: float
                    ) -> Optional[tuple[float, ModelRunnerOutput]]:
-        """Called for each arrival while a step runs (it wakes the monitor, which restarts its
-        timer). Returns (the time the step ends, cut, and the cut runner output) when the
-        monitor orders the step in flight cut."""
+        """Called for each arrival (it wakes the monitor, which restarts its timer; with no
+        step in flight that is all). Returns (the time the step ends, cut, and the cut runner
+        output) when the monitor orders the step in flight cut."""
         self.arrived.append(request)
         self.chain += 1
         return self.look(now)
