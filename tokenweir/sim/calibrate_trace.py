@@ -113,7 +113,6 @@ def traced_steps(trace: Trace) -> list[TracedStep]:
 SPEED_WINDOW_S = 3.0
 MIN_WINDOW_STEPS = 5  # a window with fewer steps of a kind gives that kind no ratio
 LOCAL_NEIGHBOURS = 6  # same-kind steps on each side that set a step's local speed
-KINDS = STEP_KINDS
 
 
 def speed_windows(model: FittedLatencyModel, steps: Sequence[TracedStep],
@@ -129,7 +128,7 @@ def speed_windows(model: FittedLatencyModel, steps: Sequence[TracedStep],
         acc[0] += 1
         acc[1] += s.runner
         acc[2] += model.runner_seconds(s.totals)
-    out: dict[str, list[float]] = {k: [] for k in KINDS}
+    out: dict[str, list[float]] = {k: [] for k in STEP_KINDS}
     for (kind, _), (n, real, predicted) in sorted(sums.items(), key=lambda kv: kv[0][1]):
         if n >= MIN_WINDOW_STEPS and predicted > 0:
             out[kind].append(real / predicted)
@@ -143,7 +142,7 @@ def machine_speed(model: FittedLatencyModel, steps: Sequence[TracedStep],
     no window has enough steps)}."""
     windows = speed_windows(model, steps, window_s)
     out = {}
-    for kind in KINDS:
+    for kind in STEP_KINDS:
         mine = [s for s in steps if step_kind(s.totals) == kind]
         predicted = sum(model.runner_seconds(s.totals) for s in mine)
         if not mine or predicted <= 0:
@@ -164,7 +163,7 @@ def local_ratios(model: FittedLatencyModel, steps: Sequence[TracedStep],
     predicted = [model.runner_seconds(s.totals) for s in steps]
     ratios = [s.runner / p if p > 0 else 0.0 for s, p in zip(steps, predicted)]
     out: list[Optional[float]] = [None] * len(steps)
-    for kind in KINDS:
+    for kind in STEP_KINDS:
         where = [i for i, s in enumerate(steps) if step_kind(s.totals) == kind and ratios[i]]
         mine = [ratios[i] for i in where]
         for p, i in enumerate(where):
@@ -212,7 +211,7 @@ def variability(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedSt
     for steps, flags in zip(per_trace, stalled):
         kept = [s for s, f in zip(steps, flags) if not f]
         logs += [math.log(r) for r in local_ratios(model, kept) if r]
-        for kind in KINDS:
+        for kind in STEP_KINDS:
             mine = [s for s in kept if step_kind(s.totals) == kind]
             predicted = sum(model.runner_seconds(s.totals) for s in mine)
             if len(mine) >= MIN_WINDOW_STEPS and predicted > 0:

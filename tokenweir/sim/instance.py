@@ -141,9 +141,9 @@ class Instance(SimEngine):
         return self._replace_if_cut(self.cutter.look(now))
 
     def next_poll(self, now: float) -> Optional[float]:
-        """When the SLO monitor's timer next looks at the batch in flight (None: no cutter,
-        or not before the batch ends)."""
-        return None if self.cutter is None else self.cutter.next_poll(now)
+        """When the SLO monitor's timer next looks at the batch in flight (None: not before
+        the batch ends). Only for an instance with a cutter."""
+        return self.cutter.next_poll(now)
 
     def _replace_if_cut(self, cut) -> Optional[Batch]:
         if cut is None:

@@ -316,7 +316,6 @@ class FittedLatencyModel:
                                   if any(self.overhead.values()) else None)
         self.few_rows = few_rows_table(few_rows)
         self._runner_scale = runner_scale_factors(runner_scale)
-        self.runner_scale = dict(zip(STEP_KINDS, self._runner_scale or (1.0, 1.0)))
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -343,6 +342,11 @@ class FittedLatencyModel:
                    str(data.get("model", "fitted")), data.get("overhead"),
                    int(data.get("num_layers") or 0), data.get("few_rows"),
                    data.get("runner_scale"))
+
+    @property
+    def runner_scale(self) -> dict[str, float]:
+        """The runner-time factor per step kind (1 for both when the profile has none)."""
+        return dict(zip(STEP_KINDS, self._runner_scale or (1.0, 1.0)))
 
     def predict_totals(self, totals: StepTotals) -> float:
         if not totals.num_tokens:
