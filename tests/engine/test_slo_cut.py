@@ -258,3 +258,38 @@ def test_monitor_wakes_on_an_arrival_not_only_on_its_poll():
     finally:
         monitor.stop()
     assert not monitor._thread.is_alive()  # stop() wakes it out of the long wait
+
+
+def test_monitor_polls_only_while_a_step_it_may_cut_is_the_latest():
+    """Through a decode-only step the monitor sleeps (each look takes the GIL from the engine
+    thread); `step_scheduled` for a step with a prefill chunk wakes it at once, and it polls
+    while that step is the latest. Probe: the same monitor, same poll period, polls as soon
+    as the snapshot has a prefill."""
+    from types import SimpleNamespace
+
+    def snapshot(step_id: int, prefills: tuple) -> SimpleNamespace:
+        return SimpleNamespace(step_id=step_id, prefills=prefills, waiters=(),
+                               predicted_seconds=1.0, started_at=time.monotonic())
+
+    policy = SimpleNamespace(slo_snapshot=snapshot(1, ()),
+                             slo_decide=lambda *a: (SimpleNamespace(fire=False), None))
+    monitor = SLOMonitor(policy, CutSignal(2, 0.9), lambda: [], poll_seconds=0.005).start()
+
+    def checks_after(seconds: float) -> int:
+        time.sleep(seconds)
+        return monitor.num_checks
+
+    try:
+        monitor.step_scheduled()  # decodes only: no wake, no polls
+        assert checks_after(0.1) == 0
+        policy.slo_snapshot = snapshot(2, ("a prefill",))
+        monitor.step_scheduled()
+        deadline = time.monotonic() + 5
+        while monitor.num_checks < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert monitor.num_checks >= 5  # probe: polling every 5 ms now
+        policy.slo_snapshot = snapshot(3, ())
+        settled = checks_after(0.05)  # at most the poll already due looks again
+        assert checks_after(0.1) == settled
+    finally:
+        monitor.stop()

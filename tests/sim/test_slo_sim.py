@@ -131,3 +131,61 @@ def test_a_poll_cuts_when_the_running_prefill_turns_hopeless():
     finally:
         SimStepCutter.next_poll = original
     assert blind.scheduler.stats.slo_cut_steps == 0
+
+
+def _has_prefill(out) -> bool:
+    return any(n > 1 for n in out.num_scheduled_tokens.values())
+
+
+def _monitor_log(monkeypatch, watch_every_step: bool = False) -> dict:
+    """Run a slo workload of overlapping prompts and long outputs; per timer poll whether
+    its step has a prefill chunk, and the start times of the steps with one and of the
+    monitor's looks at a step's start."""
+    from tokenweir.sim.instance import Instance
+    from tokenweir.sim.slo_cuts import SimStepCutter
+
+    log = {"polls": [], "prefill_starts": [], "start_looks": []}
+    poll, start_batch = Instance.poll, Instance.start_batch
+    look_at_start, step_started = SimStepCutter.look_at_start, SimStepCutter.step_started
+
+    def spy_poll(self, now):
+        log["polls"].append(_has_prefill(self.in_flight[0].out))
+        return poll(self, now)
+
+    def spy_start_batch(self, now):
+        batch = start_batch(self, now)
+        if batch is not None and _has_prefill(batch.out):
+            log["prefill_starts"].append(now)
+        return batch
+
+    def spy_look_at_start(self, now):
+        if self._watched:
+            log["start_looks"].append(now)
+        return look_at_start(self, now)
+
+    def watch_all(self, start, seconds, out):
+        step_started(self, start, seconds, out)
+        self._watched = True
+
+    monkeypatch.setattr(Instance, "poll", spy_poll)
+    monkeypatch.setattr(Instance, "start_batch", spy_start_batch)
+    monkeypatch.setattr(SimStepCutter, "look_at_start", spy_look_at_start)
+    if watch_every_step:
+        monkeypatch.setattr(SimStepCutter, "step_started", watch_all)
+    specs = [RequestSpec(f"r{i}", 0.4 * i, 300 + 97 * i, 48, ttft_slo_ms=2000.0, index=i)
+             for i in range(8)]
+    build_simulation(dict(KW, max_num_batched_tokens=256), specs, model_shape="smollm2-135m",
+                     hardware="cpu-epyc-2c", check=True).run()
+    return log
+
+
+def test_the_monitor_watches_only_steps_with_a_prefill_chunk(monkeypatch):
+    """As the engine's monitor (engine/slo_monitor.py), the simulator's looks as a step with a
+    prefill chunk begins and polls through such steps only: no timer poll falls in a
+    decode-only step. Probe: with every step watched (the monitor before it slept through
+    decode-only steps), the same run polls inside decode-only steps."""
+    log = _monitor_log(monkeypatch)
+    assert log["polls"] and all(log["polls"])  # polls, each in a step with a prefill chunk
+    assert log["start_looks"] == log["prefill_starts"] != []
+    monkeypatch.undo()
+    assert not all(_monitor_log(monkeypatch, watch_every_step=True)["polls"])

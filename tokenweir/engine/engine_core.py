@@ -61,6 +61,9 @@ class EngineCore:
         # Requests submitted from other threads; handed to the scheduler at the next step.
         self.inbox: deque[Request] = deque()
         self.arrival_event = threading.Event()  # set on each submit (wakes the SLO monitor)
+        # Each is called on the stepping thread right after schedule(), before the step runs
+        # (the SLO monitor's `step_scheduled`: it watches steps it may cut).
+        self.schedule_listeners: list[Callable[[], None]] = []
         # Every request handed to the scheduler, until it shows up in a SchedulerOutput's
         # finished_req_ids: lets the runner's failures (sampling, forward) name requests by id.
         self._requests: dict[str, Request] = {}
@@ -113,6 +116,8 @@ class EngineCore:
         started = self.clock()  # [trace] also the scheduler's `now`
         scheduler_output = self.scheduler.schedule(now=started)
         scheduled = self.clock()  # [trace]
+        for listener in self.schedule_listeners:
+            listener()
         for request_id in scheduler_output.finished_req_ids:
             self._requests.pop(request_id, None)
         try:

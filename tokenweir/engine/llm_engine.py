@@ -231,6 +231,7 @@ class LLMEngine:
             runner.cut_signal = signal
             self.slo_monitor = SLOMonitor(policy, signal, self.core.pending_arrivals,
                                           self.core.clock, wake=self.core.arrival_event).start()
+            self.core.schedule_listeners.append(self.slo_monitor.step_scheduled)
 
     def _run_settings(self, config: EngineConfig, loaded: LoadedModel,
                       num_blocks: int) -> dict[str, Any]:

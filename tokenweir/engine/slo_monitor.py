@@ -28,11 +28,19 @@ POLL_SECONDS = 0.02
 
 
 class SLOMonitor:
-    """Looks at the step in flight at once when `wake` is set (the engine core sets it on each
-    submitted request: arrivals are what can make the gate fire mid-step), and otherwise every
-    `poll_seconds` (slack also shrinks as time passes). The poll is slow on purpose: each look
-    takes the GIL from the engine thread, and polling every 0.5 ms made CPU steps 10-20%
-    slower; a layer boundary is milliseconds apart, a prefill chunk hundreds of them."""
+    """Looks at the step in flight at once when `wake` is set, and otherwise every
+    `poll_seconds` while that step is one it may cut (slack also shrinks as time passes).
+    `wake` is set by the engine core on each submitted request (arrivals are what can make
+    the gate fire mid-step) and by `step_scheduled` when a step with a prefill chunk begins.
+    Through a step without one (decodes only: nothing to cut) the monitor sleeps until the
+    next wake.
+
+    Each look takes the GIL from the engine thread. Polling every 0.5 ms made CPU steps 10-20%
+    slower, hence the slow poll: a layer boundary is milliseconds apart, a prefill chunk
+    hundreds of them. Even at 20 ms, polls through decode-only steps made them 1-2% slower
+    (SmolLM2-135M float32, one thread, a lone decode: 15.60 ms against 15.43 without the
+    monitor, 15.44 with it not polling; issue 16's traces showed the slo workload's decode
+    steps ~2% above the fit to the other workloads), hence the sleep."""
 
     def __init__(self, policy, signal: CutSignal, arrivals: Callable[[], Sequence[Request]],
                  clock: Callable[[], float] = time.monotonic, poll_seconds: float = POLL_SECONDS,
@@ -61,9 +69,25 @@ class SLOMonitor:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def step_scheduled(self) -> None:
+        """Engine thread, after each schedule() (the snapshot is published): when the step
+        about to run is one the monitor may cut, wake it to look now and poll while it runs."""
+        if self.watching():
+            self.wake.set()
+
+    def watching(self) -> bool:
+        """Whether the latest scheduled step is one to watch (`_watches`)."""
+        return self._watches(self.policy.slo_snapshot)
+
+    def _watches(self, snapshot) -> bool:
+        """A step the monitor may cut: it has a prefill chunk and no order was issued for it
+        yet (the policy's snapshot is replaced whole: read it once per decision)."""
+        return (snapshot is not None and bool(snapshot.prefills)
+                and snapshot.step_id != self._last_ordered_step)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.wake.wait(self.poll_seconds)
+            self.wake.wait(self.poll_seconds if self.watching() else None)
             self.wake.clear()
             if self._stop.is_set():
                 return
@@ -76,8 +100,7 @@ class SLOMonitor:
     def check_once(self, now: float) -> Optional[CutOrder]:
         """One look at the step in flight; issues (and returns) at most one order per step."""
         snapshot = self.policy.slo_snapshot
-        if snapshot is None or not snapshot.prefills or \
-                snapshot.step_id == self._last_ordered_step:
+        if not self._watches(snapshot):
             return None
         waiters = snapshot.waiters + tuple(
             slo.WaiterView(r.request_id, r.ttft_deadline, r.num_tokens)

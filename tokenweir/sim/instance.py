@@ -136,6 +136,11 @@ class Instance(SimEngine):
             return None
         return self._replace_if_cut(self.cutter.on_arrival(request, now))
 
+    def look_at_start(self, now: float) -> Optional[Batch]:
+        """The SLO monitor's look as the batch just started begins (only a batch it may cut
+        wakes it); a cut as `cut_if_ordered`. Only for an instance with a cutter."""
+        return self._replace_if_cut(self.cutter.look_at_start(now))
+
     def poll(self, now: float) -> Optional[Batch]:
         """The SLO monitor's timer look at the batch in flight; a cut as `cut_if_ordered`."""
         return self._replace_if_cut(self.cutter.look(now))

@@ -12,9 +12,9 @@ lands `step_seconds` later (through the pipeline stages when pp_size > 1); at a 
 (sim_engine.py); this file only decides when steps start and end, and where requests go.
 
 A request added to an instance while a step runs there is shown to that instance's SLO cutter
-(slo policy, mid-step cuts), which also looks at the step on its monitor's timer (Poll
-events, every POLL_SECONDS from its last look): a cut replaces the step's end with an earlier
-one.
+(slo policy, mid-step cuts), which also looks as a step with a prefill chunk begins and then
+on its monitor's timer while it runs (Poll events, every POLL_SECONDS from its last look): a
+cut replaces the step's end with an earlier one.
 
 Prefill/decode disaggregation (`pd=(P, D)`, disagg.py): a request is routed to a prefill
 instance and runs there with max_tokens=1; when it finishes, a decode instance (chosen by the
@@ -208,6 +208,15 @@ class Simulator:
         else:
             self._queue_poll(inst, event.batch, now)
 
+    def _watch_started(self, inst: Instance, batch, now: float) -> None:
+        """The SLO monitor's look as `batch` begins, then its timer's polls (a batch it does
+        not watch gets neither)."""
+        cut = inst.look_at_start(now)
+        if cut is not None:
+            self.events.push(cut.end, STEP_END, StepEnd(inst, cut))
+        else:
+            self._queue_poll(inst, batch, now)
+
     def _queue_poll(self, inst: Instance, batch, now: float) -> None:
         """The SLO monitor's next timer look at `batch`, if it falls inside it."""
         at = inst.next_poll(now)
@@ -226,7 +235,7 @@ class Simulator:
         if batch is not None:
             self.events.push(batch.end, STEP_END, StepEnd(inst, batch))
             if inst.cutter is not None:
-                self._queue_poll(inst, batch, now)
+                self._watch_started(inst, batch, now)
             if inst.pp_size > 1:  # the next micro-batch may enter when stage 0 frees
                 self.events.push(inst.stage0_free, WAKE, Wake(inst))
         elif inst.step_again:  # the step only preempted: its victims may be re-admitted now

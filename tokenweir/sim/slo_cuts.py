@@ -1,9 +1,11 @@
 """The SLO monitor and the layer-boundary cut, modelled on the simulator's virtual clock.
 
-The real engine's monitor thread looks at the step in flight when an arrival wakes it and
-otherwise every POLL_SECONDS (its timer restarts at each look; slack shrinks as time passes,
-so a poll can fire where the arrival's look did not). Here it looks at the same moments: at
-each arrival during a step, and at the polls of that timer's chain that fall inside a step
+The real engine's monitor thread looks at the step in flight when an arrival wakes it, when
+a step it may cut (one with a prefill chunk) begins, and otherwise every POLL_SECONDS while
+such a step runs (its timer restarts at each look; slack shrinks as time passes, so a poll
+can fire where the arrival's look did not); through a decode-only step it sleeps. Here it
+looks at the same moments: at each arrival during a step, at the start of a watched step
+(`look_at_start`), and at the polls of that timer's chain that fall inside a watched step
 (the simulator queues them as Poll events: `next_poll`, `poll`). It is the same SLOMonitor,
 reading the same scheduler snapshot, writing the same CutOrder into the same CutSignal; the
 runner's layer boundaries are evenly spaced in the step's predicted time, so an order issued at
@@ -35,6 +37,7 @@ class SimStepCutter:
         self.arrived: list[Request] = []  # arrivals since the step in flight was scheduled
         self.monitor = SLOMonitor(scheduler.policy, self.signal, lambda: self.arrived)
         self._step: Optional[tuple[float, float, SchedulerOutput]] = None
+        self._watched = False  # the step in flight is one the monitor polls
         self.poll_seconds = POLL_SECONDS
         self.last_look = 0.0  # when the monitor last looked (its timer runs from there)
         self.chain = 0  # bumped when an arrival restarts the timer: older polls are stale
@@ -43,6 +46,16 @@ class SimStepCutter:
     def step_started(self, start: float, seconds: float, out: SchedulerOutput) -> None:
         self._step = (start, seconds, out)
         self.arrived = []
+        self._watched = self.monitor.watching()
+
+    def look_at_start(self, now: float) -> Optional[tuple[float, ModelRunnerOutput]]:
+        """The engine wakes the monitor as a step it may cut begins (`step_scheduled`): its
+        look at `now`, the timer restarted there; returns a cut as `on_arrival` does. None
+        at once for a step it does not watch."""
+        if not self._watched:
+            return None
+        self.chain += 1
+        return self.look(now)
 
     def step_ended(self) -> None:
         """The step in flight completed (a look from now on finds none until the next)."""
@@ -50,8 +63,9 @@ class SimStepCutter:
 
     def next_poll(self, now: float) -> Optional[float]:
         """The monitor's first timer look after `now` (its timer ticks every poll_seconds
-        from its last look), if it falls before the step in flight ends; else None."""
-        if self._step is None:
+        from its last look), if the step in flight is watched and the look falls before it
+        ends; else None."""
+        if self._step is None or not self._watched:
             return None
         start, seconds, _ = self._step
         ticks = max(1, math.floor((now - self.last_look) / self.poll_seconds) + 1)
