@@ -37,10 +37,10 @@ class SLOMonitor:
 
     Each look takes the GIL from the engine thread. Polling every 0.5 ms made CPU steps 10-20%
     slower, hence the slow poll: a layer boundary is milliseconds apart, a prefill chunk
-    hundreds of them. Even at 20 ms, polls through decode-only steps made them 1-2% slower
-    (SmolLM2-135M float32, one thread, a lone decode: 15.60 ms against 15.43 without the
-    monitor, 15.44 with it not polling; issue 16's traces showed the slo workload's decode
-    steps ~2% above the fit to the other workloads), hence the sleep."""
+    hundreds of them. Even at 20 ms, polls through decode-only steps made them ~0.8% slower
+    (SmolLM2-135M float32, one thread, a lone decode at context 300, eight interleaved rounds:
+    median step 15.19 ms polling against 15.07 sleeping, slower in every round; 15.11
+    without the slo policy), hence the sleep."""
 
     def __init__(self, policy, signal: CutSignal, arrivals: Callable[[], Sequence[Request]],
                  clock: Callable[[], float] = time.monotonic, poll_seconds: float = POLL_SECONDS,

@@ -40,7 +40,8 @@ class SimStepCutter:
         self._watched = False  # the step in flight is one the monitor polls
         self.poll_seconds = POLL_SECONDS
         self.last_look = 0.0  # when the monitor last looked (its timer runs from there)
-        self.chain = 0  # bumped when an arrival restarts the timer: older polls are stale
+        self.chain = 0  # bumped when a look restarts the timer (an arrival, a watched step's
+        # start): older polls are stale
         runner.keep_undo = True
 
     def step_started(self, start: float, seconds: float, out: SchedulerOutput) -> None:
