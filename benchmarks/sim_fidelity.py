@@ -106,6 +106,14 @@ real runs at those speeds gave 83-86 and 104 ms (at 1.0x: 65 ms, real 67-71). Sp
 that cell is -5.0% and the worst of the suite 5.0% (24/25). Session 15's three fresh suites,
 replayed by the final code: predicted worst 4.5% (25/25), 14.7% and 9.8% (one cell over 5%
 in each, where the six real runs themselves spread 25-45%); speed-matched 2.7%, 3.1%, 6.3%.
+Session 16's two (the monitor sleeping through decode-only steps): predicted 17.5% (prefix
+TPOT p50, 21/25) and 7.3% (slo TPOT p50, 22/25); speed-matched 4.4% (25/25) and 6.1% (24/25).
+In every suite so far the slo workload's decode steps ran 1.7-3.8% slower than the profile
+(its validation runs' decode ratio), one reason slo's TPOT errors lean negative. Not the
+policy: with it off (fcfs) the workload's lone decode steps at context 150-400 ran as slow,
+3.5% over light's of the same shape (two interleaved rounds). A composition effect the fit
+has no term for: the first decode after a 512-token step is ~16% slower, a request's first
+decode ~6%; the rest is unexplained.
 
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
