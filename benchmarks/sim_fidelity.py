@@ -112,8 +112,14 @@ In every suite so far the slo workload's decode steps ran 1.7-3.8% slower than t
 (its validation runs' decode ratio), one reason slo's TPOT errors lean negative. Not the
 policy: with it off (fcfs) the workload's lone decode steps at context 150-400 ran as slow,
 3.5% over light's of the same shape (two interleaved rounds). A composition effect the fit
-has no term for: the first decode after a 512-token step is ~16% slower, a request's first
-decode ~6%; the rest is unexplained.
+has no term for. The first decode after a 512-token step is ~16% slower and a request's first
+decode ~6%, but those are few. The lead for the rest is where the KV blocks lie: a lone decode
+at context 300 ran 1-6% slower once the 1024-block pool had wrapped (blocks reused in freed
+order, scattered) than on fresh, contiguous blocks (four experiments of 3-4 interleaved
+rounds, median forward: 12.21 -> 12.99, 12.17 -> 12.77, 12.49 -> 12.59, 12.17 -> 12.62 ms;
+the last with the KV cache on huge pages, so not the TLB). light uses ~400 of its pool's
+blocks and never wraps (decode ratio 0.99-1.01), slo ~1300 and does (1.02-1.04). The fit sees
+context lengths, not block layout.
 
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
