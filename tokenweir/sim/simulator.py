@@ -202,16 +202,11 @@ class Simulator:
         inst = event.instance
         if not inst.is_current(event.batch) or event.chain != inst.cutter.chain:
             return  # the batch ended or was cut, or an arrival restarted the timer
-        cut = inst.poll(now)
-        if cut is not None:
-            self.events.push(cut.end, STEP_END, StepEnd(inst, cut))
-        else:
-            self._queue_poll(inst, event.batch, now)
+        self._cut_or_poll(inst, event.batch, inst.poll(now), now)
 
-    def _watch_started(self, inst: Instance, batch, now: float) -> None:
-        """The SLO monitor's look as `batch` begins, then its timer's polls (a batch it does
-        not watch gets neither)."""
-        cut = inst.look_at_start(now)
+    def _cut_or_poll(self, inst: Instance, batch, cut, now: float) -> None:
+        """After an SLO monitor look at `batch`: the end of the batch replacing it when the
+        look cut it, else the monitor's next timer look (a batch it does not watch gets none)."""
         if cut is not None:
             self.events.push(cut.end, STEP_END, StepEnd(inst, cut))
         else:
@@ -234,8 +229,8 @@ class Simulator:
         batch = inst.start_batch(now)
         if batch is not None:
             self.events.push(batch.end, STEP_END, StepEnd(inst, batch))
-            if inst.cutter is not None:
-                self._watch_started(inst, batch, now)
+            if inst.cutter is not None:  # the monitor's look as the batch begins
+                self._cut_or_poll(inst, batch, inst.look_at_start(now), now)
             if inst.pp_size > 1:  # the next micro-batch may enter when stage 0 frees
                 self.events.push(inst.stage0_free, WAKE, Wake(inst))
         elif inst.step_again:  # the step only preempted: its victims may be re-admitted now
@@ -279,10 +274,8 @@ class Simulator:
                                now, job.priority, job.ttft_slo_ms)
         inst.add_request(request, output_len, job.ttft_slo_ms)
         cut = inst.cut_if_ordered(request, now)
-        if cut is not None:
-            self.events.push(cut.end, STEP_END, StepEnd(inst, cut))
-        elif inst.in_flight and inst.cutter is not None:  # the timer restarted at this look
-            self._queue_poll(inst, inst.in_flight[0], now)
+        if inst.in_flight and inst.cutter is not None:  # the monitor looked (timer restarted)
+            self._cut_or_poll(inst, inst.in_flight[0], cut, now)
         self._poke(inst, now)
 
     def _complete(self, inst: Instance, request: Request, now: float) -> None:
