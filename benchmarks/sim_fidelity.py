@@ -119,7 +119,42 @@ order, scattered) than on fresh, contiguous blocks (four experiments of 3-4 inte
 rounds, median forward: 12.21 -> 12.99, 12.17 -> 12.77, 12.49 -> 12.59, 12.17 -> 12.62 ms;
 the last with the KV cache on huge pages, so not the TLB). light uses ~400 of its pool's
 blocks and never wraps (decode ratio 0.99-1.01), slo ~1300 and does (1.02-1.04). The fit sees
-context lengths, not block layout.
+context lengths, not block layout. Session 17 measured the kernel alone (decode attention at
+context 300, 30 layers' caches of 1024 blocks, an 18-MB stream between layers as the weights
+are): 0.69 ms per step on ascending contiguous blocks, 0.78 descending, 0.93 every other
+block, 1.10 scattered. Scattered blocks cost +60% of attention, ~3% of that step. The
+hand prefetch is what makes any layout fast: without it, 1.18 and 1.76 ms. Variants of it did
+not close the gap: prefetch hints T1/T2, the whole next block at once, half the block, two
+blocks ahead. But a step-time term per block jump did not explain the workloads' residuals:
+fitted to real runs of all five workloads with each decode's jumps recorded (~8 us per jump),
+it moved each run's decode ratio by under 1.5 points, and slo's validation run in that round
+sat at 1.00 without it.
+
+`--perfect-suites G` (default 20; 0: skip) scores a perfect simulator on this suite
+(`perfect_simulator`): G synthetic suites in which the real engine IS the profile, each kept
+validation run replaced by one simulation of its arrivals on a random draw of the machine the
+profile measured (run speed log-normal with run_sigma, each step's jitter step_sigma), the
+prediction compared with their mean as with the real runs'. It prints, per cell, the p90 of a
+perfect simulator's |error| and how many suites put it over the target; how many suites it
+passes whole; and the cells of the real table over the target and beyond that p90, the errors
+the simulator owns. It is a lower bound on the floor: a real machine varies in more ways than
+the two sigmas. Issue 16, session 17, on the kept suites (six real runs each): a perfect
+simulator meets "every |error| <= 5%" in 6 of 20 suites of fid27's shape. Its p90 is 7.8% on
+prefix TPOT p50 (8 of 20 suites over 5%) and 6.3-7.9% on slo's TTFT p50/p90 and TPOT p90,
+because a percentile of 30-60 requests whose per-request TPOTs lie ~10% apart near the median
+moves by a rank when one request's race with a step boundary flips. The cells fid27 errs
+beyond the floor are slo TPOT p50 (-7.3%, floor 2.3%) and prefix TTFT p90 (+5.3%, floor
+3.2%). Over the seven kept suites fid21-fid27 a perfect simulator passes 15, 18, 14, 12, 6, 8
+and 6 of 20, with the sigmas each suite measured. The real cells beyond its p90 are of two
+kinds. (1) prefix TPOT p50 at -14.7 to -17.5% in fid22, fid24 and fid26 (floor 1.6-7.1%):
+there one real run met the machine 7-14% slow, far outside the run_sigma (1-2%) the
+calibration runs showed, and speed-matched those cells are within ~5%. So the floor is
+optimistic. (2) slo TPOT p50, negative in all seven suites (-1.3 to -9.8%). Every suite
+validates on seed 1. Session 17 ran slo on seeds 3, 4 and 5 (two real runs each, profile
+from that day's calibration runs): -7.5, -0.7 and +8.1%. The lean is seed 1's races (which
+request's prefill lands in which step), not a bias of the simulator. More requests do not
+lower the floor reliably either: resized to 2x and 3x, other cells land on such cliffs (slo
+TPOT p50's p90 16% at 3x, in the same synthetic scoring).
 
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
@@ -135,6 +170,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -218,6 +254,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--noise-floor", action="store_true",
                    help="run each validation workload (at least) twice; print the second "
                         "real run's errors against the first")
+    p.add_argument("--perfect-suites", type=int, default=20, metavar="G",
+                   help="also score a perfect simulator: G synthetic suites in which the real "
+                        "engine is the profile with its measured variability "
+                        "(`perfect_simulator`); 0: skip; default 20")
     p.add_argument("--sensitivity", action="store_true",
                    help="also resimulate with every step 2%% faster and 2%% slower; print how "
                         "many points each error moves per 1%% of step time")
@@ -563,6 +603,14 @@ def compare(name: str, ours: list[tuple[list[dict], dict]],
             "counts_sim": {k: mean(o[1][k] for o in ours) for k in COUNTS}}
 
 
+def run_specs(name: str, trace: Path) -> list[RequestSpec]:
+    """Workload `name`'s requests as the kept real run `trace` saw them: its seed's specs at
+    the arrival offsets that run measured."""
+    data = json.loads(records_path(trace).read_text())
+    return realized_specs(make_specs(WORKLOADS[name], data["seed"], data["quick"]),
+                          data["records"])
+
+
 def simulate_run(name: str, profile: dict, trace: Path,
                  samples: int = 1) -> list[tuple[list[dict], dict]]:
     """Per draw of the machine (`latency.sample_machines(profile, samples)`; 1: the
@@ -570,9 +618,7 @@ def simulate_run(name: str, profile: dict, trace: Path,
     of the kept real run `trace`: its seed's specs at the arrival offsets that run saw."""
     from tokenweir.sim.latency import sample_machines
 
-    data = json.loads(records_path(trace).read_text())
-    specs = realized_specs(make_specs(WORKLOADS[name], data["seed"], data["quick"]),
-                           data["records"])
+    specs = run_specs(name, trace)
     out = []
     for machine in sample_machines(profile, samples):
         records, sim_trace = run_sim(WORKLOADS[name], machine, specs)
@@ -634,6 +680,77 @@ def noise_floor(args, name: str, trace_dir: Path) -> dict:
     """The second real validation run against the first: the run-to-run noise."""
     first, second = validation_paths(args, trace_dir, name, 2)
     return compare(name, [load_run(second)], [load_run(first)])
+
+
+# ---- a perfect simulator's score -------------------------------------------------------------
+def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
+                      prediction: dict) -> list[dict]:
+    """What a perfect simulator scores against this suite: `args.perfect_suites` synthetic
+    suites in which the real engine IS the profile. In each, every kept validation run of
+    `name` (the first --repeats) is replaced by one simulation of its arrivals on a random
+    draw of the machine the profile measured: the whole run slower or faster by a log-normal
+    factor of mean 1 and sigma run_sigma, each step by its own jitter of sigma step_sigma (the
+    profile's "variability": a real run, by the profile's own account of the machine). The
+    prediction (`prediction`: the row's "sim", the mean of the --sim-samples draws) is
+    compared with their mean as `compare` compares it with the real runs'. Returns one
+    {metric: relative error} per suite; suite g's run k draws from its own seed, so the
+    answer is the same on every call. It needs no real run beyond the arrivals, and it is
+    optimistic: a real machine varies in more ways than the two sigmas (the transients and
+    slow stretches of the module doc), so the real engine's floor lies above it."""
+    from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel
+
+    model = FittedLatencyModel.from_profile(profile)
+    v = profile.get("variability") or {}
+    run_sigma, step_sigma = float(v.get("run_sigma", 0.0)), float(v.get("step_sigma", 0.0))
+    specs = [run_specs(name, t) for t in validation_paths(args, trace_dir, name, args.repeats)]
+    suites = []
+    for g in range(args.perfect_suites):
+        runs = []
+        for k, run in enumerate(specs):
+            rng = random.Random(f"perfect/{name}/{g}/{k}")
+            scale = math.exp(rng.gauss(-run_sigma * run_sigma / 2, run_sigma))
+            machine = NoisyLatencyModel(model, step_sigma, seed=rng.randrange(2**31), scale=scale)
+            runs.append(summarize(run_sim(WORKLOADS[name], machine, run)[0]))
+        suites.append({k: prediction[k] / mean(r[k] for r in runs) - 1 for k in METRICS})
+    return suites
+
+
+def _p90(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[int(0.9 * (len(xs) - 1))]
+
+
+def format_perfect(profile: dict, rows: list[dict], perfect: dict[str, list[dict]]) -> str:
+    """Per cell, the p90 over the synthetic suites of a perfect simulator's |error| and, in
+    brackets, how many of them put it over the target; then how many suites it passes whole,
+    and this suite's cells beyond that p90 (the errors a perfect simulator rarely makes)."""
+    v = profile.get("variability") or {}
+    some = next(iter(perfect.values()))
+    lines = [f"a perfect simulator (the real engine exactly the profile, varying only as its "
+             f"run_sigma {100 * v.get('run_sigma', 0):.1f}% and step_sigma "
+             f"{100 * v.get('step_sigma', 0):.1f}%) in {len(some)} synthetic suites of "
+             f"{rows[0]['runs']} runs: |error| p90 (suites over {100 * TARGET:.0f}%)",
+             f"{'workload':10s}" + "".join(f"{k:>16s}" for k in METRICS)]
+    for r in rows:
+        errs = perfect[r["workload"]]
+        cells = []
+        for k in METRICS:
+            over = sum(abs(e[k]) > TARGET for e in errs)
+            cells.append(f"{100 * _p90([abs(e[k]) for e in errs]):9.1f}% ({over:2d})".rjust(16))
+        lines.append(f"{r['workload']:10s}" + "".join(cells))
+    worst = sorted(max(abs(errs[g][k]) for errs in perfect.values() for k in METRICS)
+                   for g in range(len(some)))
+    lines.append(f"it meets every |error| <= {100 * TARGET:.0f}% in "
+                 f"{sum(w <= TARGET for w in worst)}/{len(worst)} suites (its worst cell per "
+                 f"suite: median {100 * worst[len(worst) // 2]:.1f}%, max {100 * worst[-1]:.1f}%)")
+    beyond = [f"{r['workload']} {k} {100 * r['rel_error'][k]:+.1f}% (p90 "
+              f"{100 * _p90([abs(e[k]) for e in perfect[r['workload']]]):.1f}%)"
+              for r in rows for k in METRICS
+              if abs(r["rel_error"][k]) > TARGET
+              and abs(r["rel_error"][k]) > _p90([abs(e[k]) for e in perfect[r["workload"]]])]
+    lines.append("cells over the target and beyond a perfect simulator's p90: "
+                 + (", ".join(beyond) if beyond else "none"))
+    return "\n".join(lines)
 
 
 def _count(x: float) -> str:
@@ -754,6 +871,9 @@ def main() -> int:
         rows = [validate(args, name, profile, trace_dir) for name in names]
         noise = ([noise_floor(args, name, trace_dir) for name in names]
                  if args.noise_floor else [])
+        perfect = {r["workload"]: perfect_simulator(args, r["workload"], profile, trace_dir,
+                                                    r["sim"])
+                   for r in rows} if args.perfect_suites > 0 else {}
     runs = args.repeats
     seeds = "" if args.profile else ", ".join(map(str, calibration_seeds(args)))
     print(f"\n{len(names)} workloads, {args.threads} thread(s), "
@@ -762,6 +882,8 @@ def main() -> int:
           + (f" ({runs} real runs each)" if runs > 1 else "")
           + f"; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
+    if perfect:
+        print(format_perfect(profile, rows, perfect))
     print(format_speeds(rows))
     print(f"\n{SPEED_MATCHED_HEADING}")
     print(format_table([r["speed_matched"] for r in rows]))
@@ -776,6 +898,7 @@ def main() -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"rows": rows, "noise_floor": noise,
                                                    "sensitivity": dict(zip(names, swings)),
+                                                   "perfect_simulator": perfect,
                                                    "profile_heldout": profile.get("heldout")},
                                                   indent=1))
     worst = max(abs(e) for r in rows for e in r["rel_error"].values())

@@ -4,6 +4,7 @@ profiles written in the real runs' format, so the expected figures are known exa
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import statistics
@@ -61,7 +62,10 @@ def kept(fid, tmp_path_factory):
 
 
 def run_main(fid, monkeypatch, tmp_path, *argv) -> dict:
+    """main() on argv, its --json; the perfect-simulator suites off unless argv asks."""
     out = tmp_path / "out.json"
+    if "--perfect-suites" not in argv:
+        argv = (*argv, "--perfect-suites", "0")
     monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--json", str(out)])
     fid.main()
     return json.loads(out.read_text())
@@ -277,3 +281,71 @@ def test_at_run_speed_keeps_the_step_jitter_and_drops_the_run_draw(fid):
     assert at["variability"] == {"run_sigma": 0.0, "step_sigma": 0.02}
     assert noisy["variability"]["run_sigma"] == 0.05  # the profile itself is untouched
     assert fid.at_run_speed(PROFILE, speed)["variability"] == {}
+
+
+def test_a_perfect_simulator_of_a_machine_without_variability_scores_zero(
+        fid, kept, monkeypatch, tmp_path, capsys):
+    """The real engine exactly the profile and no variability: every synthetic run is the
+    deterministic model, so is the prediction, and every error is 0. The probe: with the
+    profile's variability, the same suites err, each its own way, and the same on every call
+    (the draws are seeded by suite and run)."""
+    d, profile = kept
+    argv = ("--replay", str(d), "--workloads", "light", "--repeats", "3", "--perfect-suites", "4")
+    out = run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(profile),
+                   "--sim-samples", "1")
+    suites = out["perfect_simulator"]["light"]
+    assert len(suites) == 4
+    assert all(e[k] == pytest.approx(0, abs=1e-12) for e in suites for k in fid.METRICS)
+    assert "it meets every |error| <= 5% in 4/4 suites" in capsys.readouterr().out
+
+    noisy = tmp_path / "noisy.json"
+    noisy.write_text(json.dumps({**PROFILE, "variability": {"run_sigma": 0.05,
+                                                            "step_sigma": 0.03}}))
+    first, again = (run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(noisy),
+                             "--sim-samples", "2")["perfect_simulator"]["light"]
+                    for _ in range(2))
+    assert first == again
+    totals = [e["total_s"] for e in first]
+    assert len(set(totals)) == 4 and max(abs(x) for x in totals) > 1e-4
+
+
+def test_a_perfect_simulators_errors_grow_with_the_machines_run_to_run_spread(fid, kept):
+    """The synthetic real runs draw each run's speed from run_sigma: a machine spread 10%
+    run to run leaves the prediction further from their mean than one spread 0.5%."""
+    d, _ = kept
+    args = argparse.Namespace(repeats=3, perfect_suites=12, seed=0)
+
+    def p90_total(run_sigma: float) -> float:
+        profile = {**PROFILE, "variability": {"run_sigma": run_sigma, "step_sigma": 0.0}}
+        suites = fid.perfect_simulator(args, "light", profile, d,
+                                       {k: 1.0 for k in fid.METRICS} | {
+                                           "total_s": _deterministic_total(fid, d)})
+        return fid._p90([abs(e["total_s"]) for e in suites])
+
+    assert p90_total(0.10) > 3 * p90_total(0.005)
+
+
+def _deterministic_total(fid, d) -> float:
+    """The mean total time of the deterministic model over the three kept runs' arrivals."""
+    model = FittedLatencyModel.from_profile(PROFILE)
+    args = argparse.Namespace(repeats=3, seed=0)
+    return statistics.fmean(
+        fid.summarize(fid.run_sim(fid.WORKLOADS["light"], model, fid.run_specs("light", t))[0])
+        ["total_s"] for t in fid.validation_paths(args, d, "light", 3))
+
+
+def test_perfect_table_counts_suites_and_names_the_cells_beyond_it(fid):
+    zero = {k: 0.0 for k in fid.METRICS}
+    perfect = {"w": [zero | {"tpot_p50_ms": x} for x in (0.01, -0.02, 0.06, 0.03, -0.08)]}
+    rows = [{"workload": "w", "runs": 6,
+             "rel_error": zero | {"tpot_p50_ms": -0.09, "ttft_p50_ms": 0.07,
+                                  "total_s": 0.04}}]
+    profile = {"variability": {"run_sigma": 0.02, "step_sigma": 0.015}}
+    text = fid.format_perfect(profile, rows, perfect)
+    assert "run_sigma 2.0% and step_sigma 1.5%) in 5 synthetic suites of 6 runs" in text
+    assert "6.0% ( 2)" in text  # tpot_p50's p90 over the 5 suites, 2 of them over 5%
+    assert "in 3/5 suites (its worst cell per suite: median 3.0%, max 8.0%)" in text
+    # ttft p50 +7% is beyond a perfect simulator (0% there); tpot p50 -9% beyond its 6.0%;
+    # total +4% is within the target, so not named
+    assert text.endswith("beyond a perfect simulator's p90: w ttft_p50_ms +7.0% (p90 0.0%), "
+                         "w tpot_p50_ms -9.0% (p90 6.0%)")
