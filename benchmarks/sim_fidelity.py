@@ -154,8 +154,8 @@ validates on seed 1. Session 17 ran slo on seeds 3, 4 and 5 (two real runs each,
 from that day's calibration runs): -7.5, -0.7 and +8.1%. The lean is seed 1's races (which
 request's prefill lands in which step), not a bias of the simulator. Session 17's fresh suite
 (fid28): predicted worst 20.4% (15/25), speed-matched 12.2% (24/25; slo TPOT p50), noise
-floor 27.6%, a perfect simulator 7/20. Its validation runs met the machine 1-8% slower than
-the profile on every workload but light. More requests do not
+floor 27.6%, a perfect simulator 7/20. Its validation runs' decode steps took 1.00-1.07x
+the profile's time on overload, prefix, swap and slo (light 0.99-1.01x). More requests do not
 lower the floor reliably either: resized to 2x and 3x, other cells land on such cliffs (slo
 TPOT p50's p90 16% at 3x, in the same synthetic scoring).
 
