@@ -50,6 +50,7 @@ from tokenweir.sim.cluster import build_cluster  # noqa: E402
 from tokenweir.sim.hardware import HardwareProfile, ModelShape, get_hardware, get_shape  # noqa: E402
 from tokenweir.sim.latency import RooflineLatencyModel, StepTotals  # noqa: E402
 from tokenweir.sim.metrics import describe  # noqa: E402
+from tokenweir.core.sched.policies.base import SchedulingPolicy  # noqa: E402
 from tokenweir.sim.workload import RequestSpec, synthetic  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -234,7 +235,42 @@ class VidurOpTimesModel(RooflineLatencyModel):
         return ms * self.num_layers / 1e3
 
 
-def engine_args() -> dict:
+class WholePromptAdmission(SchedulingPolicy):
+    """fcfs, admitting as Vidur's Sarathi scheduler does: a request leaves the queue only if
+    its WHOLE prompt (prompt + outputs so far, for a preempted one) fits in the pool above the
+    watermark, counting the blocks that requests still mid-prefill will take for the rest of
+    their prompts (Sarathi allocates a prompt's blocks at admission; tokenweir, as vLLM,
+    allocates a chunk's blocks as the chunk runs). A user policy (policies/base.py), given as
+    `vs_vidur:WholePromptAdmission`: tokenweir's scheduler is otherwise unchanged."""
+
+    name = "whole-prompt-admission"
+
+    def begin_step(self, sched, plan):
+        self._close_unless_head_fits(sched, plan)
+        return None
+
+    def on_scheduled(self, sched, request, plan) -> None:
+        if request.num_computed_tokens == 0:  # just admitted (no prefix cache: no hits)
+            self._close_unless_head_fits(sched, plan, admitted=request)
+
+    @staticmethod
+    def _close_unless_head_fits(sched, plan, admitted=None) -> None:
+        if not sched.waiting:
+            return
+        kv = sched.kv
+        promised = sum(kv.num_new_blocks_needed(r, r.num_tokens) for r in sched.running
+                       if r.num_computed_tokens < r.num_tokens - 1 or r is admitted)
+        head = sched.waiting.peek()
+        free = kv.num_free_blocks - promised - kv.blocks_for_tokens(head.num_tokens)
+        if free < int(sched.config.watermark * kv.num_usable_blocks):
+            plan.paused.add(head.request_id)
+            plan.prefills_closed = admitted is not None
+
+
+WHOLE_PROMPT = "vs_vidur:WholePromptAdmission"
+
+
+def engine_args(policy: str = "fcfs") -> dict:
     """tokenweir's scheduler set as Vidur's Sarathi runs: the same budget, batch cap, pool and
     watermark; admission on the prompt's blocks (not prompt + max_tokens), any number of
     requests mid-prefill, recompute preemption, fcfs, no prefix cache."""
@@ -242,18 +278,19 @@ def engine_args() -> dict:
             "block_size": BLOCK_SIZE, "num_gpu_blocks_override": NUM_BLOCKS + 1,  # + null block
             "enable_prefix_caching": False, "scheduler_reserve_full_isl": False,
             "max_num_partial_prefills": BATCH_SIZE_CAP, "watermark": 0.01,
-            "preemption_mode": "recompute", "scheduling_policy": "fcfs",
+            "preemption_mode": "recompute", "scheduling_policy": policy,
             "max_model_len": MAX_TOKENS}
 
 
-def run_tokenweir(specs: list[RequestSpec], num_replicas: int, model) -> dict:
+def run_tokenweir(specs: list[RequestSpec], num_replicas: int, model,
+                  policy: str = "fcfs") -> dict:
     """The run's wall and CPU time (the event loop alone) and its request records."""
     setup_started = time.perf_counter()
     if num_replicas == 1:
-        sim = build_simulation(engine_args(), specs, TOKENWEIR_SHAPE, TOKENWEIR_HARDWARE,
+        sim = build_simulation(engine_args(policy), specs, TOKENWEIR_SHAPE, TOKENWEIR_HARDWARE,
                                latency_model=model)
     else:
-        sim = build_cluster(engine_args(), specs, TOKENWEIR_SHAPE, TOKENWEIR_HARDWARE,
+        sim = build_cluster(engine_args(policy), specs, TOKENWEIR_SHAPE, TOKENWEIR_HARDWARE,
                             num_instances=num_replicas, router="round-robin",
                             latency_model=model)
     setup_seconds = time.perf_counter() - setup_started
@@ -310,28 +347,33 @@ def predictions(run: dict) -> Predictions:
         ms([r["finished"] - r["arrival"] for r in done]))
 
 
-PREDICTION_COLUMNS = ("tokenweir", "Vidur", "tw/Vidur", "tw roofline")
+# tokenweir (fcfs, Vidur's op times); Vidur; their ratio; then two untimed tokenweir runs:
+# admitting as Sarathi does (WholePromptAdmission, Vidur's op times), and fcfs on tokenweir's
+# own roofline (its hardware model instead of Vidur's tables).
+PREDICTION_COLUMNS = ("tokenweir", "Vidur", "tw/Vidur", "tw whole-prompt", "tw roofline")
 
 
-def prediction_rows(tw: Predictions, vd: Predictions,
-                    own: Predictions) -> list[tuple[str, float, float, float]]:
-    """(metric, tokenweir on Vidur's op times, Vidur, tokenweir on its own roofline)."""
-    rows = [(name, getattr(tw, attr), getattr(vd, attr), getattr(own, attr))
+def prediction_rows(tw: Predictions, vd: Predictions, whole: Predictions,
+                    own: Predictions) -> list[tuple]:
+    """(metric, then one value per PREDICTION_COLUMNS but the ratio)."""
+    sides = (tw, vd, whole, own)
+    rows = [(name, *(getattr(p, attr) for p in sides))
             for name, attr in (("finished", "finished"), ("preempted/restarted", "restarts"),
                                ("makespan s", "makespan"), ("throughput req/s", "req_per_s"),
                                ("output tok/s", "out_tok_per_s"))]
     for name in ("ttft", "tpot", "e2e"):
         for stat in ("mean", "p50", "p90", "p99"):
-            rows.append((f"{name.upper()} {stat} ms", getattr(tw, name)[stat],
-                         getattr(vd, name)[stat], getattr(own, name)[stat]))
+            rows.append((f"{name.upper()} {stat} ms",
+                         *(getattr(p, name)[stat] for p in sides)))
     return rows
 
 
 def format_predictions(rows) -> str:
-    lines = ["  {:22s} {:>12s} {:>12s} {:>9s} {:>12s}".format("", *PREDICTION_COLUMNS)]
-    for name, a, b, own in rows:
+    lines = ["  {:22s} {:>12s} {:>12s} {:>9s} {:>16s} {:>12s}".format("", *PREDICTION_COLUMNS)]
+    for name, a, b, whole, own in rows:
         ratio = a / b if b else math.nan
-        lines.append(f"  {name:22s} {a:12,.2f} {b:12,.2f} {ratio:9.3f} {own:12,.2f}")
+        lines.append(f"  {name:22s} {a:12,.2f} {b:12,.2f} {ratio:9.3f} {whole:16,.2f} "
+                     f"{own:12,.2f}")
     return "\n".join(lines)
 
 
@@ -374,10 +416,13 @@ def compare(num_requests: int, num_replicas: int, workdir: Path, core: Optional[
         tw_runs.append(run_tokenweir_pinned(specs, num_replicas, VidurOpTimesModel(op_times),
                                             core))
     vidur, tw = fastest(vidur_runs), fastest(tw_runs)
-    roofline = run_tokenweir(specs, num_replicas, None)  # not timed: its own hardware model
+    # not timed: Sarathi's admission rule as a policy plug-in; tokenweir's own hardware model
+    whole = run_tokenweir(specs, num_replicas, VidurOpTimesModel(op_times), WHOLE_PROMPT)
+    roofline = run_tokenweir(specs, num_replicas, None)
     return {"num_requests": num_requests, "num_replicas": num_replicas, "tokenweir": tw,
             "vidur": vidur, "op_times": op_times, "same_timelines": same_timelines(tw, vidur),
-            "rows": prediction_rows(predictions(tw), predictions(vidur), predictions(roofline))}
+            "same_timelines_whole_prompt": same_timelines(whole, vidur),
+            "rows": prediction_rows(*(predictions(r) for r in (tw, vidur, whole, roofline)))}
 
 
 def fastest(runs: list[dict]) -> dict:
@@ -397,9 +442,10 @@ def _summary(result: dict) -> dict:
     timing = ("setup_seconds", "run_seconds", "cpu_seconds", "samples")
     return {"num_requests": result["num_requests"], "num_replicas": result["num_replicas"],
             "same_timelines": result["same_timelines"],
+            "same_timelines_whole_prompt": result["same_timelines_whole_prompt"],
             "tokenweir": {k: result["tokenweir"][k] for k in timing},
             "vidur": {k: result["vidur"][k] for k in timing},
-            "columns": ["metric", *PREDICTION_COLUMNS[:2], PREDICTION_COLUMNS[3]],
+            "columns": ["metric", *(c for c in PREDICTION_COLUMNS if c != "tw/Vidur")],
             "rows": result["rows"]}
 
 
@@ -444,7 +490,8 @@ def main() -> int:
             print(f"  set-up (not timed): tokenweir {r['tokenweir']['setup_seconds']:.2f} s, "
                   f"Vidur {r['vidur']['setup_seconds']:.2f} s (predictor trained once, cached)")
             print(f"  requests with the same first-token and finish times on both sides (1 ns): "
-                  f"{r['same_timelines']:,} of {n:,}")
+                  f"{r['same_timelines']:,} of {n:,} (admitting whole prompts: "
+                  f"{r['same_timelines_whole_prompt']:,})")
             print(format_predictions(r["rows"]))
     if args.json:
         Path(args.json).write_text(json.dumps([_summary(r) for r in results], indent=1))
