@@ -107,3 +107,18 @@ def test_tiny_comparison_against_vidur(tmp_path):
     assert r["same_timelines"] >= 50
     assert rows["TPOT p50 ms"][0] != next(own for name, *_, own in r["rows"]
                                           if name == "TPOT p50 ms")
+
+
+def test_whole_prompt_admission_holds_back_what_chunked_admission_lets_in():
+    """On a pool that 12 req/s over-commits, admitting chunk by chunk (fcfs) preempts; the
+    Sarathi rule (whole prompt above the watermark) preempts less, and every request still
+    finishes on both."""
+    specs = vs_vidur.workload(300, 12.0, seed=1)
+    model = vs_vidur.VidurOpTimesModel(fake_op_times(linear_ms=0.03, decode_ms=0.004))
+    fcfs = vs_vidur.run_tokenweir(specs, 1, model)
+    whole = vs_vidur.run_tokenweir(specs, 1, model, vs_vidur.WHOLE_PROMPT)
+    preemptions = [sum(r["restarts"] for r in run["requests"]) for run in (fcfs, whole)]
+    assert preemptions[0] > 0  # the pool really was over-committed under fcfs
+    assert preemptions[1] < preemptions[0]
+    for run in (fcfs, whole):
+        assert all(r["finished"] is not None for r in run["requests"])
