@@ -18,12 +18,16 @@ no prefix caching; one replica, then a cluster of 16 behind round-robin routing.
   predictions differ by scheduling and bookkeeping, not by hardware model.
 
 Speed: wall time of the event loop alone (`Simulator.run()` / `Simulation.run()`), each in its
-own process pinned to the same core (`--core`), per 1,000 requests; set-up (Vidur's predictor
-training or cache load, tokenweir's workload) is printed apart. Run it under
-`flock /tmp/cpu.lock` on a shared machine. Prints "Nx faster" per layout (target >= 5x).
+own process pinned to the same core (`--core`), per 1,000 requests, the fastest of `--repeats`
+alternating runs per side; set-up (Vidur's predictor training or cache load, tokenweir's
+workload) is printed apart. Both record what they record by default (Vidur's metrics store,
+with its Chrome trace off; tokenweir's step records and inter-token gaps); `--lean` turns that
+off on both sides. Run it under `flock /tmp/cpu.lock` on a shared machine. Prints "Nx faster"
+per layout (target >= 5x), and the ratio of CPU times beside it.
 
     python benchmarks/vs_vidur.py                       # 2,000 requests x 1 replica, 16,000 x 16
     python benchmarks/vs_vidur.py --quick               # 300 x 1, 1,600 x 16
+    python benchmarks/vs_vidur.py --num-requests 1000 --cluster-requests 3200 --rate 12 --lean
     python benchmarks/vs_vidur.py --write-attention-table   # only (re)write the peer's table
     VIDUR_PEER=... VIDUR_PYTHON=... python benchmarks/vs_vidur.py   # the peer elsewhere
 """
@@ -170,14 +174,15 @@ def peer_available(peer: Path = PEER_DIR, python: Path = PEER_PYTHON) -> Optiona
 
 
 def run_vidur(trace: Path, num_replicas: int, workdir: Path, core: Optional[int],
-              dump_op_times: bool = False, peer: Path = PEER_DIR,
+              dump_op_times: bool = False, lean: bool = False, peer: Path = PEER_DIR,
               python: Path = PEER_PYTHON) -> dict:
-    """Vidur on `trace` in its own venv and process (pinned to `core` when given)."""
+    """Vidur on `trace` in its own venv and process (pinned to `core` when given); `lean`:
+    its metrics store off (write_metrics false; the request records are read either way)."""
     spec = {"trace_file": str(trace), "num_replicas": num_replicas, "chunk_size": CHUNK_SIZE,
             "batch_size_cap": BATCH_SIZE_CAP, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
             "max_tokens": MAX_TOKENS, "model_name": VIDUR_MODEL, "device": VIDUR_DEVICE,
             "network_device": VIDUR_NETWORK, "cache_dir": str(peer / "cache" / "tokenweir"),
-            "dump_op_times": dump_op_times}
+            "dump_op_times": dump_op_times, "write_metrics": not lean}
     spec_path, out_path = workdir / f"spec{num_replicas}.json", workdir / f"out{num_replicas}.json"
     spec_path.write_text(json.dumps(spec))
     argv = [str(python), str(RUNNER), str(spec_path), str(out_path)]
@@ -282,17 +287,23 @@ def engine_args(policy: str = "fcfs") -> dict:
             "max_model_len": MAX_TOKENS}
 
 
+# What `lean` runs leave out on tokenweir's side: the per-step records and the inter-token
+# gaps (the request records, all the comparison reads, are kept).
+LEAN_RECORDING = {"record_steps": False, "record_itl": False}
+
+
 def run_tokenweir(specs: list[RequestSpec], num_replicas: int, model,
-                  policy: str = "fcfs") -> dict:
+                  policy: str = "fcfs", lean: bool = False) -> dict:
     """The run's wall and CPU time (the event loop alone) and its request records."""
     setup_started = time.perf_counter()
+    recording = LEAN_RECORDING if lean else {}
     if num_replicas == 1:
         sim = build_simulation(engine_args(policy), specs, TOKENWEIR_SHAPE, TOKENWEIR_HARDWARE,
-                               latency_model=model)
+                               latency_model=model, **recording)
     else:
         sim = build_cluster(engine_args(policy), specs, TOKENWEIR_SHAPE, TOKENWEIR_HARDWARE,
                             num_instances=num_replicas, router="round-robin",
-                            latency_model=model)
+                            latency_model=model, **recording)
     setup_seconds = time.perf_counter() - setup_started
     started, cpu_started = time.perf_counter(), time.process_time()
     result = sim.run()
@@ -303,17 +314,19 @@ def run_tokenweir(specs: list[RequestSpec], num_replicas: int, model,
                 "num_output": r.num_output, "restarts": r.num_preemptions}
                for r in overall.requests]
     return {"setup_seconds": setup_seconds, "run_seconds": run_seconds,
-            "cpu_seconds": cpu_seconds, "end_time": overall.end_time, "requests": records}
+            "cpu_seconds": cpu_seconds, "end_time": overall.end_time, "requests": records,
+            "num_steps": overall.stats.num_steps}
 
 
-def run_tokenweir_pinned(specs, num_replicas, model, core: Optional[int]) -> dict:
+def run_tokenweir_pinned(specs, num_replicas, model, core: Optional[int],
+                         lean: bool = False) -> dict:
     """run_tokenweir on `core` (this process's affinity restored after)."""
     if core is None:
-        return run_tokenweir(specs, num_replicas, model)
+        return run_tokenweir(specs, num_replicas, model, lean=lean)
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {core})
     try:
-        return run_tokenweir(specs, num_replicas, model)
+        return run_tokenweir(specs, num_replicas, model, lean=lean)
     finally:
         os.sched_setaffinity(0, before)
 
@@ -395,12 +408,14 @@ def speed_line(label: str, n: int, tw: dict, vd: dict) -> str:
             f"{tw['run_seconds']:.2f} s ({tw_k:.3f} s per 1,000; cpu {tw['cpu_seconds']:.2f} s)"
             f"  Vidur {vd['run_seconds']:.2f} s ({vd_k:.3f} s per 1,000; cpu "
             f"{vd['cpu_seconds']:.2f} s)  ->  {vd_k / tw_k:.1f}x faster (cpu time: "
-            f"{cpu_ratio:.1f}x; target >= 5x)")
+            f"{cpu_ratio:.1f}x; target >= 5x); tokenweir {tw['num_steps']:,} steps, "
+            f"{tw['cpu_seconds'] / tw['num_steps'] * 1e6:.0f} us cpu per step")
 
 
 def compare(num_requests: int, num_replicas: int, workdir: Path, core: Optional[int],
             op_times: Optional[dict] = None, seed: int = 0,
-            rate_per_replica: float = RATE_PER_REPLICA, repeats: int = 1) -> dict:
+            rate_per_replica: float = RATE_PER_REPLICA, repeats: int = 1,
+            lean: bool = False) -> dict:
     """Both sides on one workload, `repeats` times each, alternating (Vidur first: its op
     times feed tokenweir's model when `op_times` is not given yet). Each side keeps its
     fastest run (`run_seconds` / `cpu_seconds`: the least each measured, the others in
@@ -411,10 +426,10 @@ def compare(num_requests: int, num_replicas: int, workdir: Path, core: Optional[
     vidur_runs, tw_runs = [], []
     for _ in range(repeats):
         vidur_runs.append(run_vidur(trace, num_replicas, workdir, core,
-                                    dump_op_times=op_times is None))
+                                    dump_op_times=op_times is None, lean=lean))
         op_times = op_times or vidur_runs[0].pop("op_times")
         tw_runs.append(run_tokenweir_pinned(specs, num_replicas, VidurOpTimesModel(op_times),
-                                            core))
+                                            core, lean))
     vidur, tw = fastest(vidur_runs), fastest(tw_runs)
     # not timed: Sarathi's admission rule as a policy plug-in; tokenweir's own hardware model
     whole = run_tokenweir(specs, num_replicas, VidurOpTimesModel(op_times), WHOLE_PROMPT)
@@ -439,12 +454,12 @@ def fastest(runs: list[dict]) -> dict:
 
 def _summary(result: dict) -> dict:
     """A result without its per-request records and op tables (the figures printed)."""
-    timing = ("setup_seconds", "run_seconds", "cpu_seconds", "samples")
+    timing = ("setup_seconds", "run_seconds", "cpu_seconds", "samples", "num_steps")
     return {"num_requests": result["num_requests"], "num_replicas": result["num_replicas"],
             "same_timelines": result["same_timelines"],
             "same_timelines_whole_prompt": result["same_timelines_whole_prompt"],
             "tokenweir": {k: result["tokenweir"][k] for k in timing},
-            "vidur": {k: result["vidur"][k] for k in timing},
+            "vidur": {k: result["vidur"][k] for k in timing if k in result["vidur"]},
             "columns": ["metric", *(c for c in PREDICTION_COLUMNS if c != "tw/Vidur")],
             "rows": result["rows"]}
 
@@ -460,6 +475,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per side, alternating; the fastest counts")
+    parser.add_argument("--lean", action="store_true",
+                        help="both sides record only the request records: Vidur's metrics "
+                             "store off, tokenweir without step records and ITLs")
     parser.add_argument("--rate", type=float, default=RATE_PER_REPLICA,
                         help="Poisson arrivals, req/s per replica")
     parser.add_argument("--write-attention-table", action="store_true",
@@ -482,10 +500,11 @@ def main() -> int:
         op_times = None
         for n, replicas in ((args.num_requests, 1), (args.cluster_requests, args.num_replicas)):
             r = compare(n, replicas, Path(tmp), core, op_times, args.seed, args.rate,
-                        args.repeats)
+                        args.repeats, args.lean)
             op_times = r["op_times"]
             results.append(r)
-            label = f"{replicas} replica{'s' if replicas > 1 else ''} at {args.rate:g} req/s each"
+            label = (f"{replicas} replica{'s' if replicas > 1 else ''} at {args.rate:g} req/s "
+                     f"each{', lean recording' if args.lean else ''}")
             print(speed_line(label, n, r["tokenweir"], r["vidur"]))
             print(f"  set-up (not timed): tokenweir {r['tokenweir']['setup_seconds']:.2f} s, "
                   f"Vidur {r['vidur']['setup_seconds']:.2f} s (predictor trained once, cached)")

@@ -16,6 +16,8 @@ SPEC.json (written by vs_vidur.py):
     block_size, model_name, device, network_device
     cache_dir         where Vidur keeps its trained predictors (trained once, then reused)
     dump_op_times     also write Vidur's predicted per-op times (ms) to OUT.json
+    write_metrics     Vidur's metrics store records as the run goes (default true; false:
+                      its hooks return at once; the request records are read either way)
 
 OUT.json: setup_seconds (config, predictor training or cache load, trace), run_seconds
 (`Simulator.run()` alone, wall), cpu_seconds (process CPU time of the run), end_time, and
@@ -68,7 +70,8 @@ def simulation_config(spec: dict, output_dir: str) -> SimulationConfig:
     predictor = RandomForrestExecutionTimePredictorConfig(
         prediction_max_batch_size=spec["batch_size_cap"],
         prediction_max_tokens_per_request=spec["max_tokens"], **PREDICTOR_GRID)
-    metrics = MetricsConfig(write_metrics=True, store_plots=False, enable_chrome_trace=False,
+    metrics = MetricsConfig(write_metrics=spec.get("write_metrics", True), store_plots=False,
+                            enable_chrome_trace=False,
                             output_dir=output_dir, cache_dir=spec["cache_dir"])
     return SimulationConfig(log_level="warning", cluster_config=cluster,
                             request_generator_config=generator,
