@@ -24,6 +24,7 @@ SOURCE=${3:-https://github.com/microsoft/vidur}
 PYTHON=${PYTHON:-python3}
 REPO_ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 TOKENWEIR_PYTHON=${TOKENWEIR_PYTHON:-$REPO_ROOT/.venv/bin/python}
+[ -x "$TOKENWEIR_PYTHON" ] || TOKENWEIR_PYTHON=python3  # writing the table needs no torch
 
 checkout_from_git_dir() {  # $1: a git directory; every blob present is written out
     local git_dir=$1 mode type obj path skipped=0
