@@ -25,9 +25,9 @@ with its Chrome trace off; tokenweir's step records and inter-token gaps); `--le
 off on both sides. Run it under `flock /tmp/cpu.lock` on a shared machine. Prints "Nx faster"
 per layout (target >= 5x), and the ratio of CPU times beside it.
 
-    python benchmarks/vs_vidur.py                       # 2,000 requests x 1 replica, 16,000 x 16
-    python benchmarks/vs_vidur.py --quick               # 300 x 1, 1,600 x 16
-    python benchmarks/vs_vidur.py --num-requests 1000 --cluster-requests 3200 --rate 12 --lean
+    python benchmarks/vs_vidur.py                       # 1,000 requests x 1 replica, 3,200 x 16
+    python benchmarks/vs_vidur.py --quick               # 300 x 1, 1,600 x 16, one run each
+    python benchmarks/vs_vidur.py --rate 6 --lean       # a lighter load; both sides record less
     python benchmarks/vs_vidur.py --write-attention-table   # only (re)write the peer's table
     VIDUR_PEER=... VIDUR_PYTHON=... python benchmarks/vs_vidur.py   # the peer elsewhere
 """
@@ -49,12 +49,12 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tokenweir.core.sched.policies.base import SchedulingPolicy  # noqa: E402
 from tokenweir.sim.build import build_simulation  # noqa: E402
 from tokenweir.sim.cluster import build_cluster  # noqa: E402
 from tokenweir.sim.hardware import HardwareProfile, ModelShape, get_hardware, get_shape  # noqa: E402
 from tokenweir.sim.latency import RooflineLatencyModel, StepTotals  # noqa: E402
 from tokenweir.sim.metrics import describe  # noqa: E402
-from tokenweir.core.sched.policies.base import SchedulingPolicy  # noqa: E402
 from tokenweir.sim.workload import RequestSpec, synthetic  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -71,7 +71,7 @@ BLOCK_SIZE = 16
 MAX_TOKENS = 4096  # prompt + output, Vidur's trace cap and prediction range
 NUM_BLOCKS = 2048  # KV blocks per replica, both sides (32k tokens: preemption can happen)
 PROMPT, OUTPUT = "lognormal:512:0.8", "lognormal:128:0.8"  # tokens, median:sigma
-RATE_PER_REPLICA = 6.0  # req/s: busy, below saturation
+RATE_PER_REPLICA = 12.0  # req/s: busy (~23 requests a step), below saturation
 
 
 # ---- Vidur's attention table, from tokenweir's roofline -------------------------------------
@@ -206,8 +206,10 @@ class VidurOpTimesModel(RooflineLatencyModel):
 
     Approximations (what StepTotals does not carry): Vidur rounds each prefill's context before
     summing (here the sum is rounded), and counts a request as decoding once its prompt is done
-    (here: when it computes one token). The roofline base only sizes nothing: the pool is
-    given (num_gpu_blocks_override)."""
+    (here: when it computes one token). A step outside Vidur's prediction grid (summed
+    prefill context beyond max_tokens) raises KeyError, as Vidur's own lookup does. The
+    roofline base class only carries the shape and hardware that pool sizing would read; the
+    pool is given here (num_gpu_blocks_override)."""
 
     def __init__(self, op_times: dict, shape: str = TOKENWEIR_SHAPE,
                  hardware: str = TOKENWEIR_HARDWARE) -> None:
@@ -260,11 +262,14 @@ class WholePromptAdmission(SchedulingPolicy):
 
     @staticmethod
     def _close_unless_head_fits(sched, plan, admitted=None) -> None:
+        """Hold the queue head back this step (after an admission: close admission for the
+        step) unless its whole prompt fits above the watermark once every running request
+        still prefilling has the blocks for the rest of its prompt."""
         if not sched.waiting:
             return
         kv = sched.kv
         promised = sum(kv.num_new_blocks_needed(r, r.num_tokens) for r in sched.running
-                       if r.num_computed_tokens < r.num_tokens - 1 or r is admitted)
+                       if r.num_computed_tokens < r.num_tokens - 1)  # still prefilling
         head = sched.waiting.peek()
         free = kv.num_free_blocks - promised - kv.blocks_for_tokens(head.num_tokens)
         if free < int(sched.config.watermark * kv.num_usable_blocks):
@@ -467,8 +472,8 @@ def _summary(result: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=int, default=2000, help="one replica")
-    parser.add_argument("--cluster-requests", type=int, default=16000, help="16 replicas")
+    parser.add_argument("--num-requests", type=int, default=1000, help="one replica")
+    parser.add_argument("--cluster-requests", type=int, default=3200, help="16 replicas")
     parser.add_argument("--num-replicas", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="300 and 1,600 requests")
     parser.add_argument("--core", type=int, default=0, help="CPU both sides run on (-1: any)")
@@ -493,7 +498,7 @@ def main() -> int:
         print(f"Vidur peer unavailable: {why}")
         return 2
     if args.quick:
-        args.num_requests, args.cluster_requests = 300, 1600
+        args.num_requests, args.cluster_requests, args.repeats = 300, 1600, 1
     core = None if args.core < 0 else args.core
     results = []
     with tempfile.TemporaryDirectory(prefix="vs_vidur_") as tmp:

@@ -88,7 +88,7 @@ PEER_MISSING = vs_vidur.peer_available()
 def test_tiny_comparison_against_vidur(tmp_path):
     """Vidur really ran (its own records, its predictor read the table written here), and on
     a light load the two simulators agree on what the load decides."""
-    r = vs_vidur.compare(100, 2, tmp_path, core=None)
+    r = vs_vidur.compare(100, 2, tmp_path, core=None, rate_per_replica=6.0)
     vidur, tw = r["vidur"], r["tokenweir"]
     assert len(vidur["requests"]) == len(tw["requests"]) == 100
     assert vidur["run_seconds"] > 0
