@@ -52,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenweir.core.sched.policies.base import SchedulingPolicy  # noqa: E402
 from tokenweir.sim.build import build_simulation  # noqa: E402
 from tokenweir.sim.cluster import build_cluster  # noqa: E402
-from tokenweir.sim.hardware import HardwareProfile, ModelShape, get_hardware, get_shape  # noqa: E402
+from tokenweir.sim.hardware import (HardwareProfile, ModelShape, get_hardware,  # noqa: E402
+                                    get_shape)
 from tokenweir.sim.latency import RooflineLatencyModel, StepTotals  # noqa: E402
 from tokenweir.sim.metrics import describe  # noqa: E402
 from tokenweir.sim.workload import RequestSpec, synthetic  # noqa: E402
@@ -63,7 +64,8 @@ PEER_DIR = Path(os.environ.get("VIDUR_PEER", "/work/peers/vidur"))
 PEER_PYTHON = Path(os.environ.get("VIDUR_PYTHON", "/work/peers/vidur-venv/bin/python"))
 
 # The model and device on both sides: Vidur's names, then tokenweir's for the same shape.
-VIDUR_MODEL, VIDUR_DEVICE, VIDUR_NETWORK = "meta-llama/Llama-2-7b-hf", "h100", "h100_pairwise_nvlink"
+VIDUR_MODEL = "meta-llama/Llama-2-7b-hf"
+VIDUR_DEVICE, VIDUR_NETWORK = "h100", "h100_pairwise_nvlink"
 TOKENWEIR_SHAPE, TOKENWEIR_HARDWARE = "llama-7b", "h100"
 CHUNK_SIZE = 512  # token budget per step (Vidur's Sarathi default)
 BATCH_SIZE_CAP = 128  # Vidur's default batch_size_cap

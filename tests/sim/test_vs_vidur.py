@@ -42,7 +42,8 @@ def test_attention_table_schema(tmp_path):
     for column in ("n_embd", "n_q_head", "n_kv_head", "block_size", "batch_size",
                    "prefill_chunk_size", "kv_cache_size", "num_tensor_parallel_workers"):
         assert column in header
-    decode_rows = [line for line in lines[1:] if line.split(",")[header.index("is_prefill")] == "False"]
+    is_prefill = header.index("is_prefill")
+    decode_rows = [line for line in lines[1:] if line.split(",")[is_prefill] == "False"]
     assert len(decode_rows) == 4 * len(range(32, 256 + 1, 32))  # contexts 32..256 x batch 1..4
     assert all(line.split(",")[header.index("time_stats.attn_prefill.median")] == ""
                for line in decode_rows)
