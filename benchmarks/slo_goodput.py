@@ -42,8 +42,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # variants as slo_goodput:Class
-from tokenweir.core.sched.policies import SLOPolicy  # noqa: E402
 from tokenweir.sim.build import build_simulation  # noqa: E402
 from tokenweir.sim.hardware import get_hardware, get_shape  # noqa: E402
 from tokenweir.sim.latency import RooflineLatencyModel  # noqa: E402
@@ -55,21 +53,10 @@ ATTAINMENT_GOAL = 0.9
 POLICIES = ("fcfs", "priority", "slo")
 # name -> (scheduling policy, its extra config). Every policy is told the TPOT target
 # (`slo_tpot_ms`; only slo reads it); the variants switch one lever off, to measure it alone.
-# A variant whose lever is a policy class attribute names a subclass here (module:Class).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "fcfs": ("fcfs", {}), "priority": ("priority", {}), "slo": ("slo", {}),
     "slo-no-tpot": ("slo", {"slo_tpot_ms": None}),
-    "slo-guard-late": ("slo_goodput:GuardMissedTTFT", {}),
 }
-
-
-class GuardMissedTTFT(SLOPolicy):
-    """Ablation: the TPOT guard also protects requests whose first token came too late."""
-
-    GUARD_MISSED_TTFT = True
-BASELINE = "fcfs"
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-         9: 2.262, 10: 2.228}  # Student t, two-sided 95%, by degrees of freedom
 
 
 # ---- workloads ------------------------------------------------------------------------------

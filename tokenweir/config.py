@@ -353,6 +353,10 @@ class ServeConfig:
     max_waiting_requests: Optional[int] = _f(
         None, "answer 503 + Retry-After while this many requests wait (default: no limit)")
     drain_timeout: float = _f(30.0, "seconds to let running requests finish on SIGTERM")
+    slo_reject_hopeless: bool = _f(
+        False, "with --scheduling-policy slo: answer 503 + Retry-After to a request whose "
+        "ttft_slo_ms the TTFT predictor says it cannot meet even with the server idle",
+        switch=True)
     max_request_body_bytes: int = _f(
         DEFAULT_MAX_REQUEST_BODY_BYTES,
         "largest request body accepted, in bytes; a larger one is answered 413 before it is "

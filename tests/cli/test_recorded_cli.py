@@ -81,6 +81,8 @@ NEW_DESTS |= {"samples"}
 for _c in ("generate", "serve", "simulate", "sweep"):
     NEW_SPELLINGS[f"tokenweir {_c}"] |= {"--slo-tpot-ms"}
 NEW_DESTS |= {"slo_tpot_ms"}
+NEW_SPELLINGS["tokenweir serve"] |= {"--slo-reject-hopeless"}
+NEW_DESTS |= {"slo_reject_hopeless"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -94,7 +94,8 @@ def test_the_prefill_always_gets_the_minimum_chunk():
 
 
 def test_the_config_target_applies_to_requests_without_their_own():
-    scheduler = slo_scheduler(max_num_batched_tokens=512, slo_tpot_ms=60.0)
+    scheduler = slo_scheduler(max_num_batched_tokens=512, slo_tpot_ms=100.0)
     _, log = drive(scheduler, FakeRunner(), tight_decode_and_long_prompt(tpot_ms=None))
-    assert max(doc_chunks(log, beside_chat=True)) < 130
+    assert max(doc_chunks(log, beside_chat=True)) < 200
     assert math.isinf(scheduler.policy._tpot_allowance(make_request("x", 4, 4), 0.0))
+

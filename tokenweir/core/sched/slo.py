@@ -96,6 +96,14 @@ def edf_key(request_slack: float, deadline: Optional[float], now: float,
     return sign / max(abs(deadline - now), _EPSILON)
 
 
+def infeasible_alone(predictor: TTFTPredictor, prompt_tokens: int, ttft_target: float,
+                     tolerance: float = 0.0) -> bool:
+    """The request would miss its TTFT target even alone on the instance: hopeless (see
+    `hopeless_below`) the moment it arrives, whatever the load."""
+    predicted = predictor.predict(prompt_tokens)
+    return ttft_target - predicted < hopeless_below(predicted, tolerance)
+
+
 # ---- TPOT: the time a decode may wait for its next token -----------------------------------
 def tpot_allowance(tpot_target: float, num_output_tokens: int, first_token_time: float,
                    now: float) -> float:

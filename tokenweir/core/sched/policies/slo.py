@@ -38,7 +38,6 @@ class SLOPolicy(SchedulingPolicy):
     deadline_aware = True
     SNAPSHOT_WAITERS = 8  # the gate reads the head of the EDF order; a few suffice
     MIN_PREFILL_CHUNK = 64  # tokens a step's prefill may always take, TPOT targets or not
-    GUARD_MISSED_TTFT = False  # protect the TPOT of a request that already missed its TTFT
 
     def __init__(self, config: SchedulerConfig, costs: PreemptionCosts) -> None:
         super().__init__(config, costs)
@@ -153,16 +152,10 @@ class SLOPolicy(SchedulingPolicy):
         plan.token_budget = min(plan.token_budget, len(decodes) + chunk)
 
     def _tpot_allowance(self, request: Request, now: float) -> float:
-        """The time the step may take for `request`'s TPOT (inf: no limit). A request whose
-        first token missed its TTFT deadline has missed its SLO whatever its TPOT: it limits
-        no step (unless GUARD_MISSED_TTFT)."""
+        """The time the step may take for `request`'s TPOT (inf: no limit)."""
         target_ms = (request.tpot_slo_ms if request.tpot_slo_ms is not None
                      else self.config.slo_tpot_ms)
         if target_ms is None or request.first_token_time is None:
-            return math.inf
-        deadline = request.ttft_deadline
-        if not self.GUARD_MISSED_TTFT and deadline is not None and \
-                request.first_token_time > deadline:
             return math.inf
         return slo.tpot_allowance(target_ms / 1000, request.num_output_tokens,
                                   request.first_token_time, now)
