@@ -56,7 +56,11 @@ POLICIES = ("fcfs", "priority", "slo")
 VARIANTS: dict[str, tuple[str, dict]] = {
     "fcfs": ("fcfs", {}), "priority": ("priority", {}), "slo": ("slo", {}),
     "slo-no-tpot": ("slo", {"slo_tpot_ms": None}),
+    "slo-immune-3": ("slo", {"slo_max_preemptions": 3}),
 }
+BASELINE = "fcfs"
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228}  # Student t, two-sided 95%, by degrees of freedom
 
 
 # ---- workloads ------------------------------------------------------------------------------
