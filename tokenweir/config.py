@@ -178,6 +178,10 @@ class SchedulerConfig:
         True, "slo policy: a prefill with less slack than the larger of its predicted TTFT and "
         "one token budget's prefill runs with decodes only (no other prefill's chunk lengthens "
         "its step)")
+    slo_tpot_ms: Optional[float] = _f(
+        None, "slo policy: TPOT target (mean ms per output token after the first) of requests "
+        "that carry none; each step's prefill chunk is capped so that running decodes stay "
+        "on their TPOT target")
     slo_ttft_a_ms_per_token: Optional[float] = _f(
         None, "slo policy: TTFT predictor slope, ms per uncached prompt token "
         "(default: the profile, else measured at start-up)")
@@ -230,6 +234,8 @@ class SchedulerConfig:
         if self.slo_step_predictor not in SLO_STEP_PREDICTORS:
             raise ValueError(f"slo_step_predictor must be one of {SLO_STEP_PREDICTORS}, "
                              f"got {self.slo_step_predictor!r}")
+        if self.slo_tpot_ms is not None and self.slo_tpot_ms <= 0:
+            raise ValueError(f"slo_tpot_ms must be positive, got {self.slo_tpot_ms}")
         if self.slo_margin_ms < 0:
             raise ValueError(f"slo_margin_ms must be >= 0, got {self.slo_margin_ms}")
         if not 0 <= self.slo_hopeless_tolerance < 1:
@@ -347,6 +353,10 @@ class ServeConfig:
     max_waiting_requests: Optional[int] = _f(
         None, "answer 503 + Retry-After while this many requests wait (default: no limit)")
     drain_timeout: float = _f(30.0, "seconds to let running requests finish on SIGTERM")
+    slo_reject_hopeless: bool = _f(
+        False, "with --scheduling-policy slo: answer 503 + Retry-After to a request whose "
+        "ttft_slo_ms the TTFT predictor says it cannot meet even with the server idle",
+        switch=True)
     max_request_body_bytes: int = _f(
         DEFAULT_MAX_REQUEST_BODY_BYTES,
         "largest request body accepted, in bytes; a larger one is answered 413 before it is "

@@ -359,6 +359,9 @@ class Request:
     # explicit deadline wins. Read by the "slo" scheduling policy (core/sched/slo.py).
     ttft_slo_ms: Optional[float] = None
     deadline: Optional[float] = None
+    # TPOT target: the mean seconds per output token after the first, in ms (None: the
+    # scheduler config's `slo_tpot_ms`, if any). Read by the "slo" policy's step budget.
+    tpot_slo_ms: Optional[float] = None
     num_slo_preemptions: int = 0  # times paused or cut for a more urgent request
     # Timestamps the engine fills in (seconds, engine clock); policy reads them, never time.time().
     first_scheduled_time: Optional[float] = None
@@ -464,7 +467,8 @@ def make_sample_group(request: Request) -> Optional[SampleGroup]:
             prompt_token_ids=request.prompt_token_ids, sampling_params=params,
             max_tokens=request.max_tokens, arrival_time=request.arrival_time,
             priority=request.priority, eos_token_ids=request.eos_token_ids,
-            ttft_slo_ms=request.ttft_slo_ms, deadline=request.deadline)
+            ttft_slo_ms=request.ttft_slo_ms, deadline=request.deadline,
+            tpot_slo_ms=request.tpot_slo_ms)
         sample.sampling_params = params.for_sample(i)
         sample.group, sample.sample_index = group, i
         group.samples.append(sample)

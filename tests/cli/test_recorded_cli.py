@@ -77,6 +77,12 @@ NEW_DESTS |= {"quantization"}
 # issue 16: simulations over draws of the machine a trace-fitted profile measured
 NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir simulate"] | {"--samples"}
 NEW_DESTS |= {"samples"}
+# issue 35: the slo policy's TPOT target for requests that carry none (caps a step's chunk)
+for _c in ("generate", "serve", "simulate", "sweep"):
+    NEW_SPELLINGS[f"tokenweir {_c}"] |= {"--slo-tpot-ms"}
+NEW_DESTS |= {"slo_tpot_ms"}
+NEW_SPELLINGS["tokenweir serve"] |= {"--slo-reject-hopeless"}
+NEW_DESTS |= {"slo_reject_hopeless"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -189,3 +189,47 @@ def test_the_monitor_watches_only_steps_with_a_prefill_chunk(monkeypatch):
     assert log["start_looks"] == log["prefill_starts"] != []
     monkeypatch.undo()
     assert not all(_monitor_log(monkeypatch, watch_every_step=True)["polls"])
+
+
+# ---- benchmarks/slo_goodput.py: the instrument -----------------------------------------------
+def _goodput_bench():
+    """benchmarks/slo_goodput.py, imported as the module `slo_goodput`."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("slo_goodput")
+
+
+def test_goodput_is_the_first_crossing_below_the_goal():
+    bench = _goodput_bench()
+    loads = [0.1, 0.2, 0.4]
+    assert bench.goodput(loads, [1.0, 0.95, 0.85]) == pytest.approx(0.3)
+    assert bench.goodput(loads, [0.95, 0.8, 0.95]) == pytest.approx(0.1 + 0.1 * 0.05 / 0.15)
+    assert bench.goodput(loads, [0.99, 0.99, 0.99]) == 0.4  # never below: the highest load
+    assert bench.goodput(loads, [0.45, 0.4, 0.3]) == pytest.approx(0.05)  # a floor below
+
+
+def test_slo_misses_tell_ttft_from_tpot():
+    bench = _goodput_bench()
+    item = bench.Item(0, 0.0, 100, 11, False, ttft_s=1.0, tpot_s=0.1)
+    assert bench.slo_misses(item, 0.0, 0.9, 0.9 + 10 * 0.1, 11) == (False, False)
+    assert bench.slo_misses(item, 0.0, 1.1, 1.2, 11) == (True, False)
+    assert bench.slo_misses(item, 0.0, 0.5, 0.5 + 10 * 0.11, 11) == (False, True)
+    assert bench.slo_misses(item, 0.0, None, None, 0) == (True, True)
+
+
+def test_goodput_quick_mode_runs_and_the_tpot_guard_shows(capsys):
+    """The quick mode end to end; the probe that the TPOT guard acts: slo with TPOT targets
+    misses fewer TPOTs than slo told none, at the highest quick load."""
+    bench = _goodput_bench()
+    (summary,) = bench.main(["--quick", "--policies", "fcfs", "slo-no-tpot", "slo"])
+    policies = summary["policies"]
+    assert set(policies) == {"fcfs", "slo-no-tpot", "slo"}
+    assert all(len(p["goodput"]) == 2 for p in policies.values())
+    tpot = {name: sum(p["tpot_missed"][-1]) for name, p in policies.items()}
+    assert tpot["slo"] < tpot["slo-no-tpot"]
+    assert "slo/fcfs goodput ratio" in capsys.readouterr().out

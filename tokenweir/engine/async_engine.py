@@ -68,6 +68,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread is gone (shut down); no new requests are taken."""
 
 
+class HopelessRequestError(RuntimeError):
+    """`add(..., reject_hopeless=True)`: the request's TTFT target cannot be met even alone
+    (LLMEngine.ttft_infeasible); nothing was queued."""
+
+
 @dataclass
 class RequestStats:
     """Per-request latency histograms and finish counts, filled on the engine thread."""
@@ -171,8 +176,10 @@ class AsyncEngine:
 
     # ---- public API (event loop) --------------------------------------------------------
     async def add(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                  priority: int = 0, ttft_slo_ms: Optional[float] = None) -> asyncio.Queue:
-        """Validate and queue a request; ValueError (from make_request) if it is bad.
+                  priority: int = 0, ttft_slo_ms: Optional[float] = None,
+                  reject_hopeless: bool = False) -> asyncio.Queue:
+        """Validate and queue a request; ValueError (from make_request) if it is bad,
+        HopelessRequestError if `reject_hopeless` and its TTFT target cannot be met even alone.
         Returns the queue its delta RequestOutputs arrive on (an Exception on engine error)."""
         if not self.is_running:
             raise EngineDeadError("the engine is shutting down")
@@ -180,6 +187,11 @@ class AsyncEngine:
         request, text = await self.off_loop(
             self.engine.make_request, prompt, params, request_id=request_id,
             priority=priority, ttft_slo_ms=ttft_slo_ms)
+        if reject_hopeless and self.engine.ttft_infeasible(request):
+            raise HopelessRequestError(
+                f"ttft_slo_ms={ttft_slo_ms:g} cannot be met even with the server idle (a "
+                f"{request.num_prompt_tokens}-token prompt); retry with a longer ttft_slo_ms "
+                f"or none, or at another replica")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._unstarted.add(request_id)

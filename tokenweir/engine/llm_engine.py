@@ -14,6 +14,7 @@ import torch
 
 from tokenweir.config import EngineConfig
 from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.sched import slo
 from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.engine_core import EngineCore
 from tokenweir.engine.malloc_tuning import tune_malloc
@@ -281,15 +282,19 @@ class LLMEngine:
     def make_request(self, prompt: PromptType, params: SamplingParams,
                      request_id: Optional[str] = None, priority: int = 0,
                      arrival_time: Optional[float] = None, ttft_slo_ms: Optional[float] = None,
-                     deadline: Optional[float] = None) -> tuple[Request, Optional[str]]:
+                     deadline: Optional[float] = None, tpot_slo_ms: Optional[float] = None
+                     ) -> tuple[Request, Optional[str]]:
         """Validate and tokenize; raises ValueError with a clear message and changes nothing.
-        `ttft_slo_ms` (after arrival) or `deadline` (absolute, engine clock) set a TTFT target."""
+        `ttft_slo_ms` (after arrival) or `deadline` (absolute, engine clock) set a TTFT target,
+        `tpot_slo_ms` a TPOT target (mean ms per output token after the first)."""
         text, token_ids = self._tokenize(prompt)
         self.check_params(params)
         if not token_ids:
             raise ValueError("the prompt is empty: at least one token is required")
         if ttft_slo_ms is not None and ttft_slo_ms <= 0:
             raise ValueError(f"ttft_slo_ms must be positive, got {ttft_slo_ms}")
+        if tpot_slo_ms is not None and tpot_slo_ms <= 0:
+            raise ValueError(f"tpot_slo_ms must be positive, got {tpot_slo_ms}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is "
@@ -304,9 +309,20 @@ class LLMEngine:
             prompt_token_ids=token_ids, sampling_params=params, max_tokens=max_tokens,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority, eos_token_ids=self.eos_token_ids, ttft_slo_ms=ttft_slo_ms,
-            deadline=deadline)
+            deadline=deadline, tpot_slo_ms=tpot_slo_ms)
         make_sample_group(request)  # n / best_of > 1: the parent of its samples
         return request, text
+
+    def ttft_infeasible(self, request: Request) -> bool:
+        """`request` has a TTFT target that the deadline-aware policy's TTFT predictor says it
+        cannot meet even alone (core/sched/slo.py: infeasible_alone); False for a policy that
+        predicts no TTFTs or a request without a target."""
+        policy = self.scheduler.policy
+        if not policy.deadline_aware or request.ttft_slo_ms is None:
+            return False
+        return slo.infeasible_alone(policy.ttft_predictor, request.num_prompt_tokens,
+                                    request.ttft_slo_ms / 1000,
+                                    self.config.scheduler.slo_hopeless_tolerance)
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError naming the field for anything these params or this model refuse."""

@@ -45,7 +45,8 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_names=names,
         api_key=args.api_key or os.environ.get("TOKENWEIR_API_KEY") or None,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
-        max_request_body_bytes=args.max_request_body_bytes, timeline_steps=args.timeline_steps)
+        max_request_body_bytes=args.max_request_body_bytes, timeline_steps=args.timeline_steps,
+        slo_reject_hopeless=args.slo_reject_hopeless)
     status = serve(engine, settings, args.host, args.port, args.log_level)
     if profile is not None:
         print(format_profile(profile.snapshot()), file=sys.stderr, flush=True)

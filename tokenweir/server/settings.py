@@ -32,6 +32,9 @@ class ServerSettings:
         "largest request body accepted, in bytes; a larger one is answered 413 before it is "
         "read in full")
 
+    slo_reject_hopeless: bool = _f(
+        False, "with a deadline-aware scheduling policy (slo), answer 503 + Retry-After to a "
+        "request whose ttft_slo_ms its TTFT predictor says it cannot meet even alone")
     timeline_steps: int = _f(
         2000, "the most recent steps GET /timeline shows; 0 turns it off")
 

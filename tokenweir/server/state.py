@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from fastapi import Request
 from prometheus_client import CollectorRegistry
 
-from tokenweir.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenweir.engine.async_engine import AsyncEngine, EngineDeadError, HopelessRequestError
 from tokenweir.server.protocol import APIError
 from tokenweir.server.settings import ServerSettings
 
@@ -60,7 +60,11 @@ class AppState:
         self.admit()
         try:
             return await self.engine.add(prompt, parsed.params, request_id, parsed.priority,
-                                         parsed.ttft_slo_ms)
+                                         parsed.ttft_slo_ms,
+                                         reject_hopeless=self.settings.slo_reject_hopeless)
+        except HopelessRequestError as exc:  # shed: a faster replica (or a later try) may serve
+            raise APIError(str(exc), 503, "service_unavailable", param="ttft_slo_ms",
+                           headers={"Retry-After": "1"}) from exc
         except ValueError as exc:
             raise APIError(str(exc), param="prompt") from exc
         except EngineDeadError as exc:

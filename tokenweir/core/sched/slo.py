@@ -96,6 +96,45 @@ def edf_key(request_slack: float, deadline: Optional[float], now: float,
     return sign / max(abs(deadline - now), _EPSILON)
 
 
+def infeasible_alone(predictor: TTFTPredictor, prompt_tokens: int, ttft_target: float,
+                     tolerance: float = 0.0) -> bool:
+    """The request would miss its TTFT target even alone on the instance: hopeless (see
+    `hopeless_below`) the moment it arrives, whatever the load."""
+    predicted = predictor.predict(prompt_tokens)
+    return ttft_target - predicted < hopeless_below(predicted, tolerance)
+
+
+# ---- TPOT: the time a decode may wait for its next token -----------------------------------
+def tpot_allowance(tpot_target: float, num_output_tokens: int, first_token_time: float,
+                   now: float) -> float:
+    """Seconds the next step may take with the request's mean time per output token (after
+    the first) still within `tpot_target` when that step's token arrives: after it the request
+    has num_output_tokens + 1 tokens, num_output_tokens gaps since its first token, so
+    step <= tpot_target * num_output_tokens - (now - first_token_time). Holding this at every
+    step keeps the mean on target whatever the output's final length. Negative: already late."""
+    return tpot_target * num_output_tokens - (now - first_token_time)
+
+
+def prefill_tokens_within(predictor: TTFTPredictor, seconds: float, context: int,
+                          num_decodes: int, most: int) -> int:
+    """The longest prefill chunk (<= `most` tokens) of a prompt with `context` tokens already
+    computed that, with `num_decodes` decode tokens beside it, the predictor says runs within
+    `seconds` (a, b and c of one step); 0 when not even one token does."""
+    def step_seconds(n: int) -> float:
+        return predictor.predict(n, tokens_ahead=num_decodes, computed_tokens=context)
+
+    if most <= 0 or step_seconds(1) > seconds:
+        return 0
+    lo, hi = 1, most  # step_seconds(lo) <= seconds; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if step_seconds(mid) <= seconds:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A running prefill the gate may pause or cut, as the gate sees it."""

@@ -20,7 +20,7 @@ class StepPlan:
     `paused` and `prefills_closed` are how a policy vetoes for one step (see
     policies/base.py): a paused running request gets no tokens, and a paused waiting request at
     the head of the queue stops admission; with prefills closed, no further prefill (running or
-    waiting) joins the step.
+    waiting) joins the step. A policy may lower `token_budget` before the running pass.
     """
 
     token_budget: int

@@ -18,7 +18,9 @@ Contracts, for every hook:
   `running` in place and its own queue in `begin_step`; it changes nothing else there.
 - `plan` is the step being planned (core/sched/step_plan.py). A policy vetoes through it:
   ids in `plan.paused` get no tokens if running and stop admission at the head of the queue if
-  waiting; `plan.prefills_closed = True` lets no further prefill join the step.
+  waiting; `plan.prefills_closed = True` lets no further prefill join the step. In
+  `begin_step` a policy may also lower `plan.token_budget` (never raise it): the step then
+  schedules that many tokens at most (the slo policy's TPOT guard).
 - No clocks, no torch: time enters as `plan.now` / `now` (the caller's clock) and through a
   latency model's prediction. Hooks run once per step or once per prefill, never per decode.
 """

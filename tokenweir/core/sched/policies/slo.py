@@ -37,6 +37,7 @@ class SLOPolicy(SchedulingPolicy):
     default_victim_policy = "fcfs"
     deadline_aware = True
     SNAPSHOT_WAITERS = 8  # the gate reads the head of the EDF order; a few suffice
+    MIN_PREFILL_CHUNK = 64  # tokens a step's prefill may always take, TPOT targets or not
 
     def __init__(self, config: SchedulerConfig, costs: PreemptionCosts) -> None:
         super().__init__(config, costs)
@@ -57,7 +58,9 @@ class SLOPolicy(SchedulingPolicy):
         self._pause = None
         plan.paused |= self._active_holds(sched.requests)
         self._order(sched, plan.now, plan.paused)
-        return self._between_steps(sched, plan)
+        pause = self._between_steps(sched, plan)
+        self._guard_tpot(sched, plan)
+        return pause
 
     def on_scheduled(self, sched: "Scheduler", request: Request, plan: "StepPlan") -> None:
         """A prefill at risk runs with decodes only: another prefill's chunk in the same step
@@ -128,6 +131,34 @@ class SLOPolicy(SchedulingPolicy):
             return self.ttft_predictor.predict(output.total_num_scheduled_tokens)
         context = {rid: sched.requests[rid].num_computed_tokens for rid in counts}
         return self.step_latency_model.predict(output, context)
+
+    # ---- the step's token budget ---------------------------------------------------------
+    def _guard_tpot(self, sched: "Scheduler", plan: "StepPlan") -> None:
+        """Cap the step's budget so that its prefill chunk (running or admitted) keeps every
+        running decode with a TPOT target on target: the step may take no longer than the
+        smallest `slo.tpot_allowance`; a decode with slack to spare does not limit it. The
+        prefill always gets at least MIN_PREFILL_CHUNK tokens, so prefills never starve."""
+        decodes = [r for r in sched.running
+                   if not is_prefilling(r) and r.request_id not in plan.paused]
+        allowance = min((self._tpot_allowance(r, plan.now) for r in decodes), default=math.inf)
+        if allowance == math.inf:
+            return
+        context = next((r.num_computed_tokens for r in sched.running
+                        if is_prefilling(r) and r.request_id not in plan.paused), 0)
+        most = plan.token_budget - len(decodes)
+        chunk = slo.prefill_tokens_within(self.ttft_predictor, allowance, context,
+                                          len(decodes), most)
+        chunk = max(chunk, min(self.MIN_PREFILL_CHUNK, most))
+        plan.token_budget = min(plan.token_budget, len(decodes) + chunk)
+
+    def _tpot_allowance(self, request: Request, now: float) -> float:
+        """The time the step may take for `request`'s TPOT (inf: no limit)."""
+        target_ms = (request.tpot_slo_ms if request.tpot_slo_ms is not None
+                     else self.config.slo_tpot_ms)
+        if target_ms is None or request.first_token_time is None:
+            return math.inf
+        return slo.tpot_allowance(target_ms / 1000, request.num_output_tokens,
+                                  request.first_token_time, now)
 
     # ---- the step's order and the gate -------------------------------------------------
     def _active_holds(self, requests: dict[str, Request]) -> set[str]:
