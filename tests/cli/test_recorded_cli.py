@@ -77,6 +77,9 @@ NEW_DESTS |= {"quantization"}
 # issue 16: simulations over draws of the machine a trace-fitted profile measured
 NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir simulate"] | {"--samples"}
 NEW_DESTS |= {"samples"}
+# issue 34: simulate writes step records for `tokenweir timeline`
+NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir simulate"] | {"--step-records"}
+NEW_DESTS |= {"step_records"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
