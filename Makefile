@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test test-soak bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -17,9 +17,15 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/tokenweir generate --summary
 
-# pytest exits 5 when it collected no tests: that is a failure, not a pass.
+# pytest exits 5 when it collected no tests: that is a failure, not a pass. The suite runs on
+# every core (pytest-xdist, at most 4 workers: each may load the default model) and prints
+# its 15 slowest tests; `make test-soak` runs the long seeded runs it leaves out (-m soak).
+PYTEST_PARALLEL := -n auto --maxprocesses 4 --dist worksteal
 test: $(STAMP)
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+test-soak: $(STAMP)
+	$(PY) -m pytest -q -m soak --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no soak tests collected" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
 	$(PY) benchmarks/scheduler_overhead.py

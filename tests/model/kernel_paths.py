@@ -1,10 +1,11 @@
 """Test helper: force one kernel path (torch, or the C++ kernels' AVX2 / AVX-512 variant) and
 count what the forward really called, so that a "path X gives the same answer" test can also
-assert that path X ran."""
+assert that path X ran (and, on the torch path, that no kernel ran)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 import pytest
 
@@ -13,28 +14,50 @@ from tokenweir.model import kernels
 PATHS = ("torch", "avx2", "avx512", "avx512bf16")
 
 
-class _CountingOps:
-    """Proxy of the compiled module that counts calls per op name."""
+class _RecordingModule:
+    """Proxy of the compiled module: each call of one of its functions goes through
+    `record(name, args)` first."""
 
-    def __init__(self, module, calls: Counter) -> None:
-        self._module, self._calls = module, calls
+    def __init__(self, module, record: Callable[[str, tuple], None]) -> None:
+        self._module, self._record = module, record
 
     def __getattr__(self, name: str):
         fn = getattr(self._module, name)
 
-        def counted(*args, **kwargs):
-            self._calls[name] += 1
+        def recorded(*args, **kwargs):
+            self._record(name, args)
             return fn(*args, **kwargs)
-        return counted
+        return recorded
+
+
+def record_kernel_calls(monkeypatch, record: Callable[[str, tuple], None]) -> None:
+    """Route every call into the compiled module through `record(name, args)`, at the one door
+    every kernel getter passes (`kernels._module`, which honours TOKENWEIR_CPU_KERNELS). Since
+    it sits below the getters, a getter or caller that ignores the switch or skips its own
+    checks (contiguity, dtype, rows) is recorded too: "the torch path ran" can fail."""
+    real_module = kernels._module
+
+    def recording_module():
+        module = real_module()
+        return None if module is None else _RecordingModule(module, record)
+    monkeypatch.setattr(kernels, "_module", recording_module)
 
 
 def force_path(path: str, monkeypatch) -> Counter:
     """Set the environment for `path` (skipping, with the reason, where this CPU or build
-    cannot run it) and return a Counter of kernel calls: 'paged_attention' and each fused op."""
+    cannot run it) and return a Counter of calls into the compiled module per function name
+    ('paged_attention', each fused op, ...; also queries such as 'cpu_isa'). On the torch
+    path it must stay empty: the counter is connected there too."""
     calls: Counter = Counter()
     if path == "torch":
         monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "0")
-        return calls
+    else:
+        _require_variant(path, monkeypatch)
+    record_kernel_calls(monkeypatch, lambda name, args: calls.update([name]))
+    return calls
+
+
+def _require_variant(path: str, monkeypatch) -> None:
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
     if kernels.paged_attention_kernel() is None or kernels.fused_ops() is None:
         pytest.skip("C++ kernels could not be built here (no compiler?)")
@@ -43,21 +66,6 @@ def force_path(path: str, monkeypatch) -> Counter:
         pytest.skip(f"this CPU cannot run the {path} variant (widest here: "
                     f"{kernels.cpu_isa() or 'none'}; needs "
                     f"{kernels.ISA_NEEDS[path]})")
-    paged, ops = kernels.paged_attention_kernel, kernels.fused_ops
-
-    def counting_paged():
-        kernel = paged()
-        if kernel is None:
-            return None
-
-        def run(*args):
-            calls["paged_attention"] += 1
-            return kernel(*args)
-        run.isa = kernel.isa
-        return run
-    monkeypatch.setattr(kernels, "paged_attention_kernel", counting_paged)
-    monkeypatch.setattr(kernels, "fused_ops", lambda: _CountingOps(ops(), calls))
-    return calls
 
 
 def random_linear(in_features: int, out_features: int, bias: bool, seed: int):

@@ -74,6 +74,8 @@ def test_paged_matches_transformers(tiny, mode, path, monkeypatch):
         assert calls["paged_attention"] > 0 and calls["silu_mul"] > 0
         assert calls["add_rmsnorm"] > 0
         assert (calls["rotary_inplace"] > 0) == (kind != "qwen3")  # qk-norm: torch rotary
+    else:
+        assert not calls, f"the torch path called the C++ kernels: {dict(calls)}"
 
 
 def test_arch_flags(tiny):

@@ -29,10 +29,9 @@ TEXTS = ["Hello world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café
 
 
 @pytest.fixture(scope="module")
-def ours():
-    from tokenweir.model.loader import load_model
-
-    return load_model("smollm2-135m", torch.float32, torch.device("cpu"))
+def ours(smollm2_f32):
+    """The process-wide float32 load (tests/conftest.py); these tests only read it."""
+    return smollm2_f32
 
 
 @pytest.fixture(scope="module")

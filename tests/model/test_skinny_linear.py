@@ -13,26 +13,25 @@ import torch.nn.functional as F
 from tokenweir.model import kernels
 from tokenweir.model import layers
 
-from kernel_paths import random_linear
+from kernel_paths import random_linear, record_kernel_calls
 
 
 @pytest.fixture
 def skinny(monkeypatch):
+    """The shapes of x each call into the compiled skinny_linear saw. Recorded below the
+    getter (kernel_paths.record_kernel_calls), so a call that should have taken the torch
+    path but reached the kernel is seen."""
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
     monkeypatch.setattr(layers, "PACK_LINEAR", False)  # the unpacked kernel (packed: opt-out)
-    kernel = kernels.skinny_linear_kernel()
-    if kernel is None:
+    if kernels.skinny_linear_kernel() is None:
         pytest.skip("C++ kernels could not be built here (no compiler?)")
     calls = []
 
-    def counting(x, w):
-        calls.append(tuple(x.shape))
-        return kernel(x, w)
-
-    monkeypatch.setattr(kernels, "skinny_linear_kernel", lambda: counting)
+    def record(name, args):
+        if name == "skinny_linear":
+            calls.append(tuple(args[0].shape))
+    record_kernel_calls(monkeypatch, record)
     return calls
-
-
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 12])
@@ -49,16 +48,22 @@ def test_kernel_matches_f_linear(skinny, rows, k, n, bias):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
-def test_above_the_row_cap_and_when_disabled_the_torch_path_runs(skinny, monkeypatch):
+def test_above_the_row_cap_non_contiguous_and_disabled_the_torch_path_runs(skinny,
+                                                                            monkeypatch):
     lin = random_linear(64, 32, True, seed=1)
     with torch.no_grad():
         wide = torch.randn(layers.SKINNY_MAX_ROWS + 1, 64)
         torch.testing.assert_close(lin(wide), F.linear(wide, lin.weight, lin.bias))
+        strided = torch.randn(64, 2).t()  # 2 rows, non-contiguous: the torch path too
+        assert not strided.is_contiguous()
+        torch.testing.assert_close(lin(strided), F.linear(strided, lin.weight, lin.bias))
         assert skinny == []
-        monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "0")
-        monkeypatch.setattr(kernels, "skinny_linear_kernel", lambda: None)
         lin(torch.randn(2, 64))
-        lin(torch.randn(2, 64).t().contiguous().t())  # non-contiguous: torch path too
+        assert skinny == [(2, 64)]  # probe: with the kernels on, 2 rows do take the kernel
+        skinny.clear()
+        monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "0")
+        x = torch.randn(2, 64)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
     assert skinny == []
 
 

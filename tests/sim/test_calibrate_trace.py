@@ -114,6 +114,7 @@ def test_calibrate_cli_from_trace(tmp_path, capsys):
     # engine's slo policy reads all three terms from the profile.
     ttft = profile["ttft"]
     assert ttft["b"] > 0 and ttft["r2"] > 0.99
+    assert "warning" not in ttft and "warning" not in capsys.readouterr().err
     from tokenweir.config import SchedulerConfig
     from tokenweir.engine.slo_monitor import resolve_ttft_predictor
     from tokenweir.sim.slo_cuts import solo_ttft
@@ -124,6 +125,46 @@ def test_calibrate_cli_from_trace(tmp_path, capsys):
     model = FittedLatencyModel.from_profile(profile)
     for n in (200, 1000, 2000):
         assert predictor.predict(n) == pytest.approx(solo_ttft(model, n, 256), rel=0.05)
+
+
+def test_calibrate_warns_on_a_ttft_line_that_predicts_negative_times(tmp_path, capsys,
+                                                                    monkeypatch):
+    """The issue's fit: a -8,057 ms intercept, said nothing. Now a warning on stderr, in the
+    report and in the profile (the step model is still written: it may be sound)."""
+    from tokenweir.cli import main
+    from tokenweir.sim import calibrate_trace
+
+    engine_like_trace(tmp_path / "t.jsonl", seed=4, noise=0.03)
+    fit = calibrate_trace.calibrate_from_traces
+
+    def fit_with_the_issues_line(paths, holdout_every):
+        profile = fit(paths, holdout_every)
+        profile["ttft"].update(a=3e-3, b=0.0, c=-8.057)
+        return profile
+    monkeypatch.setattr(calibrate_trace, "calibrate_from_traces", fit_with_the_issues_line)
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--from-trace", str(tmp_path / "t.jsonl"), "--out",
+                 str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "warning: the fitted TTFT line predicts -8054.0 ms for a 1-token prompt" in (
+        printed.err)
+    assert "WARNING: the fitted TTFT line" in printed.out
+    assert json.loads(out.read_text())["ttft"]["warning"].startswith("the fitted TTFT line")
+
+
+@pytest.mark.parametrize("ttft,lowest", [
+    ({"a": 1e-3, "b": 1e-7, "c": 0.02}, (1, 0.0210001)),           # rising: its first token
+    ({"a": 3e-3, "c": -8.057}, (1, -8.054)),                         # the issue's intercept
+    ({"a": -1e-3, "b": 1e-6, "c": 0.1}, (500, -0.15)),               # negative only mid-range
+    ({"a": -1e-3, "c": 1.0}, (2048, -1.048)),                        # falling: the longest
+])
+def test_lowest_ttft_finds_the_minimum_over_every_prompt_length(ttft, lowest):
+    from tokenweir.sim.calibrate import lowest_ttft, negative_ttft_warning
+
+    n, seconds = lowest_ttft(ttft, 2048)
+    assert n == lowest[0] and seconds == pytest.approx(lowest[1])
+    warning = negative_ttft_warning({"ttft": ttft, "max_model_len": 2048})
+    assert (warning is None) == (lowest[1] >= 0)
 
 
 def test_runner_fit_weights_each_step_by_the_square_root_of_its_time(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -201,3 +202,64 @@ def test_engine_trace_and_its_simulation_side_by_side(tmp_path):
     # both start at their first arrival: the engine's clock offset is gone
     assert first.steps[0]["start"] == pytest.approx(second.steps[0]["start"], abs=1e-6)
     assert sum(e.get("cat") == "phase" for e in events) == 2 * len(sim.steps)
+
+
+def test_simulate_writes_step_records_that_timeline_compares(tmp_path, capsys):
+    """`simulate --step-records` writes what `timeline A B` reads (issue 34: no command wrote
+    them for a simulation); the records agree with the run's own metrics."""
+    runs = {}
+    for policy in ("fcfs", "priority"):
+        records, metrics = tmp_path / f"{policy}.jsonl", tmp_path / f"{policy}.json"
+        assert main(["simulate", "--num-requests", "40", "--request-rate", "20",
+                     "--num-gpu-blocks-override", "120", "--max-model-len", "1024",
+                     "--priority-mix", "0:0.5,1:0.5",
+                     "--scheduling-policy", policy, "--step-records", str(records),
+                     "--json", str(metrics)]) == 0
+        runs[policy] = (load_jsonl(records), json.loads(metrics.read_text()))
+    for trace, metrics in runs.values():
+        assert len(trace.requests) == metrics["num_finished"] == 40
+        assert len(trace.steps) == metrics["num_steps"] > 0
+        assert sum(r["decode"] for s in trace.steps for r in s["reqs"]) == sum(
+            r["output_len"] - 1 for r in trace.requests.values())  # all but each first
+        assert trace.meta["source"] == "simulator"
+    assert runs["fcfs"][0].steps != runs["priority"][0].steps  # probe: two different runs
+    page = tmp_path / "compare.html"
+    assert main(["timeline", str(tmp_path / "fcfs.jsonl"), str(tmp_path / "priority.jsonl"),
+                 "-o", str(page)]) == 0
+    assert "fcfs.jsonl" in capsys.readouterr().out and page.stat().st_size > 0
+
+
+def test_simulate_step_records_refuse_what_they_cannot_record(tmp_path, capsys):
+    assert main(["simulate", "--num-requests", "8", "--num-instances", "2",
+                 "--step-records", str(tmp_path / "x.jsonl")]) == 2
+    assert "--step-records records one instance" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_rows_sort_in_natural_order_when_arrivals_tie():
+    ids = [f"r{i}" for i in (10, 2, 0, 100, 1, 11, 3)]
+    assert sorted(ids) != sorted(ids, key=lambda r: int(r[1:]))  # probe: text order differs
+    steps = [{"step": 0, "start": 0.0, "duration": 0.01, "reqs": [
+        {"id": rid, "prefill": 4, "decode": 0, "context": 4} for rid in ids]}]
+    requests = {rid: {"id": rid, "arrival": 0.0} for rid in ids}
+    model = page_model([Trace(steps, requests, {"label": "t"})])
+    assert model["rowIds"] == ["r0", "r1", "r2", "r3", "r10", "r11", "r100"]
+
+
+def test_long_request_ids_are_shortened_in_the_gutter_not_in_the_data():
+    from tokenweir.timeline.layout import ROW_LABEL_CHARS
+
+    long_ids = [f"cmpl-3f9a1b2c4d5e6f7a8b9c-{i}" for i in range(12)]
+    ids = long_ids + ["r1", "abcdefghij"]
+    steps = [{"step": 0, "start": 0.0, "duration": 0.01, "reqs": [
+        {"id": rid, "prefill": 4, "decode": 0, "context": 4} for rid in ids]}]
+    model = page_model([Trace(steps, {}, {"label": "t"})])
+    labels = dict(zip(model["rowIds"], model["rowLabels"]))
+    assert all(len(label) <= ROW_LABEL_CHARS for label in labels.values())
+    assert labels["r1"] == "r1" and labels["abcdefghij"] == "abcdefghij"  # fit: untouched
+    shortened = [labels[rid] for rid in long_ids]
+    assert all("\u2026" in label for label in shortened)
+    assert len(set(shortened)) == len(long_ids)  # the tail tells them apart
+    assert set(model["panels"][0]["rows"]) == set(ids)  # the data keeps the whole ids
+    js = (Path(__file__).parents[2] / "tokenweir/timeline/static/timeline.js").read_text()
+    assert "drawRowLabel(ctx, DATA.rowLabels[r], y)" in js and "ctx.clip()" in js

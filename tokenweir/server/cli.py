@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from tokenweir.config import DEFAULT_MODEL, engine_kwargs
@@ -41,12 +40,7 @@ def run_serve(args: argparse.Namespace) -> int:
     names = tuple(args.served_model_name or ()) or (kwargs["model"],)
     if engine.model_name not in names:
         names = (*names, engine.model_name)
-    settings = ServerSettings(
-        served_model_names=names,
-        api_key=args.api_key or os.environ.get("TOKENWEIR_API_KEY") or None,
-        max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
-        max_request_body_bytes=args.max_request_body_bytes, timeline_steps=args.timeline_steps,
-        slo_reject_hopeless=args.slo_reject_hopeless)
+    settings = ServerSettings.from_serve_args(args, names)
     status = serve(engine, settings, args.host, args.port, args.log_level)
     if profile is not None:
         print(format_profile(profile.snapshot()), file=sys.stderr, flush=True)

@@ -1,42 +1,42 @@
-"""The HTTP server's own settings (the engine has EngineConfig).
-
-Every field's `help` metadata is CLI help, as in tokenweir/config.py: a flag generator over
-config dataclasses turns a field into `--field-name`.
+"""The HTTP server's own settings (the engine has EngineConfig), derived from
+`config.ServeConfig`, which the `tokenweir serve` flags are generated from: the fields the
+server reads are ServeConfig's fields of the same names (default and help taken from there,
+never written twice). Only `served_model_names` is the server's own: the names resolved at
+start-up (the flag's, else the model argument; the engine's model name always among them).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tokenweir.config import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tokenweir.config import ServeConfig
+
+_SERVE_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+# ServeConfig's fields that the running server reads, under their ServeConfig names.
+SHARED_FIELDS = ("api_key", "max_waiting_requests", "drain_timeout", "max_request_body_bytes",
+                 "timeline_steps", "slo_reject_hopeless")
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _from_serve_config(name: str) -> Any:
+    """A field with ServeConfig's default and metadata for `name`."""
+    source = _SERVE_FIELDS[name]
+    return field(default=source.default, metadata=source.metadata)
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    served_model_names: tuple[str, ...] = _f(
-        (), "name(s) clients use for the model (default: the model argument)")
-    api_key: Optional[str] = _f(
-        None, "require `Authorization: Bearer KEY` on /v1/* (default: $TOKENWEIR_API_KEY)")
-    max_waiting_requests: Optional[int] = _f(
-        None, "answer 503 + Retry-After while this many requests wait (default: unbounded)")
-    drain_timeout: float = _f(
-        30.0, "seconds to let running requests finish on SIGTERM/SIGINT; then each is ended "
-              "with finish_reason 'abort'")
-    max_request_body_bytes: int = _f(
-        DEFAULT_MAX_REQUEST_BODY_BYTES,
-        "largest request body accepted, in bytes; a larger one is answered 413 before it is "
-        "read in full")
-
-    slo_reject_hopeless: bool = _f(
-        False, "with a deadline-aware scheduling policy (slo), answer 503 + Retry-After to a "
-        "request whose ttft_slo_ms its TTFT predictor says it cannot meet even alone")
-    timeline_steps: int = _f(
-        2000, "the most recent steps GET /timeline shows; 0 turns it off")
+    served_model_names: tuple[str, ...] = field(
+        default=(), metadata={"help": "name(s) clients use for the model (resolved at start)"})
+    api_key: Optional[str] = _from_serve_config("api_key")
+    max_waiting_requests: Optional[int] = _from_serve_config("max_waiting_requests")
+    drain_timeout: float = _from_serve_config("drain_timeout")
+    max_request_body_bytes: int = _from_serve_config("max_request_body_bytes")
+    timeline_steps: int = _from_serve_config("timeline_steps")
+    slo_reject_hopeless: bool = _from_serve_config("slo_reject_hopeless")
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -44,3 +44,12 @@ class ServerSettings:
                              f"got {self.max_request_body_bytes}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+
+    @classmethod
+    def from_serve_args(cls, args: argparse.Namespace,
+                        served_model_names: tuple[str, ...]) -> "ServerSettings":
+        """The settings of a parsed `tokenweir serve` command line: every shared field as
+        given; the API key falls back to $TOKENWEIR_API_KEY (an empty one means none)."""
+        shared = {name: getattr(args, name) for name in SHARED_FIELDS}
+        shared["api_key"] = args.api_key or os.environ.get("TOKENWEIR_API_KEY") or None
+        return cls(served_model_names=served_model_names, **shared)

@@ -327,6 +327,31 @@ def load_profile(path: str) -> dict:
     return data
 
 
+def lowest_ttft(ttft: dict, longest: int) -> tuple[int, float]:
+    """(prompt tokens, seconds): the TTFT line's lowest prediction a*n + b*n^2 + c over
+    prompts of 1..longest tokens (an end, or the parabola's vertex where it lies between)."""
+    a, b, c = ttft["a"], ttft.get("b", 0.0), ttft["c"]
+    candidates = {1, max(1, longest)}
+    if b > 0:
+        vertex = -a / (2 * b)
+        candidates |= {min(max(1, n), longest) for n in (math.floor(vertex), math.ceil(vertex))}
+    n = min(candidates, key=lambda n: a * n + b * n * n + c)
+    return n, a * n + b * n * n + c
+
+
+def negative_ttft_warning(profile: dict) -> Optional[str]:
+    """A line saying where the fitted TTFT line predicts a negative time, or None: such a line
+    makes the slo policy think long prompts are free."""
+    longest = int(profile.get("max_model_len") or 2048)
+    n, seconds = lowest_ttft(profile["ttft"], longest)
+    if seconds >= 0:
+        return None
+    return (f"the fitted TTFT line predicts {1000 * seconds:.1f} ms for a {n}-token prompt "
+            f"(negative; c = {1000 * profile['ttft']['c']:.1f} ms): do not use this profile's "
+            f"TTFT line (--slo-ttft-profile) as it is; calibrate over more varied steps or "
+            f"give --slo-ttft-a-ms-per-token/--slo-ttft-c-ms")
+
+
 def format_report(profile: dict) -> str:
     fit, ttft, coef = profile["fit"], profile["ttft"], profile["coefficients"]
     lines = [f"--- tokenweir calibrate: {profile['model']} ({profile['dtype']}, "
@@ -339,6 +364,8 @@ def format_report(profile: dict) -> str:
              f"TTFT line: {1000 * ttft['a']:.3f} ms/token * uncached prompt tokens + "
              + (f"{1e6 * ttft['b']:.4g} us/token^2 * tokens^2 + " if ttft.get("b") else "")
              + f"{1000 * ttft['c']:.1f} ms (R^2 {ttft['r2']:.4f})"]
+    if ttft.get("warning"):
+        lines.append(f"WARNING: {ttft['warning']}")
     if profile.get("few_rows"):
         lines.append("few_rows (ms, by tokens in the step): " + ", ".join(
             f"{n}: {1000 * s:+.2f}" for n, s in profile["few_rows"].items()))
@@ -366,8 +393,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    warning = negative_ttft_warning(profile)
+    if warning:
+        profile["ttft"]["warning"] = warning
     with open(args.out, "w") as f:
         json.dump(profile, f, indent=1)
     print(format_report(profile))
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out}")
     return 0

@@ -82,17 +82,28 @@ def _workload(args: argparse.Namespace, kwargs: dict[str, Any]):
 
 def simulate_once(kwargs: dict[str, Any], specs, model_shape: str, hardware: str, tp: int,
                   ttft_slo_ms: Optional[float], tpot_slo_ms: Optional[float],
-                  chrome_trace: Optional[str] = None, profile: Optional[str] = None) -> dict:
+                  chrome_trace: Optional[str] = None, profile: Optional[str] = None,
+                  step_records: Optional[str] = None) -> dict:
     from tokenweir.sim.build import build_simulation
     from tokenweir.sim.metrics import summarize
     from tokenweir.sim.trace import write_chrome_trace
 
     sim = build_simulation(kwargs, specs, model_shape, hardware, tp,
                            latency_model=_fitted_model(profile))
-    result = sim.run()
+    result = _run_recording(sim, step_records) if step_records else sim.run()
     if chrome_trace:
         write_chrome_trace(result, chrome_trace)
     return summarize(result, ttft_slo_ms, tpot_slo_ms)
+
+
+def _run_recording(sim, path: str):
+    """sim.run(), its step records written to `path` (what `tokenweir timeline` reads)."""
+    from tokenweir.timeline.recorder import record_simulation
+    from tokenweir.timeline.records import write_jsonl
+
+    result, trace = record_simulation(sim)
+    write_jsonl(trace, path)
+    return result
 
 
 def _fitted_model(profile: Optional[str]):
@@ -118,7 +129,7 @@ def _simulate(args: argparse.Namespace) -> int:
     specs = _workload(args, kwargs)
     metrics = simulate_once(kwargs, specs, args.model_shape, args.hardware, args.tp,
                             args.ttft_slo_ms, args.tpot_slo_ms, args.chrome_trace,
-                            args.profile)
+                            args.profile, args.step_records)
     print(f"--- tokenweir simulate: {_where(args)} ---")
     print(format_report(metrics))
     if args.json_out:
@@ -168,6 +179,8 @@ def _simulate_samples(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
                          "(the roofline has no measured variability)")
     if args.chrome_trace:
         raise ValueError("--chrome-trace writes one run: give it without --samples")
+    if args.step_records:
+        raise ValueError("--step-records writes one run: give it without --samples")
     profile = load_profile(args.profile)
     variability = profile.get("variability") or {}
     if not (variability.get("run_sigma") or variability.get("step_sigma")):
@@ -206,6 +219,9 @@ def _simulate_cluster(args: argparse.Namespace) -> int:
 
     if getattr(args, "samples", 1) != 1:
         raise ValueError("--samples simulates one instance (no cluster options)")
+    if getattr(args, "step_records", None):
+        raise ValueError("--step-records records one instance (no cluster options; "
+                         "--chrome-trace writes a cluster run)")
     kwargs = _engine_kwargs(args)
     sessions = None
     if args.sessions:

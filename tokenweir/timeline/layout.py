@@ -8,6 +8,7 @@ states numbered as STATES; consecutive columns merge when state and tokens agree
 from __future__ import annotations
 
 import math
+import re
 from bisect import bisect_left
 from typing import Any, Optional
 
@@ -120,10 +121,34 @@ def panel_model(trace: Trace, max_columns: int = MAX_COLUMNS) -> dict[str, Any]:
             "estimated": any(r.get("estimated") for s in steps[:50] for r in s["reqs"])}
 
 
+def natural_key(request_id: str) -> list:
+    """Sort key reading runs of digits as numbers: r2 before r10 (text order puts r10 first).
+    re.split with a group alternates text and digits, so two keys compare text with text and
+    numbers with numbers."""
+    return [int(part) if i % 2 else part
+            for i, part in enumerate(re.split(r"(\d+)", request_id))]
+
+
+# The page's row gutter fits about this many characters of its 10-px font; the JS clips any
+# label to the gutter besides, so wide glyphs cannot spill over the bars either.
+ROW_LABEL_CHARS = 10
+
+
+def row_label(request_id: str, max_chars: int = ROW_LABEL_CHARS) -> str:
+    """The id as the gutter shows it: whole when it fits, else its head and tail around an
+    ellipsis (ids of one run often differ only at the end: cmpl-3f9a...-12 vs ...-13). The
+    tooltip shows the whole id."""
+    if len(request_id) <= max_chars:
+        return request_id
+    tail = (max_chars - 1) // 2 + 1
+    return request_id[:max_chars - 1 - tail] + "\u2026" + request_id[-tail:]
+
+
 def page_model(traces: list[Trace], max_rows: int = MAX_ROWS,
                max_columns: int = MAX_COLUMNS) -> dict[str, Any]:
     """Panels side by side, rows aligned by request id in order of first appearance (the
-    first trace's arrival order, then the others'); rows past `max_rows` are dropped."""
+    first trace's arrival order, then the others'; ties in natural order of the ids); rows
+    past `max_rows` are dropped."""
     panels = [panel_model(t, max_columns) for t in traces]
     order: dict[str, tuple] = {}
     for p_index, panel in enumerate(panels):
@@ -131,7 +156,7 @@ def page_model(traces: list[Trace], max_rows: int = MAX_ROWS,
             key = (info.get("arrival") if info.get("arrival") is not None
                    else panel["cols"]["start"][info["first_col"]], p_index)
             order.setdefault(rid, key)
-    row_ids = sorted(order, key=lambda rid: (order[rid][1], order[rid][0], rid))
+    row_ids = sorted(order, key=lambda rid: (order[rid][1], order[rid][0], natural_key(rid)))
     if len(row_ids) > max_rows:
         dropped = len(row_ids) - max_rows
         row_ids = row_ids[:max_rows]
@@ -141,5 +166,6 @@ def page_model(traces: list[Trace], max_rows: int = MAX_ROWS,
             panel["requests"] = {k: v for k, v in panel["requests"].items() if k in kept}
             panel["notes"].append(f"dropped {dropped} requests (the latest to arrive): the "
                                   f"page shows the first {max_rows} rows")
-    return {"rowIds": row_ids, "panels": panels, "states": STATES, "colors": COLORS,
+    return {"rowIds": row_ids, "rowLabels": [row_label(rid) for rid in row_ids],
+            "panels": panels, "states": STATES, "colors": COLORS,
             "descriptions": DESCRIPTIONS}

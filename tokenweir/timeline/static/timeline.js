@@ -144,9 +144,16 @@
       drawMarker(p, ctx, rid, y, left, w);
       ctx.fillStyle = r === hoverRow ? "#ffe680" : "#f4f4f4";
       ctx.fillRect(0, y, GUTTER - 2, ROW_H);
-      ctx.fillStyle = "#333"; ctx.fillText(rid, 3, y + ROW_H - 3);
+      drawRowLabel(ctx, DATA.rowLabels[r], y);
       if (r === hoverRow) { ctx.strokeStyle = "#000"; ctx.strokeRect(GUTTER + 0.5, y + 0.5, w - GUTTER - 1, ROW_H - 1); }
     }
+  }
+  // the row's label (layout.row_label: long ids shortened), clipped to the gutter
+  function drawRowLabel(ctx, label, y) {
+    ctx.save();
+    ctx.beginPath(); ctx.rect(0, y, GUTTER - 3, ROW_H); ctx.clip();
+    ctx.fillStyle = "#333"; ctx.fillText(label, 3, y + ROW_H - 3);
+    ctx.restore();
   }
   // per pixel column of the series canvas: sums for tokens and hits, peaks for the rest
   function seriesBins(p, w, left) {

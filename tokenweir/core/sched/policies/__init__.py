@@ -7,6 +7,9 @@ in the simulator alike, so a policy named in the config runs unchanged in both.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+from types import ModuleType
 
 from tokenweir.config import SchedulerConfig
 from tokenweir.core.sched.policies.base import Pause, SchedulingPolicy, VictimPolicy
@@ -21,7 +24,29 @@ VICTIM_POLICIES: dict[str, type[VictimPolicy]] = {
     "fcfs": FCFSVictim, "priority": PriorityVictim, "cost": CostVictim}
 
 __all__ = ["Pause", "SchedulingPolicy", "VictimPolicy", "SLOPolicy", "SCHEDULING_POLICIES",
-           "VICTIM_POLICIES", "resolve", "make_policies"]
+           "VICTIM_POLICIES", "resolve", "make_policies", "import_from_path_or_cwd"]
+
+
+def import_from_path_or_cwd(module_name: str) -> ModuleType:
+    """`import module_name`; where its top-level package is on no sys.path entry but lies in
+    the working directory, from there (as uvicorn resolves `app:module`): the working
+    directory is appended to sys.path, behind every installed package. An ImportError raised
+    inside the module (a dependency it lacks) is never retried."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        top = module_name.partition(".")[0]
+        cwd = os.getcwd()
+        if e.name != top or cwd in sys.path or not _is_module_in(cwd, top):
+            raise
+    sys.path.append(cwd)
+    importlib.invalidate_caches()
+    return importlib.import_module(module_name)
+
+
+def _is_module_in(folder: str, name: str) -> bool:
+    return (os.path.isdir(os.path.join(folder, name))
+            or os.path.isfile(os.path.join(folder, name + ".py")))
 
 
 def resolve(name: str, builtins: dict[str, type], base: type) -> type:
@@ -33,10 +58,11 @@ def resolve(name: str, builtins: dict[str, type], base: type) -> type:
         raise ValueError(f"unknown {base.__name__} {name!r}: use one of {sorted(builtins)} "
                          f"or 'package.module:Class'")
     try:
-        obj = importlib.import_module(module_name)
+        obj = import_from_path_or_cwd(module_name)
     except ImportError as e:
         raise ValueError(f"{base.__name__} {name!r}: cannot import {module_name!r} ({e}); "
-                         f"is it on PYTHONPATH?") from e
+                         f"looked on sys.path and in the working directory "
+                         f"{os.getcwd()}") from e
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
