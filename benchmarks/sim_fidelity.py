@@ -167,6 +167,14 @@ the profile's time on overload, prefix, swap and slo (light 0.99-1.01x). More re
 lower the floor reliably either: resized to 2x and 3x, other cells land on such cliffs (slo
 TPOT p50's p90 16% at 3x, in the same synthetic scoring).
 
+Cuts (issue 36: the real engine cut ~0.5 more per slo run than the simulator): the slo
+workload predicts TTFT by a fixed line on both sides (SLO_A_MS, SLO_C_MS), so a machine slower
+than the profile leaves urgent waiters less slack and cuts more: in the simulator, seeds 1-8
+cut 62 times at the profile's speed and 68 at 1.10x (tests/sim/test_sim_fidelity_repeats.py),
+and fid28's slo validation runs ran up to 1.07x. The speed-matched row's counts take that
+share out; compare its cuts with the real ones to see what is left. A monitor whose looks lag
+their wake-ups by up to 5 ms (the GIL hand-off) moved the count by 1 in 62: not the cause.
+
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
 ~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a
