@@ -1,7 +1,7 @@
 """Simulator fidelity suite: five workloads on the real engine (CPU, the default model,
 float32) and in the simulator driven by a profile fitted to real-engine step traces.
 
-    python benchmarks/sim_fidelity.py            # the suite: calibrate on seed 0, validate on seed 1
+    python benchmarks/sim_fidelity.py            # the suite: calibrate on seeds 0, 4; validate on 1, 2, 3
     python benchmarks/sim_fidelity.py --repeats 6   # recommended: 6 validation runs per workload
     python benchmarks/sim_fidelity.py --quick    # half the requests (development)
     python benchmarks/sim_fidelity.py --profile P.json   # validate only, with a given profile
@@ -20,8 +20,16 @@ one request's race with an arrival):
   slo       the slo policy with mid-step cuts; 25% urgent requests (TTFT target 1.3x their
             predicted solo TTFT), the rest 6x; prompts 64-600, budget 512
 
+The criterion (issue 36; `criterion`, printed last, and the exit status): per workload and
+cell (total time, TTFT p50/p90, TPOT p50/p90), the simulator's mean over every validation run
+of every validation seed against the real runs' mean within max(5%, a perfect simulator's p90
+|error| for that cell: `format_perfect`); speed-matched, every cell within 5%; preemptions,
+swap-outs, prefix hits and cuts, real and simulated means within 10% or 1.
+
 Real runs: per workload, `--calibration-runs` (default 2) calibration runs, seeds `--seed`,
-`--seed + 2`, ..., then a validation run with seed `--seed + 1`, one after the other (so that a
+`--seed + V + 1`, ..., then validation runs with seeds `--seed + 1` .. `--seed + V`
+(`--validation-seeds` V, default 3; V = 1 is the layout of the suites kept before issue 36:
+calibration `--seed`, `--seed + 2`, validation `--seed + 1`), one after the other (so that a
 machine whose speed drifts over minutes, as these shared ones do, drifts under both), each
 traced (`LLMEngine.start_trace`, after a warm-up). Calibration: `tokenweir calibrate
 --from-trace` fits ONE profile to every calibration trace (runner model + engine overhead,
@@ -159,6 +167,14 @@ the profile's time on overload, prefix, swap and slo (light 0.99-1.01x). More re
 lower the floor reliably either: resized to 2x and 3x, other cells land on such cliffs (slo
 TPOT p50's p90 16% at 3x, in the same synthetic scoring).
 
+Cuts (issue 36: the real engine cut ~0.5 more per slo run than the simulator): the slo
+workload predicts TTFT by a fixed line on both sides (SLO_A_MS, SLO_C_MS), so a machine slower
+than the profile leaves urgent waiters less slack and cuts more: in the simulator, seeds 1-8
+cut 62 times at the profile's speed and 68 at 1.10x (tests/sim/test_sim_fidelity_repeats.py),
+and fid28's slo validation runs ran up to 1.07x. The speed-matched row's counts take that
+share out; compare its cuts with the real ones to see what is left. A monitor whose looks lag
+their wake-ups by up to 5 ms (the GIL hand-off) moved the count by 1 in 62: not the cause.
+
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
 ~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a
@@ -182,6 +198,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -190,6 +207,7 @@ from tokenweir.sim.metrics import percentile  # noqa: E402
 from tokenweir.sim.workload import RequestSpec, synthetic  # noqa: E402
 
 TARGET = 0.05
+COUNT_TOLERANCE = 0.10  # counts: real and simulated within 10% or 1 (`counts_agree`)
 METRICS = ("total_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
 COUNTS = ("preemptions", "swap_outs", "prefix_hits", "cuts")
 MAX_MODEL_LEN = 1024
@@ -241,7 +259,11 @@ def parse_args() -> argparse.Namespace:
                    help="first calibration seed; validation: seed+1")
     p.add_argument("--calibration-runs", type=int, default=2, metavar="N",
                    help="calibration runs per workload, seeds `calibration_seeds` (seed, "
-                        "seed+2, seed+3, ...: never the validation seed); default 2")
+                        "seed+V+1, seed+V+2, ...: never a validation seed); default 2")
+    p.add_argument("--validation-seeds", type=int, default=3, metavar="V",
+                   help="validation seeds seed+1 .. seed+V, --repeats runs each; every cell "
+                        "is judged on the mean over all of them; default 3 (1: the suites "
+                        "kept before issue 36)")
     p.add_argument("--trace-dir", help="keep the real runs here (default: a temp dir)")
     p.add_argument("--replay", metavar="DIR",
                    help="no real engine: refit and resimulate the runs kept in DIR")
@@ -332,16 +354,29 @@ def num_validation_runs(args) -> int:
 
 
 def calibration_seeds(args) -> list[int]:
-    """The seeds of each workload's --calibration-runs calibration runs: --seed, then seed+2,
-    seed+3, ... (seed+1 is the validation seed, which calibration never sees)."""
+    """The seeds of each workload's --calibration-runs calibration runs: --seed, then
+    seed+V+1, seed+V+2, ... (seed+1 .. seed+V are the validation seeds, which calibration
+    never sees)."""
     if args.calibration_runs < 1:
         raise SystemExit(f"--calibration-runs must be >= 1, got {args.calibration_runs}")
-    return [args.seed] + [args.seed + 1 + k for k in range(1, args.calibration_runs)]
+    after = args.seed + len(validation_seeds(args))
+    return [args.seed] + [after + k for k in range(1, args.calibration_runs)]
 
 
-def validation_paths(args, trace_dir: Path, name: str, count: int) -> list[Path]:
-    """The traces of workload `name`'s first `count` validation runs, in the order they ran."""
-    return [real_path(trace_dir, name, args.seed + 1, repeat_suffix(k)) for k in range(count)]
+def validation_seeds(args) -> list[int]:
+    """--seed + 1 .. --seed + --validation-seeds."""
+    count = getattr(args, "validation_seeds", 1)
+    if count < 1:
+        raise SystemExit(f"--validation-seeds must be >= 1, got {count}")
+    return [args.seed + 1 + v for v in range(count)]
+
+
+def validation_paths(args, trace_dir: Path, name: str, count: int,
+                     seeds: Optional[list[int]] = None) -> list[Path]:
+    """The traces of workload `name`'s first `count` validation runs of each validation seed
+    (`seeds`, default all), seed by seed, each seed's in the order they ran."""
+    return [real_path(trace_dir, name, seed, repeat_suffix(k))
+            for seed in (seeds or validation_seeds(args)) for k in range(count)]
 
 
 def records_path(trace: Path) -> Path:
@@ -389,19 +424,21 @@ def real_runs(args, names: list[str], calibrate: bool) -> list[tuple[str, str, i
     seeds = calibration_seeds(args) if calibrate else []
     calibration = [("calibration", n, seed, "") for seed in seeds for n in names]
 
-    def validation(name: str, k: int) -> tuple[str, str, int, str]:
+    checked = validation_seeds(args)
+
+    def validation(name: str, k: int) -> list[tuple[str, str, int, str]]:
         kind = "validation" if k == 0 else f"validation repeat {k}"
-        return (kind, name, args.seed + 1, repeat_suffix(k))
+        return [(kind, name, seed, repeat_suffix(k)) for seed in checked]
 
     if args.order == "round-robin":
         rounds = [(i / len(seeds), 0, [c for c in calibration if c[2] == seed])
                   for i, seed in enumerate(seeds)]
-        rounds += [((k + 0.5) / validations, 1, [validation(n, k) for n in names])
+        rounds += [((k + 0.5) / validations, 1, [v for n in names for v in validation(n, k)])
                    for k in range(validations)]
         return [run for *_, runs in sorted(rounds, key=lambda r: r[:2]) for run in runs]
     return [run for n in names
             for run in [c for c in calibration if c[1] == n]
-            + [validation(n, k) for k in range(validations)]]
+            + [v for k in range(validations) for v in validation(n, k)]]
 
 
 def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
@@ -680,8 +717,9 @@ def run_speed(profile: dict, trace: Path) -> dict:
 
 
 def noise_floor(args, name: str, trace_dir: Path) -> dict:
-    """The second real validation run against the first: the run-to-run noise."""
-    first, second = validation_paths(args, trace_dir, name, 2)
+    """The second real validation run against the first (the first validation seed's): the
+    run-to-run noise."""
+    first, second = validation_paths(args, trace_dir, name, 2, validation_seeds(args)[:1])
     return compare(name, [load_run(second)], [load_run(first)])
 
 
@@ -719,8 +757,48 @@ def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
 
 
 def _p90(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[int(0.9 * (len(xs) - 1))]
+    """The 90th percentile as the project computes every percentile (metrics.percentile)."""
+    return percentile(sorted(xs), 90)
+
+
+def perfect_floor(perfect: dict[str, list[dict]]) -> dict[tuple[str, str], float]:
+    """(workload, metric) -> a perfect simulator's |error| p90 over its synthetic suites."""
+    return {(w, k): _p90([abs(e[k]) for e in errs]) for w, errs in perfect.items()
+            for k in METRICS}
+
+
+def counts_agree(real: float, sim: float) -> bool:
+    """Real and simulated counts within 10% (of the real one) or 1."""
+    return abs(sim - real) <= max(COUNT_TOLERANCE * real, 1.0)
+
+
+def criterion(rows: list[dict], perfect: dict[str, list[dict]]) -> list[str]:
+    """Every way the suite misses the criterion (issue 36; empty: it meets it): a cell whose
+    |error| exceeds max(TARGET, a perfect simulator's p90 for that cell; no perfect suites:
+    TARGET), a speed-matched cell over TARGET, counts that disagree (`counts_agree`)."""
+    floor = perfect_floor(perfect) if perfect else {}
+    misses = []
+    for r in rows:
+        w = r["workload"]
+        for k in METRICS:
+            allowed = max(TARGET, floor.get((w, k), 0.0))
+            if abs(r["rel_error"][k]) > allowed:
+                misses.append(f"{w} {k} {100 * r['rel_error'][k]:+.1f}% "
+                              f"(allowed {100 * allowed:.1f}%)")
+            matched = r.get("speed_matched")
+            if matched is not None and abs(matched["rel_error"][k]) > TARGET:
+                misses.append(f"{w} {k} speed-matched {100 * matched['rel_error'][k]:+.1f}%")
+        for k in COUNTS:
+            real, sim = r["counts_real"][k], r["counts_sim"][k]
+            if not counts_agree(real, sim):
+                misses.append(f"{w} {k} real {_count(real)} vs sim {_count(sim)}")
+    return misses
+
+
+def format_criterion(misses: list[str]) -> str:
+    return ("criterion (issue 36: each cell within max(5%, a perfect simulator's p90), "
+            "speed-matched within 5%, counts within 10% or 1): "
+            + ("MET" if not misses else f"MISSED in {len(misses)}: " + "; ".join(misses)))
 
 
 def format_perfect(profile: dict, rows: list[dict], perfect: dict[str, list[dict]]) -> str:
@@ -729,8 +807,7 @@ def format_perfect(profile: dict, rows: list[dict], perfect: dict[str, list[dict
     and this suite's cells beyond that p90 (the errors a perfect simulator rarely makes)."""
     v = profile.get("variability") or {}
     some = next(iter(perfect.values()))
-    floor = {(w, k): _p90([abs(e[k]) for e in errs]) for w, errs in perfect.items()
-             for k in METRICS}
+    floor = perfect_floor(perfect)
     lines = [f"a perfect simulator (the real engine exactly the profile, varying only as its "
              f"run_sigma {100 * v.get('run_sigma', 0):.1f}% and step_sigma "
              f"{100 * v.get('step_sigma', 0):.1f}%) in {len(some)} synthetic suites of "
@@ -881,7 +958,7 @@ def main() -> int:
     seeds = "" if args.profile else ", ".join(map(str, calibration_seeds(args)))
     print(f"\n{len(names)} workloads, {args.threads} thread(s), "
           + (f"profile {args.profile}" if args.profile else f"calibrated on seed(s) {seeds}")
-          + f", validated on seed {args.seed + 1}"
+          + f", validated on seed(s) {', '.join(map(str, validation_seeds(args)))}"
           + (f" ({runs} real runs each)" if runs > 1 else "")
           + f"; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
@@ -902,10 +979,12 @@ def main() -> int:
         Path(args.json_out).write_text(json.dumps({"rows": rows, "noise_floor": noise,
                                                    "sensitivity": dict(zip(names, swings)),
                                                    "perfect_simulator": perfect,
+                                                   "criterion_misses": criterion(rows, perfect),
                                                    "profile_heldout": profile.get("heldout")},
                                                   indent=1))
-    worst = max(abs(e) for r in rows for e in r["rel_error"].values())
-    return 0 if worst <= TARGET else 1
+    misses = criterion(rows, perfect)
+    print(format_criterion(misses))
+    return 0 if not misses else 1
 
 
 if __name__ == "__main__":

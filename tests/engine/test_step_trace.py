@@ -47,19 +47,24 @@ def core_on_sim_runner(mode: str, blocks: int = 40):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_step_observer_records_what_the_scheduler_planned(mode):
-    """The tracer reads each step after its update; its composition equals what the
-    simulator's StepRecorder reads from the same SchedulerOutput before the update."""
+    """The tracer builds each step's record after its update; what it records equals what
+    the simulator's StepRecorder reads from the same SchedulerOutput before the update,
+    queue lengths, pool usage and paused ids included (read at the same moment: issue 36)."""
     core, specs = core_on_sim_runner(mode)
     scheduler = core.scheduler
     ring = StepRing(capacity=100_000)
     tracer = attach_tracer(core, ring)
-    recorder, planned = StepRecorder(scheduler, scheduler.kv), []
+    recorder, planned, after_update = StepRecorder(scheduler, scheduler.kv), [], []
     update = scheduler.update_from_output
 
     def spy(out, runner_out, now=0.0, *rest):
         if not out.is_empty:
             planned.append(recorder.record(now, 0.0, out))
-        return update(out, runner_out, now, *rest)
+        outputs = update(out, runner_out, now, *rest)
+        if not out.is_empty:
+            after_update.append((scheduler.num_running, scheduler.num_waiting,
+                                 round(scheduler.kv.usage(), 5)))
+        return outputs
 
     scheduler.update_from_output = spy
     while core.has_unfinished_requests():
@@ -67,12 +72,19 @@ def test_step_observer_records_what_the_scheduler_planned(mode):
     tracer.close()
     steps = list(ring.steps)
     assert len(steps) == len(planned) > 30
+    moment = ("running", "waiting", "kv_usage", "paused")
     for got, want in zip(steps, planned):
         assert got["reqs"] == want["reqs"]
         assert (got["preempted"], got["swapped"]) == (want["preempted"], want["swapped"])
         assert got["prefix_hits"] == want["prefix_hits"]
+        assert [got[k] for k in moment] == [want[k] for k in moment]
         assert set(got["phases"]) == {"schedule", "execute", "update"}
         assert sum(got["phases"].values()) <= got["duration"] + 1e-12
+    # The probe: reading after the update would have differed (requests finished in steps).
+    assert sum((s["running"], s["waiting"], s["kv_usage"]) != late
+               for s, late in zip(steps, after_update)) > 0
+    # All requests were added up front: only after the last step is the engine idle.
+    assert [bool(s.get("drained")) for s in steps] == [False] * (len(steps) - 1) + [True]
     probe = "swapped" if mode == "swap" else "preempted"
     assert sum(len(s[probe]) for s in steps) > 0  # the pool really was too small
     assert sum(s["prefix_hits"] for s in steps) > 0

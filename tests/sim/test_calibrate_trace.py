@@ -9,12 +9,12 @@ import json
 import pytest
 
 from tokenweir.sim.build import build_simulation
-from tokenweir.sim.calibrate_trace import calibrate_from_traces, traced_steps
+from tokenweir.sim.calibrate_trace import GAP_CAP_S, calibrate_from_traces, traced_steps
 from tokenweir.sim.latency import (OVERHEAD_FEATURES, FittedLatencyModel, NoisyLatencyModel,
                                   StepTotals)
 from tokenweir.sim.workload import synthetic
 from tokenweir.timeline.recorder import record_simulation
-from tokenweir.timeline.records import write_jsonl
+from tokenweir.timeline.records import Trace, write_jsonl
 
 RUNNER = {"const": 0.004, "prefill_tokens": 1.2e-3, "decode_rows": 2.5e-3,
           "prefill_attention": 2e-8, "decode_context": 1e-6, "prefill_rows": 5e-4,
@@ -82,6 +82,29 @@ def test_from_trace_validates_on_another_seed_with_noise(tmp_path):
     steps = traced_steps(other)
     predicted = sum(model.predict_totals(s.totals) for s in steps)
     assert predicted / sum(s.cycle for s in steps) == pytest.approx(1.0, abs=0.02)
+
+
+def _step(start: float, duration: float, **queues) -> dict:
+    return {"start": start, "duration": duration, "reqs": [{"prefill": 0, "decode": 1,
+            "context": 100}], "phases": {"forward": duration / 2}, **queues}
+
+
+def test_an_idle_gap_is_not_folded_into_the_step_before_it():
+    """Issue 36: a gap after which the engine had work is its loop's own cost (in the cycle,
+    up to GAP_CAP_S); a gap after a step that left it drained is idling for arrivals, which
+    the simulator models itself: not in the cycle. Both the new key (`drained`) and a trace
+    written before it (queues read after the update: both empty) say so."""
+    gap = 0.0015
+    assert gap < GAP_CAP_S  # the probe: the old rule would have folded all of it in
+    busy = Trace([_step(0.0, 0.01, running=2, waiting=1), _step(0.0115, 0.01, running=2)],
+                 {}, {})
+    drained = Trace([_step(0.0, 0.01, running=2, drained=True), _step(0.0115, 0.01)], {}, {})
+    old_drained = Trace([_step(0.0, 0.01, running=0, waiting=0), _step(0.0115, 0.01)], {}, {})
+    assert traced_steps(busy)[0].cycle == pytest.approx(0.01 + gap)
+    assert traced_steps(drained)[0].cycle == pytest.approx(0.01)
+    assert traced_steps(old_drained)[0].cycle == pytest.approx(0.01)
+    long_gap = Trace([_step(0.0, 0.01, running=1), _step(0.02, 0.01)], {}, {})
+    assert traced_steps(long_gap)[0].cycle == pytest.approx(0.01 + GAP_CAP_S)
 
 
 def test_profiles_without_overhead_load_and_predict_as_before():

@@ -66,6 +66,8 @@ def run_main(fid, monkeypatch, tmp_path, *argv) -> dict:
     out = tmp_path / "out.json"
     if "--perfect-suites" not in argv:
         argv = (*argv, "--perfect-suites", "0")
+    if "--validation-seeds" not in argv:  # the kept runs: one validation seed (seed 1)
+        argv = (*argv, "--validation-seeds", "1")
     monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--json", str(out)])
     fid.main()
     return json.loads(out.read_text())
@@ -343,9 +345,110 @@ def test_perfect_table_counts_suites_and_names_the_cells_beyond_it(fid):
     profile = {"variability": {"run_sigma": 0.02, "step_sigma": 0.015}}
     text = fid.format_perfect(profile, rows, perfect)
     assert "run_sigma 2.0% and step_sigma 1.5%) in 5 synthetic suites of 6 runs" in text
-    assert "6.0% ( 2)" in text  # tpot_p50's p90 over the 5 suites, 2 of them over 5%
+    # tpot_p50's p90 over the 5 suites (metrics.percentile: 6% + 0.6 * (8% - 6%)), 2 of
+    # them over 5%
+    assert "7.2% ( 2)" in text
     assert "in 3/5 suites (its worst cell per suite: median 3.0%, max 8.0%)" in text
-    # ttft p50 +7% is beyond a perfect simulator (0% there); tpot p50 -9% beyond its 6.0%;
+    # ttft p50 +7% is beyond a perfect simulator (0% there); tpot p50 -9% beyond its 7.2%;
     # total +4% is within the target, so not named
     assert text.endswith("beyond a perfect simulator's p90: w ttft_p50_ms +7.0% (p90 0.0%), "
-                         "w tpot_p50_ms -9.0% (p90 6.0%)")
+                         "w tpot_p50_ms -9.0% (p90 7.2%)")
+
+
+def test_p90_is_the_projects_percentile(fid):
+    from tokenweir.sim.metrics import percentile
+
+    xs = [0.08, 0.01, 0.06, 0.02, 0.03]
+    assert fid._p90(xs) == percentile(sorted(xs), 90) == pytest.approx(0.072)
+
+
+def test_validation_seeds_and_calibration_seeds_never_meet(fid):
+    """--validation-seeds 3 (the default): validation on seed+1..seed+3, each --repeats
+    times; calibration on seed, then after the validation seeds."""
+    args = argparse.Namespace(seed=5, repeats=2, noise_floor=False, order="workload",
+                              calibration_runs=2, validation_seeds=3)
+    assert fid.validation_seeds(args) == [6, 7, 8] and fid.calibration_seeds(args) == [5, 9]
+    runs = fid.real_runs(args, ["light"], calibrate=True)
+    assert [(r[2], r[3]) for r in runs] == [(5, ""), (9, ""), (6, ""), (7, ""), (8, ""),
+                                            (6, "-repeat"), (7, "-repeat"), (8, "-repeat")]
+    assert [p.name for p in fid.validation_paths(args, Path("d"), "light", 2)] == [
+        "light-seed6.jsonl", "light-seed6-repeat.jsonl", "light-seed7.jsonl",
+        "light-seed7-repeat.jsonl", "light-seed8.jsonl", "light-seed8-repeat.jsonl"]
+    args.order = "round-robin"
+    assert sorted(fid.real_runs(args, ["light"], calibrate=True)) == sorted(runs)
+    args.validation_seeds = 0
+    with pytest.raises(SystemExit, match="validation-seeds"):
+        fid.validation_seeds(args)
+
+
+def _row(workload: str, errors: dict, matched: dict, real: dict, sim: dict) -> dict:
+    return {"workload": workload, "rel_error": errors, "speed_matched": {"rel_error": matched},
+            "counts_real": real, "counts_sim": sim}
+
+
+def test_criterion_allows_a_perfect_simulators_p90_and_checks_counts(fid):
+    """Issue 36's criterion: a cell within max(5%, the perfect simulator's p90 for it);
+    speed-matched within 5%; counts within 10% or 1. Each rule, met and missed."""
+    zero = {k: 0.0 for k in fid.METRICS}
+    counts = {k: 0.0 for k in fid.COUNTS}
+    perfect = {"w": [zero | {"tpot_p50_ms": x} for x in (0.01, -0.02, 0.06, 0.03, -0.08)]}
+    ok = _row("w", zero | {"tpot_p50_ms": -0.07, "total_s": 0.049}, zero | {"total_s": -0.05},
+              counts | {"preemptions": 20.0, "cuts": 0.5},
+              counts | {"preemptions": 22.0, "cuts": 1.5})
+    assert fid.criterion([ok], perfect) == []
+    assert fid.criterion([ok], {}) == ["w tpot_p50_ms -7.0% (allowed 5.0%)"]  # no floor
+    bad = _row("w", zero | {"tpot_p50_ms": -0.073, "ttft_p50_ms": 0.051},
+               zero | {"ttft_p90_ms": 0.051}, counts | {"preemptions": 20.0, "swap_outs": 3.0},
+               counts | {"preemptions": 22.5, "swap_outs": 1.9})
+    assert fid.criterion([bad], perfect) == [
+        "w ttft_p50_ms +5.1% (allowed 5.0%)", "w ttft_p90_ms speed-matched +5.1%",
+        "w tpot_p50_ms -7.3% (allowed 7.2%)", "w preemptions real 20 vs sim 22.5",
+        "w swap_outs real 3 vs sim 1.9"]
+    assert fid.format_criterion([]).endswith(": MET")
+    assert "MISSED in 5" in fid.format_criterion(fid.criterion([bad], perfect))
+
+
+def test_every_validation_seed_is_judged_together(fid, kept, monkeypatch, tmp_path):
+    """--validation-seeds 3: the runs of seeds 1, 2, 3 pooled into one row (each simulated
+    at its own arrivals); with the profile that made them, every cell meets the criterion.
+    The probe: the three seeds' runs differ."""
+    d, profile = kept
+    w = fid.WORKLOADS["light"]
+    model = FittedLatencyModel.from_profile(PROFILE)
+    overhead = PROFILE["overhead"]["const"]
+    for seed in (2, 3):
+        records, trace = fid.run_sim(w, model, fid.make_specs(w, seed, quick=True))
+        for s in trace.steps:
+            s["phases"] = {"schedule": overhead, "forward": s["duration"] - overhead}
+        path = fid.real_path(d, "light", seed)
+        write_jsonl(trace, path)
+        fid.records_path(path).write_text(json.dumps(
+            {"workload": "light", "seed": seed, "quick": True, "records": records}))
+    out = run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--profile", str(profile),
+                   "--workloads", "light", "--validation-seeds", "3", "--sim-samples", "1")
+    (row,) = out["rows"]
+    assert row["runs"] == 3 and len({r["total_s"] for r in row["real_runs"]}) == 3
+    assert all(abs(e) < 1e-9 for e in row["rel_error"].values())
+    assert out["criterion_misses"] == []
+
+
+def test_the_slo_workload_cuts_more_on_a_slower_machine(fid):
+    """Issue 36's "the real engine cuts ~0.5 more per run": the slo workload predicts TTFT
+    by a FIXED line on both sides (SLO_A_MS, SLO_C_MS), so a machine slower than the profile
+    leaves urgent waiters less slack and the monitor cuts more. Seeds 1-8 with this profile
+    (recorded: 62 cuts at 1.0x, 68 at 1.10x); the suites' validation runs ran 1.00-1.07x the
+    profile, so a speed-matched simulation (at_run_speed) carries that share of the gap."""
+    profile = {"coefficients": {"const": 0.012, "prefill_tokens": 0.0011,
+                                "decode_rows": 0.0004, "prefill_attention": 2e-8,
+                                "decode_context": 2e-7},
+               "overhead": {"const": 0.0008}, "kv_bytes_per_token": 46080,
+               "max_model_len": 1024, "num_layers": 30}
+    w = fid.WORKLOADS["slo"]
+
+    def cuts(scale: float) -> int:
+        model = FittedLatencyModel.from_profile(
+            {**profile, "runner_scale": {"decode": scale, "prefill": scale}})
+        return sum(fid.step_counts(fid.run_sim(w, model, fid.make_specs(w, seed, False))[1])
+                   ["cuts"] for seed in range(1, 9))
+
+    assert (cuts(1.0), cuts(1.10)) == (62, 68)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenweir.config import EngineConfig
 from tokenweir.core.sched.policy import PreemptionCosts
-from tokenweir.sim.hardware import GiB, ModelShape, get_hardware, get_shape
+from tokenweir.sim.hardware import GiB, get_hardware, get_shape
 from tokenweir.sim.latency import FittedLatencyModel, RooflineLatencyModel
+from tokenweir.sim.setup import EngineSetup, Recording
 from tokenweir.sim.simulator import Simulation
 from tokenweir.sim.workload import RequestSpec
 
@@ -64,19 +64,6 @@ def host_pool_and_costs(config: EngineConfig, model) -> tuple[int, PreemptionCos
     return num_host_blocks, costs
 
 
-@dataclass(frozen=True)
-class EngineSetup:
-    """What every instance of a simulation is built from."""
-
-    config: EngineConfig
-    model: Any  # the latency model
-    shape: ModelShape  # --model-shape (a fitted profile brings its own sizes instead)
-    max_model_len: int
-    num_blocks: int  # per instance
-    num_host_blocks: int
-    costs: PreemptionCosts
-
-
 def engine_setup(kwargs: dict[str, Any], model_shape: str = "llama-7b", hardware: str = "h100",
                  tp: int = 1, latency_model: Optional[RooflineLatencyModel] = None,
                  pp_size: int = 1) -> EngineSetup:
@@ -98,9 +85,7 @@ def build_simulation(kwargs: dict[str, Any], specs: list[RequestSpec],
                      model_shape: str = "llama-7b", hardware: str = "h100", tp: int = 1,
                      latency_model: Optional[RooflineLatencyModel] = None,
                      **sim_kw: Any) -> Simulation:
-    """One instance (`sim_kw`: Simulation's options, pp_size and sessions included)."""
-    setup = engine_setup(kwargs, model_shape, hardware, tp, latency_model,
-                         sim_kw.get("pp_size", 1))
-    return Simulation(setup.config, setup.model, specs, num_blocks=setup.num_blocks,
-                      max_model_len=setup.max_model_len, num_host_blocks=setup.num_host_blocks,
-                      costs=setup.costs, **sim_kw)
+    """One instance. `sim_kw`: `pp_size`, `sessions`, and Recording's fields."""
+    pp_size, sessions = sim_kw.pop("pp_size", 1), sim_kw.pop("sessions", None)
+    setup = engine_setup(kwargs, model_shape, hardware, tp, latency_model, pp_size)
+    return Simulation(setup, specs, Recording(**sim_kw), pp_size, sessions)

@@ -4,8 +4,10 @@ ran (`--trace FILE` on `tokenweir generate` / `serve` / `LLM`; format: timeline/
 Per traced step (cut steps and steps without phase times are skipped):
 - the runner's seconds: the sum of its phases `prepare`, `forward`, `sample` (or `execute`);
 - the cycle: the step's duration (schedule ... output processing) plus the gap to the next
-  step's start, the gap capped at GAP_CAP_S (a longer gap is the engine idling for arrivals,
-  which the simulator's event loop models itself; a short one is the engine loop's own cost);
+  step's start, the gap capped at GAP_CAP_S (a longer gap is the process descheduled; a short
+  one is the engine loop's own cost), and no gap at all after a step that left the engine
+  drained (`idle_after`: it then idled for arrivals, which the simulator's event loop
+  models itself);
 - the engine overhead: cycle - runner.
 
 Two fits, each non-negative least squares: the runner's time on `fitted_features` (each
@@ -96,12 +98,21 @@ def traced_steps(trace: Trace) -> list[TracedStep]:
                   for r in s["reqs"]]
         runner = sum(phases.get(k, 0.0) for k in RUNNER_PHASES)
         cycle = s["duration"]
-        if i + 1 < len(steps):
+        if i + 1 < len(steps) and not idle_after(s):
             gap = steps[i + 1]["start"] - (s["start"] + s["duration"])
             cycle += min(max(gap, 0.0), GAP_CAP_S)
         if runner > 0:
             out.append(TracedStep(StepTotals.of_chunks(chunks), runner, cycle, s["start"]))
     return out
+
+
+def idle_after(step: dict) -> bool:
+    """Whether the engine had no request left after `step`'s update: the trace says so
+    (`drained`), or, in a trace written before that key, the queues it read after the update
+    were empty (a trace that reads them as planned never has both empty: the step ran a
+    request)."""
+    return bool(step.get("drained")) or (step.get("running", 1) == 0
+                                         and step.get("waiting", 1) == 0)
 
 
 # ---- machine drift ---------------------------------------------------------------------------

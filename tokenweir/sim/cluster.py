@@ -18,6 +18,7 @@ from tokenweir.sim.build import engine_setup, is_fitted
 from tokenweir.sim.instance import Instance
 from tokenweir.sim.latency import RooflineLatencyModel
 from tokenweir.sim.router import make_router
+from tokenweir.sim.setup import Recording
 from tokenweir.sim.sessions import Session
 from tokenweir.sim.simulator import ClusterResult, Simulator
 from tokenweir.sim.workload import RequestSpec
@@ -52,10 +53,8 @@ def build_cluster(kwargs: dict[str, Any], specs: list[RequestSpec],
     config, model = setup.config, setup.model
     _check_layout(config, model, num_instances, pd, link_gbps)
     roles = ["prefill"] * pd[0] + ["decode"] * pd[1] if pd else ["mixed"] * num_instances
-    instances = [Instance(i, config, model, setup.num_blocks, setup.max_model_len, role,
-                          setup.num_host_blocks, setup.costs, pp_size, record_steps,
-                          record_itl_times, check, record_itl=record_itl, itl_counts=itl_counts)
-                 for i, role in enumerate(roles)]
+    recording = Recording(record_steps, record_itl, itl_counts, record_itl_times, check)
+    instances = [Instance(i, setup, role, pp_size, recording) for i, role in enumerate(roles)]
     bs = config.cache.block_size
     num_front = sum(1 for r in roles if r != "decode")
     return Simulator(instances, make_router(router, num_front, bs), specs, sessions,

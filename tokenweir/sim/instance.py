@@ -32,11 +32,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from tokenweir.config import EngineConfig
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.outputs import EngineCoreOutput
 from tokenweir.request import Request
+from tokenweir.sim.setup import EngineSetup, Recording
 from tokenweir.sim.sim_engine import SimEngine, make_request  # noqa: F401 (re-exported)
 from tokenweir.sim.slo_cuts import setup_slo
 
@@ -64,22 +63,16 @@ class KVImport:
 
 
 class Instance(SimEngine):
-    def __init__(self, index: int, config: EngineConfig, latency_model, num_blocks: int,
-                 max_model_len: int, role: str = "mixed", num_host_blocks: int = 0,
-                 costs: Optional[PreemptionCosts] = None, pp_size: int = 1,
-                 record_steps: bool = True, record_itl_times: bool = False,
-                 check: bool = False, *, record_itl: bool = True,
-                 itl_counts: bool = False) -> None:
+    def __init__(self, index: int, setup: EngineSetup, role: str = "mixed", pp_size: int = 1,
+                 recording: Recording = Recording()) -> None:
         if role not in ROLES:
             raise ValueError(f"instance role must be one of {ROLES}, got {role!r}")
         if pp_size < 1:
             raise ValueError(f"pp_size must be >= 1, got {pp_size}")
-        super().__init__(config, latency_model, num_blocks, max_model_len, num_host_blocks,
-                         costs, record_steps=record_steps, record_itl=record_itl,
-                         itl_counts=itl_counts, record_itl_times=record_itl_times, check=check)
+        super().__init__(setup, recording)
         self.index, self.role, self.pp_size = index, role, pp_size
-        self.cutter = setup_slo(config, self.scheduler, self.runner, latency_model,
-                                max_model_len)
+        self.cutter = setup_slo(setup.config, self.scheduler, self.runner, setup.model,
+                                setup.max_model_len)
         if self.cutter is not None and pp_size > 1:
             raise ValueError("slo mid-step cuts model a step on one pipeline stage: use "
                              "pp_size 1 or turn slo_mid_step_cut off")

@@ -23,15 +23,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from tokenweir.config import EngineConfig
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.outputs import EngineCoreOutput
 from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.request import Request, SamplingParams
 from tokenweir.sim.sim_runner import DEFAULT_EOS, SimRunner
 from tokenweir.sim.counts import ValueCounts
+from tokenweir.sim.setup import EngineSetup, Recording
 
 
 @contextlib.contextmanager
@@ -103,26 +102,27 @@ def greedy_params(max_tokens: int) -> SamplingParams:
 
 
 class SimEngine:
-    def __init__(self, config: EngineConfig, latency_model, num_blocks: int,
-                 max_model_len: int, num_host_blocks: int = 0,
-                 costs: Optional[PreemptionCosts] = None, record_steps: bool = True,
-                 record_itl: bool = True, itl_counts: bool = False,
-                 record_itl_times: bool = False, check: bool = False) -> None:
-        if record_itl_times and (itl_counts or not record_itl):
-            raise ValueError("gap end times need the gaps recorded in order")
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size,
+    def __init__(self, setup: EngineSetup, recording: Recording = Recording()) -> None:
+        """The engine `setup` describes (its config, latency model, pools and preemption
+        costs), keeping what `recording` asks of its run."""
+        config = setup.config
+        self.kv = KVCacheManager(setup.num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 num_host_blocks=num_host_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len, costs=costs)
+                                 num_host_blocks=setup.num_host_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.kv, setup.max_model_len,
+                                   costs=setup.costs)
         self.targets: dict[str, int] = {}  # request id -> output length (EOS); runner reads it
-        self.runner = SimRunner(latency_model, self.targets, check=check)
-        self.max_model_len = max_model_len
-        self.record_steps, self.record_itl, self.check = record_steps, record_itl, check
+        self.runner = SimRunner(setup.model, self.targets, check=recording.check)
+        self.max_model_len = setup.max_model_len
+        self.record_steps, self.record_itl = recording.record_steps, recording.record_itl
+        self.check = recording.check
         self.records: dict[str, RequestRecord] = {}
         self.steps: list[StepRecord] = []
         # Every inter-token gap (seconds): in order, or as exact value -> count.
-        self.itl: Union[array, ValueCounts] = ValueCounts() if itl_counts else array("d")
-        self.itl_times: Optional[array] = array("d") if record_itl_times else None  # gap ends
+        self.itl: Union[array, ValueCounts] = (ValueCounts() if recording.itl_counts
+                                               else array("d"))
+        # gap ends, with recording.record_itl_times
+        self.itl_times: Optional[array] = array("d") if recording.record_itl_times else None
         self.itl_ids: list[str] = []  # with itl_times: whose gap each one is
         self._last_token: dict[str, float] = {}  # running request id -> its last token's time
         # Set by a start_step that ran nothing but preempted (its requester was its own

@@ -36,8 +36,6 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from tokenweir.config import EngineConfig
-from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.core.outputs import SchedulerStats
 from tokenweir.request import Request
 from tokenweir.sim.counts import ValueCounts
@@ -47,6 +45,7 @@ from tokenweir.sim.events import (Arrival, EventKind, EventQueue, Poll, StepEnd,
 from tokenweir.sim.instance import Instance
 from tokenweir.sim.router import RoundRobinRouter
 from tokenweir.sim.sessions import Session
+from tokenweir.sim.setup import EngineSetup, Recording
 from tokenweir.sim.sim_engine import RequestRecord, StepRecord, gc_paused, make_request
 from tokenweir.sim.slo_cuts import SimStepCutter
 from tokenweir.sim.workload import RequestSpec
@@ -370,20 +369,15 @@ class Simulation:
 
     `run()` returns that instance's result. `pp_size` and `sessions` work as in a cluster."""
 
-    def __init__(self, config: EngineConfig, latency_model, specs: list[RequestSpec],
-                 num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
-                 costs: Optional[PreemptionCosts] = None, record_steps: bool = True,
-                 record_itl: bool = True, check: bool = False,
-                 itl_counts: bool = False, pp_size: int = 1,
+    def __init__(self, setup: EngineSetup, specs: list[RequestSpec],
+                 recording: Recording = Recording(), pp_size: int = 1,
                  sessions: Optional[list[Session]] = None) -> None:
-        self.config = config
-        self.instance = Instance(0, config, latency_model, num_blocks, max_model_len, "mixed",
-                                 num_host_blocks, costs, pp_size, record_steps, check=check,
-                                 record_itl=record_itl, itl_counts=itl_counts)
+        self.config = setup.config
+        self.instance = Instance(0, setup, "mixed", pp_size, recording)
         self.simulator = Simulator([self.instance], RoundRobinRouter(1), specs, sessions)
         self.engine = self.instance
         self.scheduler, self.runner = self.instance.scheduler, self.instance.runner
-        self.max_model_len = max_model_len
+        self.max_model_len = setup.max_model_len
 
     @property
     def cutter(self) -> Optional[SimStepCutter]:

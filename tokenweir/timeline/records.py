@@ -22,8 +22,10 @@ Two kinds of line; `"type"` tells them apart (absent means "step"):
   slo policy for a more urgent waiter).
 - `running`, `waiting`: queue lengths after planning; `kv_usage`: device pool share in use
   (0..1); `prefix_hits`: prompt tokens found in the prefix cache when this step admitted.
-  (A real engine's trace reads `running`, `waiting`, `kv_usage` and `paused` after the
-  step's update, see timeline/tracer.py.)
+  The real engine's trace reads them at the same moment (right after planning, see
+  timeline/tracer.py).
+- `drained` (real engine only; true or absent): no request was left after the step's update,
+  so the time to the next step's start was spent idling for arrivals.
 - `phases` (real engine only): where the step's wall time went, seconds by phase, in the
   order they ran: `schedule` (the scheduler's plan), the runner's `prepare` (its request
   copies, swaps, the flattened batch), `forward`, `sample` (sampling and advancing its

@@ -13,17 +13,20 @@ over when the request is first scheduled and again when it finishes (the same di
 so a sink keeps the last one per id. `StepRing` (a live server's /timeline) and `JsonlSink`
 (`--trace FILE`, plus a Chrome/Perfetto form written at close) are the two kinds.
 
-Differences from the simulator's StepRecorder, which reads a step before its update:
-`running`, `waiting`, `kv_usage` and `paused` are read after the update (requests that
-finished in the step have released their blocks). Steps that schedule nothing and are not cut
-are not recorded. Nothing here imports torch.
+`running`, `waiting`, `kv_usage` and `paused` are read at the moment the simulator's
+StepRecorder reads them: right after `schedule()`, before the step runs (the tracer's
+`step_scheduled`, one of EngineCore's `schedule_listeners`; `attach_tracer` hooks both).
+`drained` (true or absent) says that after the step's update the engine had no request left,
+so the gap to the next step's start is the engine idling for arrivals, not its own loop's
+cost (calibrate_trace.traced_steps reads it). Steps that schedule nothing and are not cut are
+not recorded. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -39,15 +42,28 @@ class StepSink(Protocol):
 class StepTracer:
     """The step observer of one EngineCore (see the module doc)."""
 
-    def __init__(self, scheduler, sinks: list[StepSink]) -> None:
+    def __init__(self, scheduler, sinks: list[StepSink],
+                 has_work: Optional[Callable[[], bool]] = None) -> None:
+        """`has_work`: whether the engine has requests left (default: the scheduler's; an
+        EngineCore's also counts its inbox)."""
         self.scheduler, self.kv = scheduler, scheduler.kv
         self.sinks = list(sinks)
+        self.has_work = has_work or scheduler.has_unfinished_requests
+        # Queue lengths, pool usage and running ids as the last schedule() left them
+        # (`step_scheduled`); None when no listener call came (then read after the update).
+        self._planned: Optional[tuple[int, int, float, list[str]]] = None
         self.num_steps = 0
         self._hits_before = self.kv.prefix_stats.hits
         self._pending: Optional[dict] = None  # the last step's record, output time not known
         self._open: dict[str, tuple[dict, Any]] = {}  # request id -> (record, Request)
 
     # ---- the observer --------------------------------------------------------------------
+    def step_scheduled(self) -> None:
+        """EngineCore's schedule listener: read the queues and the pool as planned."""
+        scheduler = self.scheduler
+        self._planned = (scheduler.num_running, scheduler.num_waiting, self.kv.usage(),
+                         [r.request_id for r in scheduler.running])
+
     def __call__(self, out: SchedulerOutput, runner_out: ModelRunnerOutput, outputs: list,
                  times: tuple[float, float, float, float]) -> None:
         self.flush()
@@ -56,6 +72,8 @@ class StepTracer:
             return
         started, scheduled, executed, updated = times
         record = self._composition(out, runner_out, outputs)
+        if not self.has_work():
+            record["drained"] = True
         record.update(step=self.num_steps, start=started, duration=updated - started,
                       phases={"schedule": scheduled - started,
                               **runner_phases(runner_out, executed - scheduled),
@@ -110,16 +128,27 @@ class StepTracer:
                          "context": start + n})
         swapped = sorted(getattr(self.kv, "req_to_host_blocks", {}))
         hits = self.kv.prefix_stats.hits
+        running, waiting, usage, running_ids = self._planned_state()
         record = {"reqs": reqs, "preempted": sorted(set(out.preempted_req_ids) - set(swapped)),
                   "swapped": swapped,
                   "cut": [runner_out.cut.victim_id] if runner_out.cut is not None
                   and runner_out.cut.victim_id else [],
-                  "paused": [r.request_id for r in self.scheduler.running
-                             if r.request_id not in out.num_scheduled_tokens],
-                  "running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-                  "kv_usage": round(self.kv.usage(), 5), "prefix_hits": hits - self._hits_before}
+                  "paused": [rid for rid in running_ids
+                             if rid not in out.num_scheduled_tokens],
+                  "running": running, "waiting": waiting,
+                  "kv_usage": round(usage, 5), "prefix_hits": hits - self._hits_before}
         self._hits_before = hits
         return record
+
+    def _planned_state(self) -> tuple[int, int, float, list[str]]:
+        """(running, waiting, kv usage, running ids) as schedule() left them; read now (after
+        the update) when no `step_scheduled` call came for this step."""
+        planned, self._planned = self._planned, None
+        if planned is not None:
+            return planned
+        scheduler = self.scheduler
+        return (scheduler.num_running, scheduler.num_waiting, self.kv.usage(),
+                [r.request_id for r in scheduler.running])
 
     # ---- request records -----------------------------------------------------------------
     def _note_new(self, out: SchedulerOutput, now: float, outputs: list) -> None:
@@ -218,7 +247,8 @@ def attach_tracer(core, sink: StepSink) -> StepTracer:
     none."""
     tracer = next((o for o in core.step_observers if isinstance(o, StepTracer)), None)
     if tracer is None:
-        tracer = StepTracer(core.scheduler, [])
+        tracer = StepTracer(core.scheduler, [], has_work=core.has_unfinished_requests)
+        core.schedule_listeners.append(tracer.step_scheduled)
         core.step_observers.append(tracer)
     tracer.sinks.append(sink)
     return tracer
