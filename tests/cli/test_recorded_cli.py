@@ -77,6 +77,16 @@ NEW_DESTS |= {"quantization"}
 # issue 16: simulations over draws of the machine a trace-fitted profile measured
 NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir simulate"] | {"--samples"}
 NEW_DESTS |= {"samples"}
+# issue 37: the serve command can start replicas behind the router; the simulator's routers
+# are tokenweir/routing's, which adds session-affinity and accepts package.module:Class
+NEW_SPELLINGS["tokenweir serve"] |= {"--data-parallel-size", "--routing-policy"}
+NEW_DESTS |= {"data_parallel_size", "routing_policy"}
+CHANGES[("tokenweir simulate", "--router")] = {
+    "choices": None,
+    "help": "how requests are spread over instances: round-robin, least-loaded, prefix-aware, "
+            "session-affinity (a session's turns stay where its first went), or a policy class "
+            "of your own as package.module:Class (tokenweir/routing/base.py) (default: "
+            "round-robin)"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
@@ -87,7 +97,7 @@ def _by_spelling(flags: dict[str, dict]) -> dict[str, dict]:
 
 
 # subcommands added since the recording
-NEW_COMMANDS = {"tokenweir timeline"}
+NEW_COMMANDS = {"tokenweir timeline", "tokenweir router"}
 
 
 def test_the_same_subcommands():
