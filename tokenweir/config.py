@@ -527,6 +527,10 @@ class SweepConfig(SimulationConfig):
         required=True, metavar="FIELD=V1,V2,...")
     out: str = _f("sweep.csv", "CSV path (a PNG goes beside it when matplotlib is installed)")
     jobs: int = _f(0, "processes (0: one per CPU)")
+    ray: Optional[str] = _f(
+        None, "run each point as a Ray task: on a local Ray started for the run (--ray alone) "
+        "or on the cluster at ADDRESS; a failing point is reported and the others kept "
+        "(needs pip install 'tokenweir[ray]')", nargs="?", const="local", metavar="ADDRESS")
 
 
 @dataclass(frozen=True)
@@ -535,6 +539,10 @@ class StudyConfig(SimTargetConfig):
     out_dir: str = _f("study-out", "CSV and PNG go here")
     seed: int = _f(0, "seed of the study's workload")
     jobs: int = _f(0, "processes (0: one per CPU)")
+    ray: Optional[str] = _f(
+        None, "run each point as a Ray task: on a local Ray started for the run (--ray alone) "
+        "or on the cluster at ADDRESS; a failing point is reported and the others kept "
+        "(needs pip install 'tokenweir[ray]')", nargs="?", const="local", metavar="ADDRESS")
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,10 @@ CHANGES[("tokenweir simulate", "--router")] = {
             "session-affinity (a session's turns stay where its first went), or a policy class "
             "of your own as package.module:Class (tokenweir/routing/base.py) (default: "
             "round-robin)"}
+# issue 37: sweep and studies run their points as Ray tasks with --ray [ADDRESS]
+for _c in ("sweep", "study frontier", "study pool", "study policies"):
+    NEW_SPELLINGS[f"tokenweir {_c}"] = NEW_SPELLINGS.get(f"tokenweir {_c}", set()) | {"--ray"}
+NEW_DESTS |= {"ray"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
