@@ -4,9 +4,12 @@ module never imports it)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
+from typing import Iterator
 
 from tokenweir.config import RouterConfig
 
@@ -39,6 +42,26 @@ def serve_router(config: RouterConfig) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     app = create_router_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_keep_alive=30, backlog=4096)
+    server_config = uvicorn.Config(app, host=config.host, port=config.port,
+                                   log_level=config.log_level, timeout_keep_alive=30,
+                                   backlog=4096)
+    _server_class(uvicorn)(server_config).run()
     return 0
+
+
+def _server_class(uvicorn):
+    class RouterServer(uvicorn.Server):
+        """Unlike uvicorn's, re-raises no signal after shutting down: a signal asks for
+        shutdown (exit status 0), and `tokenweir serve --data-parallel-size` still has its
+        replicas to stop when this returns."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+    return RouterServer

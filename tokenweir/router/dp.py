@@ -54,11 +54,22 @@ def run_data_parallel(args: argparse.Namespace) -> int:
 
 
 def _replica_main(args: argparse.Namespace, threads: int) -> None:
-    """A replica process: torch sees `threads` cores before it loads."""
+    """A replica process: torch sees `threads` cores before it loads; it is sent SIGTERM
+    if the parent dies without stopping it (Linux)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    _die_with_parent()
     from tokenweir.server.cli import run_serve
 
     raise SystemExit(run_serve(args))
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's finally still stops the replicas
 
 
 def _wait_ready(replicas: list[tuple[multiprocessing.Process, str]]) -> None:
