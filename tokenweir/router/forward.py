@@ -3,7 +3,8 @@
 Contracts:
 - A request is tried on at most two replicas: it moves to a second one (never the same) only
   while nothing has been sent to the client, when the first could not be reached, failed before
-  its first chunk, or answered 503 (draining, or too many waiting).
+  its first chunk (a whole answer: before it was complete), or answered 503 (draining, or too
+  many waiting). When both fail, the answer is 503 `no_replica` naming the last failure.
 - Once a stream has started, a replica failure ends it in-band as serve ends a failed stream:
   a `data: {"error": ...}` event, then `data: [DONE]`.
 - The client leaving closes the upstream connection, which aborts the request on the replica.
@@ -104,10 +105,13 @@ class Forwarder:
                 first = await flight.next()
                 if isinstance(first, Failure):
                     return None, self._failed(flight.replica, first)
+                if first is END:  # an empty body
+                    return Response(b"", start.status,
+                                    headers=relayed_headers(start.headers)), None
                 answer = self._relay(flight, start, first)
                 flight = None  # the stream's body owns it now
                 return answer, None
-            return await self._whole(flight, start, request), None
+            return await self._whole(flight, start, request)
         finally:
             if flight is not None:
                 await flight.close()
@@ -116,8 +120,11 @@ class Forwarder:
         self.replicas.take_out(replica, failure.reason)
         return failure.reason
 
-    async def _whole(self, flight: Flight, start: Start, request: Request) -> Response:
-        """A whole (non-streamed) answer; ended early when the client leaves."""
+    async def _whole(self, flight: Flight, start: Start,
+                     request: Request) -> tuple[Optional[Response], Optional[str]]:
+        """A whole (non-streamed) answer, or (None, why) when the replica failed before it
+        was complete (nothing has reached the client: the request may move). Ended early
+        when the client leaves."""
         reading = asyncio.ensure_future(_read_all(flight))
         leaving = asyncio.ensure_future(_client_left(request))
         try:
@@ -126,15 +133,13 @@ class Forwarder:
             leaving.cancel()
         if not reading.done():  # the client left: closing the flight aborts it upstream
             reading.cancel()
-            return Response(status_code=499)
+            return Response(status_code=499), None
         content, failure = reading.result()
         if failure is not None:
             flight.replica.failed += 1
-            self.replicas.take_out(flight.replica, failure.reason)
-            raise APIError(f"replica {flight.replica.url} failed while answering: "
-                           f"{failure.reason}", 502, "service_unavailable",
-                           code="replica_failed")
-        return Response(content, status_code=start.status, headers=relayed_headers(start.headers))
+            return None, self._failed(flight.replica, failure)
+        return Response(content, status_code=start.status,
+                        headers=relayed_headers(start.headers)), None
 
     def _relay(self, flight: Flight, start: Start, first: bytes) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
