@@ -106,16 +106,19 @@ async def drive(base: str, specs: list[RequestSpec], run: int) -> tuple[list[flo
     return [ttft for ttft, _ in done], max(end for _, end in done)
 
 
-def prefix_counts(base: str) -> tuple[float, float]:
+def prefix_counts(replicas: list[str]) -> tuple[float, float]:
+    """Prefix-cache hit and query tokens summed over the replicas, read from each one (the
+    router's merged /metrics leaves out a replica that is slow to answer)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(base + "/metrics", timeout=30, trust_env=False).text
     totals = {"tokenweir:prefix_cache_hits_total": 0.0,
               "tokenweir:prefix_cache_queries_total": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
+    for url in replicas:
+        text = httpx.get(url + "/metrics", timeout=120, trust_env=False).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
     return totals["tokenweir:prefix_cache_hits_total"], \
         totals["tokenweir:prefix_cache_queries_total"]
 
@@ -128,9 +131,9 @@ def run_real(specs: list[RequestSpec], policy: str, run: int, replicas: list[str
     router = start(args, port)
     base = f"http://127.0.0.1:{port}"
     try:
-        hits0, queries0 = prefix_counts(base)
+        hits0, queries0 = prefix_counts(replicas)
         ttfts, span = asyncio.run(drive(base, specs, run))
-        hits, queries = prefix_counts(base)
+        hits, queries = prefix_counts(replicas)
     finally:
         router.terminate()
         router.wait(30)
