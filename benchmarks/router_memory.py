@@ -5,7 +5,7 @@ blocks each) with equal loads, then prints the index's size, the LRUs' sizes, th
 peak RSS and the CPU time the routing took. Give the router module to load, so an old copy of
 router.py can be measured against the current one:
 
-    python benchmarks/router_memory.py tokenweir/sim/router.py
+    python benchmarks/router_memory.py tokenweir/routing/prefix_aware.py
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def load_router_module(path: str):
 
 
 def main() -> int:
-    path = sys.argv[1] if len(sys.argv) > 1 else "tokenweir/sim/router.py"
+    path = sys.argv[1] if len(sys.argv) > 1 else "tokenweir/routing/prefix_aware.py"
     router = load_router_module(path).PrefixAwareRouter(64, 16)
     rng = random.Random(0)
     loads = [0] * 64

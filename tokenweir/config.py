@@ -374,6 +374,53 @@ class ServeConfig:
         "torch's threads (on a 2-core machine the thread's work stalls the forward's OpenMP "
         "team)", choices=OUTPUT_THREAD_MODES)
     log_level: str = _f("info", "log level of the server and of uvicorn")
+    data_parallel_size: int = _f(
+        1, "replicas of the engine, each a process of its own with a share of the cores (one "
+        "torch thread each on 2 cores), behind `tokenweir router` on --host/--port")
+    routing_policy: str = _f(
+        "prefix-aware", "with --data-parallel-size > 1: which replica serves a request "
+        "(tokenweir router --routing-policy)")
+
+
+# tokenweir/routing's built-in names (kept here: config imports no package of tokenweir)
+ROUTING_POLICY_NAMES = ("round-robin", "least-loaded", "prefix-aware", "session-affinity")
+_ROUTING_HELP = ("which replica serves a request: round-robin, least-loaded, prefix-aware, "
+                 "session-affinity (by the request's `user` or an X-Session-Id header), or a "
+                 "policy class of your own as package.module:Class (tokenweir/routing/base.py)")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """the router in front of `tokenweir serve` replicas (`tokenweir router`)"""
+    replicas: Optional[tuple[str, ...]] = _f(
+        None, "base URL of a replica, e.g. http://127.0.0.1:8001 (repeatable)", flag="--replica",
+        repeat=True, required=True, metavar="URL")
+    routing_policy: str = _f("prefix-aware", _ROUTING_HELP)
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(8000, "port to listen on")
+    api_key: Optional[str] = _f(
+        None, "require `Authorization: Bearer KEY` on /v1/* (default: $TOKENWEIR_API_KEY); "
+        "the router passes it on to the replicas")
+    max_request_body_bytes: int = _f(
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+        "largest request body accepted, in bytes; a larger one is answered 413 before it is "
+        "read in full")
+    health_interval: float = _f(1.0, "seconds between health checks of each replica")
+    health_timeout: float = _f(
+        3.0, "seconds a replica has to answer a health check; a replica that fails one is taken "
+        "out (its in-flight requests end) until one succeeds")
+    routing_block_bytes: int = _f(
+        64, "prefix-aware routing hashes the prompt text in blocks of this many bytes")
+    log_level: str = _f("info", "log level of the router and of uvicorn")
+
+    def __post_init__(self) -> None:
+        if not _is_policy_name(self.routing_policy, ROUTING_POLICY_NAMES):
+            raise ValueError(f"unknown routing policy {self.routing_policy!r}: use one of "
+                             f"{', '.join(ROUTING_POLICY_NAMES)} or package.module:Class")
+        for name in ("health_interval", "health_timeout", "routing_block_bytes",
+                     "max_request_body_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -467,8 +514,10 @@ class SimulateConfig(SimulationConfig):
 class ClusterConfig:
     """cluster (any of these runs the cluster simulator)"""
     num_instances: int = _f(1, "instances behind the router")
-    router: str = _f("round-robin", "how requests are spread over instances",
-                     choices_from="tokenweir.sim.router:ROUTERS")
+    router: str = _f(
+        "round-robin", "how requests are spread over instances: round-robin, least-loaded, "
+        "prefix-aware, session-affinity (a session's turns stay where its first went), or a "
+        "policy class of your own as package.module:Class (tokenweir/routing/base.py)")
     pp_size: int = _f(1, "pipeline stages per instance: at most this many batches in flight")
     pd: Optional[str] = _f(
         None, "prefill/decode disaggregation: P prefill and D decode instances "
@@ -491,6 +540,10 @@ class SweepConfig(SimulationConfig):
         required=True, metavar="FIELD=V1,V2,...")
     out: str = _f("sweep.csv", "CSV path (a PNG goes beside it when matplotlib is installed)")
     jobs: int = _f(0, "processes (0: one per CPU)")
+    ray: Optional[str] = _f(
+        None, "run each point as a Ray task: on a local Ray started for the run (--ray alone) "
+        "or on the cluster at ADDRESS; a failing point is reported and the others kept "
+        "(needs pip install 'tokenweir[ray]')", nargs="?", const="local", metavar="ADDRESS")
 
 
 @dataclass(frozen=True)
@@ -499,6 +552,10 @@ class StudyConfig(SimTargetConfig):
     out_dir: str = _f("study-out", "CSV and PNG go here")
     seed: int = _f(0, "seed of the study's workload")
     jobs: int = _f(0, "processes (0: one per CPU)")
+    ray: Optional[str] = _f(
+        None, "run each point as a Ray task: on a local Ray started for the run (--ray alone) "
+        "or on the cluster at ADDRESS; a failing point is reported and the others kept "
+        "(needs pip install 'tokenweir[ray]')", nargs="?", const="local", metavar="ADDRESS")
 
 
 @dataclass(frozen=True)

@@ -113,3 +113,118 @@ def test_every_module_imports_and_server_and_sim_load_no_cli():
                           timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-1]) == len(modules) > 50
+
+
+# ---- module-level circles (issue 37) --------------------------------------------------------
+# Rooms that hold no import circle between their modules, counting imports inside functions
+# (lazy ones) and leaving out `if TYPE_CHECKING:` blocks.
+ACYCLIC_ROOMS = ("tokenweir.server", "tokenweir.router", "tokenweir.routing",
+                 "tokenweir.sim.hardware", "tokenweir.sim.model_config", "tokenweir.sim.shape",
+                 "tokenweir.sim.calibrate", "tokenweir.sim.calibrate_trace",
+                 "tokenweir.sim.step_fit", "tokenweir.config")
+
+
+def _outside_type_checking(tree: ast.AST):
+    """The nodes of `tree`, skipping the bodies of `if TYPE_CHECKING:` (typing-only imports)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The tokenweir modules `path` imports (anywhere but TYPE_CHECKING blocks); `from pkg
+    import name` counts as importing pkg.name when that is a module."""
+    name = module_name(path)
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in _outside_type_checking(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                parent = base[:len(base) - node.level + 1]
+                module = ".".join(parent + ([node.module] if node.module else []))
+            subs = {f"{module}.{alias.name}" for alias in node.names} & modules
+            found |= subs or {module}
+    return (found & modules) - {name}
+
+
+def module_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {m: module_imports(p, set(paths)) for m, p in paths.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_finds_lazy_circles_and_skips_type_checking(tmp_path):
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+              "    from tokenweir.x import A\n"
+              "def f():\n    from tokenweir import y\n")
+    path = PACKAGE / "_probe_module_for_test.py"
+    path.write_text(source)
+    try:
+        assert module_imports(path, {"tokenweir.x", "tokenweir.y"}) == {"tokenweir.y"}
+    finally:
+        path.unlink()
+
+
+def test_no_import_circle_in_the_rooms_that_had_them():
+    graph = module_graph()
+    assert "tokenweir.server.errors" in graph["tokenweir.server.body"]  # probe: edges seen
+    touching = [c for c in circles(graph)
+                if any(m == room or m.startswith(room + ".") for m in c for room in ACYCLIC_ROOMS)]
+    assert touching == []

@@ -86,6 +86,20 @@ NEW_DESTS |= {"slo_reject_hopeless"}
 # issue 34: simulate writes step records for `tokenweir timeline`
 NEW_SPELLINGS["tokenweir simulate"] = NEW_SPELLINGS["tokenweir simulate"] | {"--step-records"}
 NEW_DESTS |= {"step_records"}
+# issue 37: the serve command can start replicas behind the router; the simulator's routers
+# are tokenweir/routing's, which adds session-affinity and accepts package.module:Class
+NEW_SPELLINGS["tokenweir serve"] |= {"--data-parallel-size", "--routing-policy"}
+NEW_DESTS |= {"data_parallel_size", "routing_policy"}
+CHANGES[("tokenweir simulate", "--router")] = {
+    "choices": None,
+    "help": "how requests are spread over instances: round-robin, least-loaded, prefix-aware, "
+            "session-affinity (a session's turns stay where its first went), or a policy class "
+            "of your own as package.module:Class (tokenweir/routing/base.py) (default: "
+            "round-robin)"}
+# issue 37: sweep and studies run their points as Ray tasks with --ray [ADDRESS]
+for _c in ("sweep", "study frontier", "study pool", "study policies"):
+    NEW_SPELLINGS[f"tokenweir {_c}"] = NEW_SPELLINGS.get(f"tokenweir {_c}", set()) | {"--ray"}
+NEW_DESTS |= {"ray"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str
@@ -96,7 +110,7 @@ def _by_spelling(flags: dict[str, dict]) -> dict[str, dict]:
 
 
 # subcommands added since the recording
-NEW_COMMANDS = {"tokenweir timeline"}
+NEW_COMMANDS = {"tokenweir timeline", "tokenweir router"}
 
 
 def test_the_same_subcommands():

@@ -210,7 +210,7 @@ def test_runner_fit_weights_each_step_by_the_square_root_of_its_time(tmp_path, m
     assert fit_step_model(shapes, seconds).coefficients == fits[1.0].coefficients  # default
     assert np.all(np.array(list(plain.coefficients.values())) >= 0)
     used = []
-    monkeypatch.setattr("tokenweir.sim.calibrate.fit_step_model",
+    monkeypatch.setattr("tokenweir.sim.step_fit.fit_step_model",
                         lambda t, s, w=1.0, r=0: used.append((w, r)) or fit_step_model(t, s, w, r))
     engine_like_trace(tmp_path / "t.jsonl", seed=1)
     calibrate_from_traces([str(tmp_path / "t.jsonl")])

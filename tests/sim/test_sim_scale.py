@@ -11,8 +11,8 @@ from pathlib import Path
 
 from tokenweir.sim.cluster import build_cluster
 from tokenweir.sim.digest import cluster_digest
-from tokenweir.sim import router as router_module
-from tokenweir.sim.router import PrefixAwareRouter, instances_in
+from tokenweir.routing import prefix_aware as router_module
+from tokenweir.routing.prefix_aware import PrefixAwareRouter, instances_in
 from tokenweir.sim.workload import synthetic
 
 ROOT = Path(__file__).resolve().parents[2]

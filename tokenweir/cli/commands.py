@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from tokenweir.config import (BenchServeConfig, CalibrateConfig, ClusterConfig,
                               FrontierStudyConfig, GenerateConfig, PoliciesStudyConfig,
-                              PoolStudyConfig, ServeConfig, SimulateConfig, SweepConfig,
-                              TimelineConfig)
+                              PoolStudyConfig, RouterConfig, ServeConfig, SimulateConfig,
+                              SweepConfig, TimelineConfig)
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,10 @@ COMMANDS: tuple[Command, ...] = (
     Command(("generate",), "answer prompts offline and print a summary", (GenerateConfig,),
             "tokenweir.cli.generate:run", engine_flags=True),
     Command(("serve",), "run the OpenAI-compatible HTTP server", (ServeConfig,),
-            "tokenweir.server.cli:run_serve", engine_flags=True),
+            "tokenweir.cli.serve:run", engine_flags=True),
+    Command(("router",), "an OpenAI-compatible front that forwards each request to one of "
+            "several `tokenweir serve` replicas", (RouterConfig,),
+            "tokenweir.router.cli:run_router"),
     Command(("bench", "serve"), "load-test an OpenAI-compatible server", (BenchServeConfig,),
             "tokenweir.bench.serve:main"),
     Command(("simulate",), "simulate serving a workload on a virtual clock",

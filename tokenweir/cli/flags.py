@@ -101,7 +101,9 @@ def flag_options(owner: type, field: Field, suppress_default: bool = False) -> d
         options["action"] = "append"  # each use of the flag adds one value
     elif many and "parse" not in meta:
         options["nargs"] = meta.get("nargs", "*")  # one flag, then any number of values
-    for key in ("metavar", "required"):
+    elif "nargs" in meta:  # e.g. "?" with a const: a flag whose value may be left out
+        options["nargs"] = meta["nargs"]
+    for key in ("metavar", "required", "const"):
         if key in meta:
             options[key] = meta[key]
     choices = field_choices(field)

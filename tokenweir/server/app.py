@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -17,7 +14,9 @@ from pydantic.json_schema import models_json_schema
 
 from tokenweir.engine.async_engine import AsyncEngine
 from tokenweir.server import protocol as P
+from tokenweir.server.auth import BearerAuth
 from tokenweir.server.body import BodyLimit
+from tokenweir.server.errors import error_response
 from tokenweir.server.metrics import make_registry
 from tokenweir.server.models import REQUEST_MODELS
 from tokenweir.server.routes import router
@@ -27,18 +26,6 @@ from tokenweir.server.state import AppState
 __all__ = ["ServerSettings", "create_app", "build_app", "error_response"]
 
 logger = logging.getLogger("tokenweir.server")
-
-
-class ErrorJSON(JSONResponse):
-    """Error bodies are ASCII-escaped: a message may quote client text that is not valid
-    UTF-8 (a lone surrogate), which must not turn a 400 into a failure to answer."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
-
-
-def error_response(err: P.APIError) -> JSONResponse:
-    return ErrorJSON(err.body(), status_code=err.status, headers=err.headers)
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -104,33 +91,3 @@ def _openapi(app: FastAPI) -> dict:
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         app.openapi_schema = schema
     return app.openapi_schema
-
-
-class BearerAuth:
-    """Pure ASGI middleware (streaming and disconnects pass through untouched): every /v1/
-    path and /timeline need `Authorization: Bearer <key>` (/timeline also takes `?key=<key>`,
-    since a browser's reloads send no header); /health and /metrics stay open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1/") or path == "/timeline"):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            token = header[7:] if header[:7].lower() == b"bearer " else b""
-            if path == "/timeline" and not token:
-                token = _query_key(scope)
-            if not hmac.compare_digest(token, self.key):
-                err = P.APIError("invalid or missing API key", 401, "authentication_error",
-                                 code="invalid_api_key")
-                await error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _query_key(scope) -> bytes:
-    from urllib.parse import parse_qs
-
-    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [""])
-    return values[0].encode("latin-1", "replace")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenweir.server.protocol import APIError
+from tokenweir.server.errors import APIError, error_response
 
 Scope = dict
 ASGIApp = Any
@@ -49,8 +49,6 @@ class BodyLimit:
                 "(--max-request-body-bytes)")
 
     async def _refuse(self, scope: Scope, receive, send) -> None:
-        from tokenweir.server.app import error_response
-
         err = APIError(self._message(), 413, code="request_too_large",
                        headers={"Connection": "close"})
         await error_response(err)(scope, receive, send)

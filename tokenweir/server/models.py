@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictSt
                       model_validator)
 
 from tokenweir.request import GuidedDecodingParams
-from tokenweir.server.protocol import APIError
+from tokenweir.server.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_LOGPROBS = 20

@@ -12,19 +12,7 @@ from typing import Any, Optional
 from tokenweir.engine.engine_core import error_http_status
 from tokenweir.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenweir.request import SamplingParams
-
-
-class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type = message, status, type
-        self.param, self.code, self.headers = param, code, headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+from tokenweir.server.errors import APIError  # also raised by the routes as P.APIError
 
 
 @dataclass

@@ -16,7 +16,7 @@ from fastapi import Request
 from prometheus_client import CollectorRegistry
 
 from tokenweir.engine.async_engine import AsyncEngine, EngineDeadError, HopelessRequestError
-from tokenweir.server.protocol import APIError
+from tokenweir.server.errors import APIError
 from tokenweir.server.settings import ServerSettings
 
 if TYPE_CHECKING:

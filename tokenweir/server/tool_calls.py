@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tokenweir.server.protocol import APIError
+from tokenweir.server.errors import APIError
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)

@@ -293,7 +293,7 @@ def _local_summary(local: Sequence[Optional[float]]) -> dict:
 
 def calibrate_from_traces(paths: Sequence[str], holdout_every: int = 5) -> dict:
     """The profile dict fitted to the traces at `paths` (see the module doc)."""
-    from tokenweir.sim.calibrate import PROFILE_FORMAT, fit_step_model
+    from tokenweir.sim.step_fit import PROFILE_FORMAT, fit_step_model
 
     started = time.perf_counter()
     traces = [load_jsonl(p) for p in paths]
@@ -387,7 +387,7 @@ def fit_with_few_rows(steps: Sequence[TracedStep], runs: Sequence[int], fit,
     of `steps` alone; `runs`: each step's run, see fit_few_rows): the table fitted to the
     residuals of the linear model, then the linear model to the runner times less the table,
     alternately, `rounds` tables in all."""
-    from tokenweir.sim.calibrate import fit_step_model
+    from tokenweir.sim.step_fit import fit_step_model
 
     table = fit_few_rows(FittedLatencyModel(fit.coefficients), steps, runs)
     for _ in range(rounds - 1):

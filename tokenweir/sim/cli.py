@@ -307,10 +307,13 @@ def _sweep(args: argparse.Namespace) -> int:
     jobs = [(p, specs, args.model_shape, args.hardware, args.tp, args.ttft_slo_ms,
              args.tpot_slo_ms, args.profile) for p in points]
     from tokenweir.sim.plots import parallel_map, write_csv
+    from tokenweir.sim.ray_points import FailedPoint
 
-    results = parallel_map(_sweep_point, jobs, args.jobs, "sweep")
+    results = parallel_map(_sweep_point, jobs, args.jobs, "sweep", ray=getattr(args, "ray", None))
     names = [name for name, _ in grid]
-    rows = [{**{n: p[n] for n in names}, **m} for p, m in zip(points, results)]
+    failed = [m for m in results if isinstance(m, FailedPoint)]
+    rows = [{**{n: p[n] for n in names}, **m} for p, m in zip(points, results)
+            if not isinstance(m, FailedPoint)]
     write_csv(rows, args.out)
     print(f"wrote {len(rows)} rows to {args.out}")
     for row in rows:
@@ -320,7 +323,9 @@ def _sweep(args: argparse.Namespace) -> int:
     png = _plot(rows, names, args.out)
     if png:
         print(f"wrote {png}")
-    return 0
+    if failed:
+        print(f"{len(failed)} of {len(points)} points failed (reported above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _plot(rows: list[dict], names: list[str], csv_path: str) -> Optional[str]:

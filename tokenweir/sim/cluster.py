@@ -17,7 +17,7 @@ from tokenweir.config import EngineConfig
 from tokenweir.sim.build import engine_setup, is_fitted
 from tokenweir.sim.instance import Instance
 from tokenweir.sim.latency import RooflineLatencyModel
-from tokenweir.sim.router import make_router
+from tokenweir.routing import make_router
 from tokenweir.sim.setup import Recording
 from tokenweir.sim.sessions import Session
 from tokenweir.sim.simulator import ClusterResult, Simulator

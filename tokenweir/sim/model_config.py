@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from tokenweir.sim.hardware import MODEL_SHAPES, ModelShape
+from tokenweir.sim.shape import MODEL_SHAPES, ModelShape
 
 MODELS_DIR = Path(__file__).parent / "models"
 

@@ -11,9 +11,15 @@ from typing import Any, Callable, Optional, Sequence
 
 
 def parallel_map(fn: Callable, jobs: Sequence[Any], processes: int = 0,
-                 desc: str = "points") -> list:
+                 desc: str = "points", ray: Optional[str] = None) -> list:
     """[fn(job) for job in jobs], in order, over `processes` forked workers (0: one per CPU),
-    with a tqdm progress bar on stderr. `fn` must be a module-level function."""
+    with a tqdm progress bar on stderr. `fn` must be a module-level function. With `ray`
+    (an address, or "local"), each job is a Ray task instead (sim/ray_points.py), and a job
+    that fails stands as a FailedPoint in its place."""
+    if ray is not None:
+        from tokenweir.sim.ray_points import ray_map
+
+        return ray_map(fn, jobs, ray, desc)
     from tqdm import tqdm
 
     processes = min(processes or multiprocessing.cpu_count(), len(jobs))

@@ -43,7 +43,7 @@ from tokenweir.sim.disagg import Handoff, KVLinks, TransferRecord
 from tokenweir.sim.events import (Arrival, EventKind, EventQueue, Poll, StepEnd, TransferDone,
                                   Wake)
 from tokenweir.sim.instance import Instance
-from tokenweir.sim.router import RoundRobinRouter
+from tokenweir.routing import RoundRobinRouter
 from tokenweir.sim.sessions import Session
 from tokenweir.sim.setup import EngineSetup, Recording
 from tokenweir.sim.sim_engine import RequestRecord, StepRecord, gc_paused, make_request
@@ -252,8 +252,8 @@ class Simulator:
         self.records[job.request_id] = RequestRecord(
             job.request_id, now, len(job.tokens), job.output_len, job.priority, job.ttft_slo_ms)
         front = self.front
-        inst = front[0] if len(front) == 1 else \
-            front[self.router.choose(job.tokens, self._front_loads())]
+        inst = front[0] if len(front) == 1 else front[self.router.choose(
+            job.tokens, self._front_loads(), job.session and job.session.session_id)]
         inst.num_routed += 1
         if inst.role == "prefill":
             self._prefill_of[job.request_id] = inst

@@ -24,6 +24,7 @@ from typing import Any
 from tokenweir.sim.metrics import percentile
 from tokenweir.sim.plots import (format_table, parallel_map, plot_grouped_bars, plot_xy,
                                  write_csv)
+from tokenweir.sim.ray_points import succeeded
 from tokenweir.sim.workload import RequestSpec, synthetic
 
 STUDIES = ("frontier", "pool", "policies")
@@ -86,8 +87,9 @@ def frontier_point(job: tuple) -> dict:
 
 def frontier(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
     specs = frontier_specs(args)
-    rows = parallel_map(frontier_point, [(c, args, specs) for c in sorted(args.chunks)],
-                        args.jobs, "frontier")
+    jobs = [(c, args, specs) for c in sorted(args.chunks)]
+    rows = succeeded(parallel_map(frontier_point, jobs, args.jobs, "frontier",
+                                  ray=getattr(args, "ray", None)))
     png = plot_xy(rows, "itl_p99_ms", ["long_ttft_ms"], _png(args),
                   f"{args.long_prompt}-token prompt among {args.num_decodes} decodes "
                   f"(labels: chunk size)", annotate="chunk")
@@ -141,7 +143,8 @@ def pool(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
             "scheduler_reserve_full_isl": False}
     jobs = [({"blocks": b}, {**base, "num_gpu_blocks_override": b}, specs, args.model_shape,
              args.hardware, args.tp) for b in grid]
-    rows = parallel_map(_sim_point, jobs, args.jobs, "pool")
+    rows = succeeded(parallel_map(_sim_point, jobs, args.jobs, "pool",
+                                  ray=getattr(args, "ray", None)))
     png = plot_xy(rows, "blocks", ["num_steps", "preemptions", "sim_seconds"], _png(args),
                   f"{args.num_requests} requests, pool size sweep", logx=True)
     columns = ["blocks", "num_steps", "preemptions", "recompute_tax", "sim_seconds",
@@ -163,7 +166,8 @@ def policies(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
     jobs = [({"victim": v, "mode": m},
              {**base, "preemption_policy": v, "preemption_mode": m}, specs,
              args.model_shape, args.hardware, args.tp) for v in VICTIMS for m in MODES]
-    rows = parallel_map(_sim_point, jobs, args.jobs, "policies")
+    rows = succeeded(parallel_map(_sim_point, jobs, args.jobs, "policies",
+                                  ray=getattr(args, "ray", None)))
     png = plot_grouped_bars(rows, "victim", "mode",
                             ["preemptions", "recompute_tax", "e2e_p99_ms", "e2e_p99_prio0_ms"],
                             _png(args), f"{args.num_requests} requests, {blocks} KV blocks")

@@ -1,50 +1,22 @@
-"""Routers: which instance of a pool serves the next request. Pure and deterministic: a choice
-depends only on the prompt, the instances' loads (requests there or on their way) and what the
-router itself has routed before.
-
-- round-robin: the i-th request routed goes to instance i mod n.
-- least-loaded: the instance with the fewest requests; ties go to the lowest index.
-- prefix-aware: the instance whose recently routed prompts share the longest run of leading
-  full blocks with this prompt (an approximate, router-side view of each prefix cache, as
-  SGLang's cache-aware router keeps); ties go to the less loaded. With no match, the least
-  loaded instance, ties to the one that has seen the fewest blocks (new prefixes spread out
-  instead of piling onto instance 0). Affinity yields to
-  balance when the matched instance holds more than `balance_slack` requests above the least
-  loaded one.
+"""prefix-aware: the instance whose recently routed prompts share the longest run of leading
+full blocks with this prompt (an approximate, router-side view of each prefix cache, as
+SGLang's cache-aware router keeps); ties go to the less loaded. With no match, the least
+loaded instance, ties to the one that has seen the fewest blocks (new prefixes spread out
+instead of piling onto instance 0). Affinity yields to balance when the matched instance
+holds more than `balance_slack` requests above the least loaded one. An unavailable instance
+(load UNAVAILABLE, base.py) is never chosen: its load exceeds any slack, and the fallback is
+the least loaded.
 """
 
 from __future__ import annotations
 
 from itertools import islice
-from typing import Sequence
+from typing import Hashable, Optional, Sequence
 
-ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
-
-
-def least_loaded(loads: Sequence[int]) -> int:
-    return min(range(len(loads)), key=lambda i: (loads[i], i))
+from tokenweir.routing.base import RoutingPolicy
 
 
-class RoundRobinRouter:
-    def __init__(self, num_instances: int) -> None:
-        self.num_instances = num_instances
-        self._next = 0
-
-    def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
-        chosen = self._next
-        self._next = (self._next + 1) % self.num_instances
-        return chosen
-
-
-class LeastLoadedRouter:
-    def __init__(self, num_instances: int) -> None:
-        self.num_instances = num_instances
-
-    def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
-        return least_loaded(loads)
-
-
-class PrefixAwareRouter:
+class PrefixAwareRouter(RoutingPolicy):
     """See the module docstring. Besides each instance's LRU of block hashes, an inverted
     index (hash -> instances that hold it) finds the instances matching a chain without
     visiting the others: a choice costs O(chain + matching instances), plus one C-level pass
@@ -56,10 +28,10 @@ class PrefixAwareRouter:
     costs a fraction of a set's memory (at 64 instances with full LRUs the index holds
     millions of hashes), and narrowing the matching instances is one `&` per block."""
 
-    def __init__(self, num_instances: int, block_size: int, max_blocks: int = 32,
+    def __init__(self, num_instances: int, block_size: int = 16, max_blocks: int = 32,
                  capacity: int = 1 << 16, balance_slack: int = 16) -> None:
-        self.num_instances = num_instances
-        self.block_size, self.max_blocks = block_size, max_blocks
+        super().__init__(num_instances, block_size)
+        self.max_blocks = max_blocks
         self.capacity, self.balance_slack = capacity, balance_slack
         # per instance: chained hashes of routed prompts' leading blocks, oldest first (LRU)
         self._seen: list[dict[int, None]] = [{} for _ in range(num_instances)]
@@ -99,7 +71,8 @@ class PrefixAwareRouter:
             alive, n = nxt, n + 1
         return n, instances_in(alive)
 
-    def choose(self, tokens: list[int], loads: Sequence[int]) -> int:
+    def choose(self, tokens: list[int], loads: Sequence[float],
+               session: Optional[Hashable] = None) -> int:
         chain = self.block_chain(tokens)
         longest, matched = self.longest_matches(chain)
         # fallback: min over (load, blocks seen, index); a C-level pass, or three cheaper ones
@@ -163,13 +136,3 @@ def instances_in(mask: int) -> list[int]:
 
 _ABSENT = object()
 _COMPACT_AFTER = 8192  # deletions from an LRU after which it is copied (PrefixAwareRouter)
-
-
-def make_router(name: str, num_instances: int, block_size: int):
-    if name == "round-robin":
-        return RoundRobinRouter(num_instances)
-    if name == "least-loaded":
-        return LeastLoadedRouter(num_instances)
-    if name == "prefix-aware":
-        return PrefixAwareRouter(num_instances, block_size)
-    raise ValueError(f"unknown router {name!r}; known: {', '.join(ROUTERS)}")

@@ -1,0 +1,84 @@
+"""`tokenweir sweep --ray` / `study --ray`: each point a Ray task, results identical to the
+serial run (CSV digests compared), a failing point reported without losing the others, and
+without Ray the flag says how to install it."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import sys
+
+import pytest
+
+from tokenweir.cli import main as cli_main
+from tokenweir.sim.plots import parallel_map
+from tokenweir.sim.ray_points import INSTALL_HINT, FailedPoint, import_ray
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+SWEEP = ["sweep", "--model-shape", "smollm2-135m", "--hardware", "h100", "--num-requests",
+         "40", "--request-rate", "50", "--prompt-len", "uniform:50:300", "--output-len",
+         "uniform:5:60", "--max-model-len", "1024", "--jobs", "1"]
+
+
+WALL_CLOCK = {"wall_seconds"}  # how long a point took to simulate: the only column of time
+
+
+def _digest(path) -> str:
+    """The CSV's digest without its wall-clock column: every result the runs decided."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    keep = [i for i, name in enumerate(rows[0]) if name not in WALL_CLOCK]
+    assert len(keep) == len(rows[0]) - len(WALL_CLOCK)  # probe: the column was there
+    text = "\n".join(",".join(row[i] for i in keep) for row in rows)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ValueError, match="pip install 'tokenweir\\[ray\\]'"):
+        import_ray()
+    status = cli_main([*SWEEP, "--set", "max_num_seqs=4,8", "--out", str(tmp_path / "s.csv"),
+                       "--ray"])
+    assert status == 2 and INSTALL_HINT in capsys.readouterr().err
+    assert not (tmp_path / "s.csv").exists()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    # the workers import tokenweir (this checkout) and the helpers beside this file
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+def test_a_sweep_on_ray_writes_the_serial_runs_bytes(local_ray, tmp_path):
+    sets = ["--set", "max_num_seqs=4,16", "--set", "max_num_batched_tokens=256,2048"]
+    assert cli_main([*SWEEP, *sets, "--out", str(tmp_path / "serial.csv")]) == 0
+    assert cli_main([*SWEEP, *sets, "--out", str(tmp_path / "ray.csv"), "--ray"]) == 0
+    assert _digest(tmp_path / "serial.csv") == _digest(tmp_path / "ray.csv")
+    rows = open(tmp_path / "ray.csv").read().splitlines()
+    assert len(rows) == 5  # probe: four points ran (a header and a row each)
+    assert len({row.split(",", 2)[2] for row in rows[1:]}) == 4  # and they differ
+
+
+def test_a_failing_point_is_reported_and_the_others_kept(local_ray, tmp_path, capsys):
+    out = tmp_path / "s.csv"
+    status = cli_main([*SWEEP, "--set", "max_num_batched_tokens=0,512,2048", "--out",
+                       str(out), "--ray"])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "point 0" in err and "failed" in err and "1 of 3 points failed" in err
+    rows = open(out).read().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["512", "2048"]
+
+
+def test_parallel_map_on_ray_keeps_order_and_marks_failures(local_ray):
+    import ray_helpers
+
+    results = parallel_map(ray_helpers.square_unless_three, list(range(6)), ray="local")
+    assert results[:3] == [0, 1, 4] and results[4:] == [16, 25]
+    assert isinstance(results[3], FailedPoint) and "three" in results[3].error

@@ -1,0 +1,91 @@
+"""Simulator points as Ray tasks (`tokenweir sweep --ray [ADDRESS]`, `tokenweir study ...
+--ray [ADDRESS]`): one task per configuration point, on a local Ray started on demand or on
+the cluster at ADDRESS, with a progress bar.
+
+Contracts:
+- The results are those of the serial run, in the jobs' order: a point is a pure function of
+  its job (the simulator is deterministic), and nothing here changes a job.
+- A point that raises is reported (its index, its job's first element, the error) and stands
+  as a `FailedPoint` in its place; every other point still runs and is returned.
+- Ray is optional (`pip install 'tokenweir[ray]'`): without it, `--ray` says how to install it.
+- `fn` must be a module-level function (Ray ships it by reference); on a remote cluster the
+  workers need tokenweir importable (the same version).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+LOCAL = "local"  # the flag's value when given without an address
+INSTALL_HINT = ("--ray needs Ray: pip install 'tokenweir[ray]' (or pip install ray), "
+                "or leave --ray out to run the points in local processes")
+
+
+@dataclass(frozen=True)
+class FailedPoint:
+    index: int
+    error: str
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    return ray
+
+
+def ray_map(fn: Callable, jobs: Sequence[Any], address: str, desc: str = "points") -> list:
+    """[fn(job) for job in jobs] as Ray tasks; a failed point is a FailedPoint."""
+    from tqdm import tqdm
+
+    ray = import_ray()
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=None if address == LOCAL else address, include_dashboard=False,
+                 log_to_driver=False, logging_level="ERROR")
+    try:
+        task = ray.remote(_run_point)
+        pending = {task.remote(fn, job): i for i, job in enumerate(jobs)}
+        results: list = [None] * len(jobs)
+        with tqdm(total=len(jobs), desc=f"{desc} (ray)", file=sys.stderr, leave=False) as bar:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    index = pending.pop(ref)
+                    results[index] = _result(ray, ref, index, jobs[index])
+                    bar.update()
+        return results
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _run_point(fn: Callable, job: Any) -> Any:
+    return fn(job)
+
+
+def _result(ray, ref, index: int, job: Any) -> Any:
+    try:
+        return ray.get(ref)
+    except Exception as exc:  # noqa: BLE001 - a point's failure is reported, not fatal
+        cause = getattr(exc, "cause", None) or exc
+        failed = FailedPoint(index, f"{type(cause).__name__}: {cause}")
+        print(f"point {index} ({_label(job)}) failed: {failed.error}", file=sys.stderr)
+        return failed
+
+
+def _label(job: Any) -> str:
+    head = job[0] if isinstance(job, tuple) and job else job
+    return str(head)[:120]
+
+
+def succeeded(results: Sequence[Any]) -> list:
+    """The results that are not FailedPoints."""
+    return [r for r in results if not isinstance(r, FailedPoint)]
+
+
+def failures(results: Sequence[Any]) -> list[FailedPoint]:
+    return [r for r in results if isinstance(r, FailedPoint)]
