@@ -126,7 +126,11 @@ NOT_RUN = {"make run": "the set-up, then generate --summary (SOAK runs generate)
            "benchmarks/peers/setup_vidur.sh PEER VENV /path/to/vidur/.git": "installs the peer",
            "VIDUR_PEER=PEER VIDUR_PYTHON=VENV/bin/python .venv/bin/python benchmarks/vs_vidur.py"
            " --quick": "needs the peer (tests/sim/test_vs_vidur.py)",
-           "flock /tmp/cpu.lock .venv/bin/python benchmarks/vs_vidur.py": "needs the peer"}
+           "flock /tmp/cpu.lock .venv/bin/python benchmarks/vs_vidur.py": "needs the peer",
+           # servers that run until stopped: tests/router starts both against real processes
+           T + "router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 "
+               "--routing-policy prefix-aware": "tests/router/test_router.py",
+           T + "serve smollm2-135m --data-parallel-size 2": "tests/router/test_data_parallel.py"}
 BENCHMARK = re.compile(r"^\.venv/bin/python (benchmarks/\w+\.py)\b")
 
 
