@@ -62,7 +62,8 @@ class AppState:
             return await self.engine.add(prompt, parsed.params, request_id, parsed.priority,
                                          parsed.ttft_slo_ms)
         except ValueError as exc:
-            raise APIError(str(exc), param="prompt") from exc
+            param = "max_tokens" if str(exc).startswith("max_tokens=") else "prompt"
+            raise APIError(str(exc), param=param) from exc
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable",
                            headers={"Retry-After": "5"}) from exc
