@@ -138,14 +138,20 @@ def _build() -> Optional[Any]:
     """The compiled module: imported straight from its build directory when a finished build
     is there (see _finished_build), else built (or brought up to date) by torch's `load`, with
     one line on stderr before and after when it compiles."""
+    name = f"tokenweir_cpu_kernels_{_source_hash()}"
+    remembered = _remembered_build_dir(name)
+    if remembered and _finished_build(remembered, name):
+        with contextlib.suppress(Exception):  # unloadable after all: let `load` rebuild
+            return _import_built(remembered, name)
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        name = f"tokenweir_cpu_kernels_{_source_hash()}"
         build_dir = _get_build_directory(name, verbose=False)
         if _finished_build(build_dir, name):
-            with contextlib.suppress(Exception):  # unloadable after all: let `load` rebuild
-                return _import_built(build_dir, name)
+            with contextlib.suppress(Exception):
+                module = _import_built(build_dir, name)
+                _remember_build_dir(name, build_dir)
+                return module
         _clear_stale_build_lock(name)
         started = time.perf_counter()
         compiles = not os.path.exists(_library(build_dir, name))  # else: ninja checks, quickly
@@ -157,6 +163,7 @@ def _build() -> Optional[Any]:
         module = load(name=name, sources=[_SOURCE], extra_cflags=list(CFLAGS),
                       extra_ldflags=list(LDFLAGS), verbose=False)
         _mark_finished(build_dir, name)
+        _remember_build_dir(name, build_dir)
         if compiles:
             _notice(f"C++ CPU kernels ready ({time.perf_counter() - started:.0f} s)")
         return module
@@ -200,6 +207,32 @@ def _mark_finished(build_dir: str, name: str) -> None:
         with open(staging, "w", encoding="utf-8") as f:
             json.dump(_library_stamp(build_dir, name), f)
         os.replace(staging, os.path.join(build_dir, _MARKER))
+
+
+def _remembered_path(name: str) -> str:
+    """Where the build directory of `name` is remembered: importing torch.utils.cpp_extension
+    to ask torch where it would be costs ~0.1-0.4 s of every start."""
+    from tokenweir.model.load_cache import cache_root
+
+    return os.path.join(cache_root(), "kernels", f"{name}.dir")
+
+
+def _remembered_build_dir(name: str) -> Optional[str]:
+    try:
+        with open(_remembered_path(name), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _remember_build_dir(name: str, build_dir: str) -> None:
+    path = _remembered_path(name)
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        staging = f"{path}.{os.getpid()}"
+        with open(staging, "w", encoding="utf-8") as f:
+            f.write(build_dir)
+        os.replace(staging, path)
 
 
 def _import_built(build_dir: str, name: str) -> Any:
