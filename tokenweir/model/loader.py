@@ -253,29 +253,13 @@ def read_gguf_source(path: str) -> "load_cache.GGUFSource":
 
 
 def open_gguf_cached(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenizer], str]:
-    """_open_gguf through the load cache (model/load_cache.py): read the entry when there is a
-    sound one, else convert the GGUF, write the entry and read it back. Also returns what the
-    cache did (LoadedModel.load_cache). Any failure to use the cache directory falls back to
-    the direct read, with one line saying so."""
+    """_open_gguf through the load cache (model/load_cache.py), plus what the cache did
+    (LoadedModel.load_cache). Any failure to use the cache directory falls back to the direct
+    read, with one line saying so."""
     if not load_cache.cache_enabled():
         return (*_open_gguf(path), "disabled")
-    root = load_cache.cache_root()
     try:
-        sha = load_cache.source_digest(path, root)
-        derivation = load_cache.derivation_tag()
-        directory = load_cache.entry_dir(root, sha, derivation)
-        status = "written"
-        try:
-            cached = load_cache.read_entry(directory, sha, derivation)
-        except load_cache.CacheCorrupt as exc:
-            load_cache.notice(f"load cache entry {directory} is unusable ({exc}); rebuilding it")
-            load_cache.remove_entry(directory)
-            cached, status = None, "rebuilt"
-        if cached is None:
-            _convert_into_cache(path, directory, sha, derivation)
-            cached = load_cache.read_entry(directory, sha, derivation)
-        else:
-            status = "hit"
+        cached, status = _cache_entry_for(path, load_cache.cache_root())
     except (OSError, load_cache.CacheCorrupt) as exc:
         load_cache.notice(f"load cache not used ({exc}); reading {path} directly")
         return (*_open_gguf(path), "disabled")
@@ -283,6 +267,28 @@ def open_gguf_cached(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenize
     if cached.tokenizer_json is not None:
         tokenizer = Tokenizer.from_cache(cached.tokenizer_json, cached.tokenizer_fields)
     return cached.arch, iter(cached.weights), tokenizer, status
+
+
+def _cache_entry_for(path: str, root: str) -> tuple["load_cache.CachedLoad", str]:
+    """The sound entry for the GGUF at `path`: read as it is ("hit"), or written first from
+    the GGUF ("written"; "rebuilt" when the one there failed its checks, which is said)."""
+    sha = load_cache.source_digest(path, root)
+    derivation = load_cache.derivation_tag()
+    directory = load_cache.entry_dir(root, sha, derivation)
+    status = "written"
+    try:
+        cached = load_cache.read_entry(directory, sha, derivation)
+        if cached is not None:
+            return cached, "hit"
+    except load_cache.CacheCorrupt as exc:
+        load_cache.notice(f"load cache entry {directory} is unusable ({exc}); rebuilding it")
+        load_cache.remove_entry(directory)
+        status = "rebuilt"
+    _convert_into_cache(path, directory, sha, derivation)
+    cached = load_cache.read_entry(directory, sha, derivation)  # checked like any other read
+    if cached is None:
+        raise load_cache.CacheCorrupt(f"the entry {directory} vanished right after writing")
+    return cached, status
 
 
 def _convert_into_cache(path: str, directory: str, sha: str, derivation: str) -> None:
