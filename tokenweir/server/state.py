@@ -66,7 +66,8 @@ class AppState:
             raise APIError(str(exc), 503, "service_unavailable", param="ttft_slo_ms",
                            headers={"Retry-After": "1"}) from exc
         except ValueError as exc:
-            raise APIError(str(exc), param="prompt") from exc
+            param = "max_tokens" if str(exc).startswith("max_tokens=") else "prompt"
+            raise APIError(str(exc), param=param) from exc
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable",
                            headers={"Retry-After": "5"}) from exc

@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import json
 import os
+import sys
 import threading
 import time
 import warnings
@@ -133,17 +135,118 @@ LDFLAGS = ["-lmvec", "-fopenmp"]
 
 
 def _build() -> Optional[Any]:
+    """The compiled module: imported straight from its build directory when a finished build
+    is there (see _finished_build), else built (or brought up to date) by torch's `load`, with
+    one line on stderr before and after when it compiles."""
+    name = f"tokenweir_cpu_kernels_{_source_hash()}"
+    remembered = _remembered_build_dir(name)
+    if remembered and _finished_build(remembered, name):
+        with contextlib.suppress(Exception):  # unloadable after all: let `load` rebuild
+            return _import_built(remembered, name)
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        name = f"tokenweir_cpu_kernels_{_source_hash()}"
+        build_dir = _get_build_directory(name, verbose=False)
+        if _finished_build(build_dir, name):
+            with contextlib.suppress(Exception):
+                module = _import_built(build_dir, name)
+                _remember_build_dir(name, build_dir)
+                return module
         _clear_stale_build_lock(name)
-        return load(name=name, sources=[_SOURCE], extra_cflags=CFLAGS,
-                    extra_ldflags=LDFLAGS, verbose=False)
+        started = time.perf_counter()
+        compiles = not os.path.exists(_library(build_dir, name))  # else: ninja checks, quickly
+        if compiles:
+            _notice(f"compiling the C++ CPU kernels for this CPU into {build_dir} (once per "
+                    f"checkout and kernel version; about a minute on 2 idle cores, longer on a "
+                    f"busy machine; `make` or `python -m tokenweir.model.kernels` does it ahead)")
+        # copies: torch appends its own flags to the lists it is given
+        module = load(name=name, sources=[_SOURCE], extra_cflags=list(CFLAGS),
+                      extra_ldflags=list(LDFLAGS), verbose=False)
+        _mark_finished(build_dir, name)
+        _remember_build_dir(name, build_dir)
+        if compiles:
+            _notice(f"C++ CPU kernels ready ({time.perf_counter() - started:.0f} s)")
+        return module
     except Exception as exc:  # no compiler, no headers, ...: fall back to the torch path
         warnings.warn(f"tokenweir: C++ CPU kernels unavailable, using the torch path ({exc})",
                       RuntimeWarning, stacklevel=3)
         return None
+
+
+def _notice(message: str) -> None:
+    print(f"tokenweir: {message}", file=sys.stderr, flush=True)
+
+
+# Written beside the library once `load` returned it: the library's size and mtime then. The
+# name carries the sources' hash, so a library with a matching marker is a finished build of
+# exactly these sources (a build killed mid-link leaves no marker, or one that no longer
+# matches the file), and importing it directly skips torch's ninja check (~0.3-0.6 s).
+_MARKER = "tokenweir-finished.json"
+
+
+def _library(build_dir: str, name: str) -> str:
+    return os.path.join(build_dir, f"{name}.so")
+
+
+def _library_stamp(build_dir: str, name: str) -> list[int]:
+    st = os.stat(_library(build_dir, name))
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _finished_build(build_dir: str, name: str) -> bool:
+    try:
+        with open(os.path.join(build_dir, _MARKER), encoding="utf-8") as f:
+            return json.load(f) == _library_stamp(build_dir, name)
+    except (OSError, ValueError):
+        return False
+
+
+def _mark_finished(build_dir: str, name: str) -> None:
+    with contextlib.suppress(OSError):
+        staging = os.path.join(build_dir, f"{_MARKER}.{os.getpid()}")
+        with open(staging, "w", encoding="utf-8") as f:
+            json.dump(_library_stamp(build_dir, name), f)
+        os.replace(staging, os.path.join(build_dir, _MARKER))
+
+
+def _remembered_path(name: str) -> str:
+    """Where the build directory of `name` is remembered: importing torch.utils.cpp_extension
+    to ask torch where it would be costs ~0.1-0.4 s of every start."""
+    from tokenweir.model.load_cache import cache_root
+
+    return os.path.join(cache_root(), "kernels", f"{name}.dir")
+
+
+def _remembered_build_dir(name: str) -> Optional[str]:
+    try:
+        with open(_remembered_path(name), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _remember_build_dir(name: str, build_dir: str) -> None:
+    path = _remembered_path(name)
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        staging = f"{path}.{os.getpid()}"
+        with open(staging, "w", encoding="utf-8") as f:
+            f.write(build_dir)
+        os.replace(staging, path)
+
+
+def _import_built(build_dir: str, name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, _library(build_dir, name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build() -> Optional[Any]:
+    """Build (or find) the kernels now: `python -m tokenweir.model.kernels`, `make`."""
+    return _module()
 
 
 # A build takes about a minute; a lock older than this was left by a killed build (torch waits

@@ -1,0 +1,180 @@
+"""Start-up time of `tokenweir generate` (to its first token) and `tokenweir serve` (to /health
+answering 200), cold (the load cache empty) and warm (the cache written by the run before),
+each phase timed, each case run `--repeats` times (default 2).
+
+Every run is a fresh interpreter started by this script (`--child` mode), which wraps the
+engine's start-up functions to time them and writes one JSON line of phase times:
+  import       the command's imports, torch included (process start to the command running)
+  model read   resolving the model and reading it: the GGUF parse, or the cache entry mapped
+  weights      building the model and copying the weights in (dequantized on a cold run)
+  kernels      loading (or building) the C++ CPU kernels; it happens inside the first forward,
+               so it is also part of `warm-up` (or of the first step when the warm-up is off)
+  warm-up      the engine's dummy step(s) before serving
+  ready        process start to the first token (generate) or to /health 200 (serve)
+The kernels are assumed built (the install step builds them); a run that compiles them says
+so on stderr. Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("import", "model read", "weights", "kernels", "warm-up", "ready")
+PROMPTS = ["What is the capital of France?", "Write a haiku about a river."]
+
+
+# ---- child: one timed start ---------------------------------------------------------------
+def _timed(owner, attribute: str, phase: str, times: dict) -> None:
+    """Wrap owner.attribute so that its first call's duration lands in times[phase]."""
+    real = getattr(owner, attribute)
+
+    def wrapper(*args, **kwargs):
+        started = time.time()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            times.setdefault(phase, time.time() - started)
+
+    setattr(owner, attribute, wrapper)
+
+
+def _instrument(times: dict) -> None:
+    from tokenweir.model import kernels, loader
+    from tokenweir.runner.model_runner import ModelRunner
+
+    _timed(loader, "open_gguf_cached", "model read", times)
+    _timed(loader, "_open_hf_dir", "model read", times)
+    _timed(loader, "_build", "weights", times)
+    _timed(kernels, "_build", "kernels", times)
+    _timed(ModelRunner, "warm_up", "warm-up", times)
+
+
+def _write(times: dict, started: float, out: str) -> None:
+    row = {k: v for k, v in times.items()}
+    row["ready"] = time.time() - started
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(row, f)
+
+
+def child(command: str, model: str, started: float, out: str, port: int) -> int:
+    times: dict = {}
+    import torch  # noqa: F401  (counted in `import`, as the command itself imports it)
+
+    from tokenweir.cli import main
+    from tokenweir.engine.llm_engine import LLMEngine
+
+    times["import"] = time.time() - started
+    _instrument(times)
+    if command == "generate":
+        real_step = LLMEngine.step
+
+        def step(self, *args, **kwargs):
+            outputs = real_step(self, *args, **kwargs)
+            if "ready" not in times and any(o.outputs and o.outputs[0].token_ids
+                                            for o in outputs):
+                times["ready"] = True
+                _write(times, started, out)
+            return outputs
+
+        LLMEngine.step = step
+        args = ["generate", "--model", model, "--max-tokens", "4"]
+        for prompt in PROMPTS:
+            args += ["--prompt", prompt]
+        return main(args)
+    from tokenweir.server import serve as serve_module
+
+    real_serve = serve_module.serve
+
+    def serve(engine, settings, host, port_, log_level):
+        _write(times, started, out + ".engine")  # phases so far; `ready` comes from the parent
+        return real_serve(engine, settings, host, port_, log_level)
+
+    serve_module.serve = serve
+    return main(["serve", model, "--port", str(port), "--log-level", "warning"])
+
+
+# ---- parent: runs and the table -------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_once(command: str, model: str, cache_dir: str) -> dict:
+    out = tempfile.mktemp(prefix="tokenweir-startup-", suffix=".json")
+    port = _free_port()
+    env = {**os.environ, "TOKENWEIR_CACHE_DIR": cache_dir, "PYTHONPATH": ROOT,
+           "NO_PROXY": "127.0.0.1"}
+    started = time.time()
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", command, "--model", model,
+           "--started", repr(started), "--out", out, "--port", str(port)]
+    if command == "generate":
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    try:
+        ready = _wait_health(port, proc)
+        row = {**_read_json(out + ".engine"), "ready": ready - started}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return row
+
+
+def _wait_health(port: int, proc: subprocess.Popen) -> float:
+    import httpx
+
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with status {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1,
+                         trust_env=False).status_code == 200:
+                return time.time()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--child", choices=("generate", "serve"))
+    parser.add_argument("--started", type=float)
+    parser.add_argument("--out")
+    parser.add_argument("--port", type=int)
+    args = parser.parse_args()
+    if args.child:
+        sys.exit(child(args.child, args.model, args.started, args.out, args.port))
+    print(f"{'command':9} {'start':5} {'run':>3}  " + "  ".join(f"{p:>10}" for p in PHASES))
+    for command in ("generate", "serve"):
+        for repeat in range(args.repeats):
+            cache_dir = tempfile.mkdtemp(prefix="tokenweir-startup-cache-")
+            try:
+                for mode in ("cold", "warm"):
+                    row = run_once(command, args.model, cache_dir)
+                    cells = "  ".join(f"{row[p]:>9.2f}s" if p in row else f"{'-':>10}"
+                                      for p in PHASES)
+                    print(f"{command:9} {mode:5} {repeat + 1:>3}  {cells}", flush=True)
+            finally:
+                shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
