@@ -327,3 +327,21 @@ def test_avx512bf16_one_pass_prefill_rising_max():
     mid-row; still within the bf16 tolerance of float64."""
     out, ref = _bf16_prefill_case([100, 20], [120, 300], 6, 2, 64, 16, seed=5, ramp=1 / 8)
     assert (out.float() - ref).abs().max().item() < KERNEL_ATOL[torch.bfloat16]
+
+
+def test_torch_path_takes_a_non_contiguous_sdpa_output(monkeypatch):
+    """CUDA's memory-efficient SDPA (cuDNN off, float32) returns its output in [B, L, H, D]
+    memory seen as [B, H, L, D]: the decode groups once `.view`ed it and crashed there. Here
+    every SDPA call's output gets that layout on CPU."""
+    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "0")
+    real = torch.nn.functional.scaled_dot_product_attention
+    strided = []
+
+    def memory_efficient_layout(*args, **kwargs):
+        out = real(*args, **kwargs).transpose(-2, -3).contiguous().transpose(-2, -3)
+        strided.append(not out.is_contiguous())
+        return out
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        memory_efficient_layout)
+    _run_case(*CASES["mixed"], 4, 2, torch.float32, expect_kernel=False)
+    assert strided and all(strided)  # probe: every call really returned a strided output

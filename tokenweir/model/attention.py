@@ -328,7 +328,9 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
         # kvh, so [n, H, D] -> [n, kvh, G, D] attends [n, kvh, L, D] directly.
         qg = qd[g.start:g.end].view(n, kv_heads, group_size, head_dim)
         o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.mask, scale=scale)
-        od[g.start:g.end] = o.view(n, num_heads, head_dim)
+        # SDPA's output layout is the backend's (CUDA's memory-efficient one returns [n, G,
+        # kvh, D] memory viewed as [n, kvh, G, D]): copy into the rows' view, never `.view` it.
+        od[g.start:g.end].view(n, kv_heads, group_size, head_dim).copy_(o)
     if order is not None:
         out[:nd].index_copy_(0, order, od)
 
