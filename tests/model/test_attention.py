@@ -42,8 +42,10 @@ def _reference(q, k_all, v_all, query_lens, seq_lens, scale):
 
 
 def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5, head_dim=64,
-              expect_kernel=None):
-    """expect_kernel: None = don't care, True/False = the decodes must (not) take the C++ path."""
+              expect_kernel=None, backend=None, block_size=BS):
+    """expect_kernel: None = don't care, True/False = the decodes must (not) take the C++ path.
+    backend: an attention backend (tokenweir/model/backends) that runs the step instead."""
+    BS = block_size
     gen = torch.Generator().manual_seed(seed)
     arch = _arch(heads, kv_heads, head_dim)
     d = arch.head_dim
@@ -64,7 +66,7 @@ def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5,
         for p in range(c):
             slot = tables[i][p // BS] * BS + p % BS
             flat[0, slot], flat[1, slot] = k_all[i][p], v_all[i][p]
-    meta = A.build_attention_metadata(query_lens, ctx_before, tables, BS, "cpu")
+    meta = A.build_attention_metadata(query_lens, ctx_before, tables, BS, "cpu", backend)
     q = torch.randn(sum(query_lens), heads, d, generator=gen).to(dtype)
     k_new = torch.cat([k_all[i][c:] for i, c in enumerate(ctx_before)])
     v_new = torch.cat([v_all[i][c:] for i, c in enumerate(ctx_before)])

@@ -18,7 +18,9 @@ from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.guided.masks import GuidedRow
 from tokenweir.model import kernels
-from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
+from tokenweir.model.attention import (allocate_kv_caches, build_attention_metadata,
+                                       to_device_long)
+from tokenweir.model.backends import select_backend
 from tokenweir.model.penalties import TokenHistory
 from tokenweir.model.sampler import sample_isolated
 from tokenweir.request import SamplingParams
@@ -61,6 +63,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.seed = seed
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+        # Runs every step's attention (tokenweir/model/backends); None: attention.py's own path.
+        self.attention_backend = select_backend(device)
         if device.type == "cpu":
             kernels.paged_attention_kernel()  # build (or load) the C++ kernels now, not mid-step
         # The swap pool lives in host memory; on a CPU-only machine it is a second CPU pool.
@@ -133,7 +137,7 @@ class ModelRunner:
 
         def prefill() -> None:
             attn = build_attention_metadata([num_tokens], [0], [block_ids], self.block_size,
-                                            self.device)
+                                            self.device, self.attention_backend)
             self.model(input_ids, positions, attn, self.kv_caches)
 
         per_token = self._best_time(prefill, repeats) / num_tokens
@@ -170,11 +174,11 @@ class ModelRunner:
             return False  # a pool too small to warm up in: the first step pays, as before
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         attn = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size,
-                                        self.device)
+                                        self.device, self.attention_backend)
         ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
         self.model(ids, positions, attn, self.kv_caches)
         attn = build_attention_metadata([1] * len(lens), lens, tables, self.block_size,
-                                        self.device)
+                                        self.device, self.attention_backend)
         ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.tensor(lens, device=self.device), attn, self.kv_caches)
         self.model.compute_logits(hidden)
@@ -190,7 +194,8 @@ class ModelRunner:
 
         def prefill(n: int) -> None:
             block_ids = list(range(1, -(-n // self.block_size) + 1))
-            attn = build_attention_metadata([n], [0], [block_ids], self.block_size, self.device)
+            attn = build_attention_metadata([n], [0], [block_ids], self.block_size, self.device,
+                                            self.attention_backend)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, torch.arange(n, device=self.device), attn, self.kv_caches)
             self.model.compute_logits(hidden[-1:])
@@ -298,15 +303,14 @@ class ModelRunner:
     def _forward(self, batch: _Batch, layer_hook=None) -> torch.Tensor:
         block_tables = [self.requests[r].block_ids for r in batch.req_ids]
         attn = build_attention_metadata(batch.query_lens, batch.context_lens, block_tables,
-                                        self.block_size, self.device)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+                                        self.block_size, self.device, self.attention_backend)
+        input_ids, positions = to_device_long([batch.input_ids, batch.positions], self.device)
         return self.model(input_ids, positions, attn, self.kv_caches, layer_hook=layer_hook)
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor, step_id: int):
         if not batch.sample_req_ids:
             return {}, {}
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=hidden.device)
+        (rows,) = to_device_long([batch.sample_rows], hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         states = [self.requests[r] for r in batch.sample_req_ids]
         guided = self.guided.take_masks() if self.guided is not None else None
