@@ -62,12 +62,15 @@ PREFILL_IN_PLACE_MAX_ROWS: dict[str, int] = {"avx2": 32, "avx512": 1 << 30,
 
 
 def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """One zeroed `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer."""
+                       dtype: torch.dtype, device: torch.device | str,
+                       pin_memory: bool = False) -> list[torch.Tensor]:
+    """One zeroed `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer
+    (`pin_memory`: page-locked host memory, for asynchronous copies to and from CUDA)."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
     shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+            for _ in range(arch.num_layers)]
 
 
 def kv_cache_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -24,6 +24,7 @@ from tokenweir.model.backends import select_backend
 from tokenweir.model.penalties import TokenHistory
 from tokenweir.model.sampler import sample_isolated
 from tokenweir.request import SamplingParams
+from tokenweir.runner.host_swap import HostSwapper, copy_blocks  # noqa: F401 (re-exported)
 from tokenweir.runner.interrupt import CutSignal, StepCut, make_layer_hook
 
 
@@ -67,10 +68,13 @@ class ModelRunner:
         self.attention_backend = select_backend(device)
         if device.type == "cpu":
             kernels.paged_attention_kernel()  # build (or load) the C++ kernels now, not mid-step
-        # The swap pool lives in host memory; on a CPU-only machine it is a second CPU pool.
+        # The swap pool lives in host memory (pinned when the pool is on CUDA: asynchronous
+        # copies); on a CPU-only machine it is a second CPU pool.
         self.host_caches = (allocate_kv_caches(arch, num_host_blocks, block_size, dtype,
-                                               torch.device("cpu"))
+                                               torch.device("cpu"),
+                                               pin_memory=device.type == "cuda")
                             if num_host_blocks else [])
+        self.swapper = HostSwapper(self.kv_caches, self.host_caches)
         self.requests: dict[str, _RunnerRequest] = {}
         # Set by the engine under the slo policy: the monitor's orders to cut a step.
         self.cut_signal: Optional[CutSignal] = None
@@ -109,6 +113,7 @@ class ModelRunner:
         forwarded = time.perf_counter()
         self.sample_errors = {}
         sampled, logprobs = self._sample(batch, hidden, out.step_id)
+        self.swapper.finish()  # the sampled tokens were read: this step's copies have run
         self._advance_guided(sampled)
         for req_id in self.sample_errors:  # a request whose sampling failed gets no token
             sampled.pop(req_id, None)
@@ -244,9 +249,9 @@ class ModelRunner:
         copies = out.blocks_to_copy
         pending = gather_blocks(self.kv_caches, [s for s, _ in copies]) if copies else None
         if out.blocks_to_swap_in:
-            copy_blocks(self.host_caches, self.kv_caches, out.blocks_to_swap_in)
+            self.swapper.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_swap_out:
-            copy_blocks(self.kv_caches, self.host_caches, out.blocks_to_swap_out)
+            self.swapper.swap_out(out.blocks_to_swap_out)  # lands on the host by finish()
         if pending is not None:
             scatter_blocks(self.kv_caches, [d for _, d in copies], pending)
 
@@ -330,15 +335,6 @@ class ModelRunner:
         logprobs = {r: lp for r, lp in zip(batch.sample_req_ids, result.logprobs)
                     if lp is not None}
         return sampled, logprobs
-
-
-def copy_blocks(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
-                pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks (K and V, every layer): dst[:, d] = src[:, s] for each (s, d)."""
-    src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_layers[0].device)
-    dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_layers[0].device)
-    for src, dst in zip(src_layers, dst_layers):
-        dst.index_copy_(1, dst_ids, src.index_select(1, src_ids).to(dst.device))
 
 
 def gather_blocks(layers: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
