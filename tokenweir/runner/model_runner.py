@@ -7,6 +7,8 @@ tokens, decodes first (the attention op batches them), then prefill chunks.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -26,6 +28,9 @@ from tokenweir.model.sampler import sample_isolated
 from tokenweir.request import SamplingParams
 from tokenweir.runner.host_swap import HostSwapper, copy_blocks  # noqa: F401 (re-exported)
 from tokenweir.runner.interrupt import CutSignal, StepCut, make_layer_hook
+
+
+logger = logging.getLogger("tokenweir")
 
 
 @dataclass(slots=True)
@@ -75,6 +80,10 @@ class ModelRunner:
                                                pin_memory=device.type == "cuda")
                             if num_host_blocks else [])
         self.swapper = HostSwapper(self.kv_caches, self.host_caches)
+        # Decode-only steps replay a CUDA graph per batch bucket (runner/cuda_graphs.py): on
+        # CUDA with the Triton backend, unless TOKENWEIR_CUDA_GRAPHS=0. Any capture failure
+        # turns them off (logged) and the step runs eagerly.
+        self.graphs = self._decode_graphs(arch, num_blocks)
         self.requests: dict[str, _RunnerRequest] = {}
         # Set by the engine under the slo policy: the monitor's orders to cut a step.
         self.cut_signal: Optional[CutSignal] = None
@@ -305,8 +314,27 @@ class ModelRunner:
                 batch.sample_rows.append(len(batch.input_ids) - 1)
         return batch
 
+    def _decode_graphs(self, arch, num_blocks: int):
+        if (self.device.type != "cuda" or getattr(self.attention_backend, "name", None) != "triton"
+                or os.environ.get("TOKENWEIR_CUDA_GRAPHS", "1") == "0"):
+            return None
+        from tokenweir.runner.cuda_graphs import DecodeGraphs
+        max_blocks = -(-arch.max_position_embeddings // self.block_size)
+        return DecodeGraphs(self.model, self.kv_caches, self.attention_backend, self.block_size,
+                            min(max_blocks, num_blocks), arch.num_heads // arch.num_kv_heads)
+
     def _forward(self, batch: _Batch, layer_hook=None) -> torch.Tensor:
         block_tables = [self.requests[r].block_ids for r in batch.req_ids]
+        if self.graphs is not None and layer_hook is None and len(batch.input_ids) == len(
+                batch.req_ids):  # decodes only: a graph replay
+            try:
+                hidden = self.graphs.run(batch.input_ids, batch.positions, block_tables)
+            except Exception:  # noqa: BLE001 (any capture failure: eager from now on)
+                logger.exception("CUDA graph capture failed: decode steps run eagerly")
+                self.graphs = None
+                hidden = None
+            if hidden is not None:
+                return hidden
         attn = build_attention_metadata(batch.query_lens, batch.context_lens, block_tables,
                                         self.block_size, self.device, self.attention_backend)
         input_ids, positions = to_device_long([batch.input_ids, batch.positions], self.device)
