@@ -323,18 +323,25 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.kv_caches, self.attention_backend, self.block_size,
                             min(max_blocks, num_blocks), arch.num_heads // arch.num_kv_heads)
 
+    def _replay_decode_graph(self, batch: _Batch, block_tables: list[list[int]],
+                             layer_hook) -> Optional[torch.Tensor]:
+        """The hidden states of a decode-only step from its bucket's CUDA graph; None when
+        the step does not qualify (prefill rows, a cut hook, no bucket) or graphs are off."""
+        if (self.graphs is None or layer_hook is not None
+                or len(batch.input_ids) != len(batch.req_ids)):
+            return None
+        try:
+            return self.graphs.run(batch.input_ids, batch.positions, block_tables)
+        except Exception:  # noqa: BLE001 (a capture that fails: eager from now on)
+            logger.exception("CUDA graph capture failed: decode steps run eagerly")
+            self.graphs = None
+            return None
+
     def _forward(self, batch: _Batch, layer_hook=None) -> torch.Tensor:
         block_tables = [self.requests[r].block_ids for r in batch.req_ids]
-        if self.graphs is not None and layer_hook is None and len(batch.input_ids) == len(
-                batch.req_ids):  # decodes only: a graph replay
-            try:
-                hidden = self.graphs.run(batch.input_ids, batch.positions, block_tables)
-            except Exception:  # noqa: BLE001 (any capture failure: eager from now on)
-                logger.exception("CUDA graph capture failed: decode steps run eagerly")
-                self.graphs = None
-                hidden = None
-            if hidden is not None:
-                return hidden
+        hidden = self._replay_decode_graph(batch, block_tables, layer_hook)
+        if hidden is not None:
+            return hidden
         attn = build_attention_metadata(batch.query_lens, batch.context_lens, block_tables,
                                         self.block_size, self.device, self.attention_backend)
         input_ids, positions = to_device_long([batch.input_ids, batch.positions], self.device)
