@@ -96,6 +96,7 @@ class ModelPlan:
     workloads: list[Workload]
     single_stream_tokens: int = 128
     transformers_workloads: tuple[str, ...] = ()  # names of the workloads transformers runs
+    transformers_single_stream: bool = True  # False: transformers skips the model (time)
     cap_s: float = 60.0  # per workload
 
 
@@ -113,7 +114,7 @@ def plans(tiny: bool) -> list[ModelPlan]:
         ModelPlan("qwen3-0.6b", GPU_MODELS / "qwen3-0.6b.json", [nano_vllm()], 128,
                   (), 45.0),
         ModelPlan("llama-3-8b", SIM_MODELS / "llama-3-8b.json", [offline(256, 64, 512, 128)],
-                  64, (), 30.0),
+                  64, (), 30.0, transformers_single_stream=False),  # 15 GB through host RAM
     ]
 
 
@@ -489,7 +490,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             try:
                 info = entry["info"] = build_model(plan, folder, args.device, dtype, args.tiny)
                 entry["tokenweir"] = run_tokenweir(plan, folder, info, args, dtype_name)
-                entry["transformers"] = ({} if args.skip_transformers else
+                skip_hf = args.skip_transformers or not (plan.transformers_workloads
+                                                         or plan.transformers_single_stream)
+                entry["transformers"] = ({} if skip_hf else
                                          run_transformers(plan, folder, info, args, dtype))
                 max_seqs = max(wl.num_requests for wl in plan.workloads)
                 print("\n".join(report_model(plan.name, info, entry["tokenweir"],
