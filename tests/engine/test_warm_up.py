@@ -11,15 +11,15 @@ from tokenweir.runner.model_runner import ModelRunner
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 31], [8, 8, 100], list(range(20, 60))]
 
 
-def _greedy(path: str, **kwargs) -> list[list[int]]:
-    llm = LLM(model=path, dtype="float32", seed=0, **kwargs)
+def _greedy(path: str, device: str, **kwargs) -> list[list[int]]:
+    llm = LLM(model=path, dtype="float32", seed=0, device=device, **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_warm_up_runs_and_changes_no_output(tiny_llama_path, monkeypatch):
+def test_warm_up_runs_and_changes_no_output(tiny_llama_path, device, monkeypatch):
     calls, forwards = [], []
     warm_up, forward = ModelRunner.warm_up, None
 
@@ -35,22 +35,22 @@ def test_warm_up_runs_and_changes_no_output(tiny_llama_path, monkeypatch):
             del self.model.forward  # back to the class's method
     monkeypatch.setattr(ModelRunner, "warm_up", counting)
     monkeypatch.setenv("TOKENWEIR_WARMUP", "0")
-    cold = _greedy(tiny_llama_path, max_num_batched_tokens=1024, max_num_seqs=8)
+    cold = _greedy(tiny_llama_path, device, max_num_batched_tokens=1024, max_num_seqs=8)
     assert calls == []  # off: never called
     monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
-    warm = _greedy(tiny_llama_path, max_num_batched_tokens=1024, max_num_seqs=8)
+    warm = _greedy(tiny_llama_path, device, max_num_batched_tokens=1024, max_num_seqs=8)
     assert calls == [(1024, 8)]
     assert forwards == [1024, 4]  # probe: 4 requests of 256 prefilled, then their 4 decodes
     assert warm == cold
 
 
-def test_a_pool_too_small_skips_the_warm_up(tiny_llama_path, monkeypatch):
+def test_a_pool_too_small_skips_the_warm_up(tiny_llama_path, device, monkeypatch):
     monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
     ran, warm_up = [], ModelRunner.warm_up
     monkeypatch.setattr(ModelRunner, "warm_up",
                         lambda self, *a: ran.append(warm_up(self, *a)) or ran[-1])
     # 2048 tokens in requests of 256 need 8 x 17 blocks of 16 (one slot more each for the
     # decode): more than a 40-block pool; the engine still builds and serves
-    out = _greedy(tiny_llama_path, max_num_batched_tokens=2048, num_gpu_blocks_override=40)
+    out = _greedy(tiny_llama_path, device, max_num_batched_tokens=2048, num_gpu_blocks_override=40)
     assert ran == [False]  # probe: called, and it declined
     assert all(len(tokens) == 12 for tokens in out)

@@ -23,8 +23,11 @@ class _Seq:
 
 class PagedDriver:
     def __init__(self, model, arch, *, block_size: int = 4, num_blocks: int = 512,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 backend=None) -> None:
+        """backend: an attention backend (tokenweir/model/backends); None: attention.py's."""
         self.model, self.block_size, self.device = model, block_size, device
+        self.backend = backend
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
         self.num_blocks = num_blocks
         self.next_block = 1
@@ -58,7 +61,8 @@ class PagedDriver:
             ctx.append(start)
             tables.append(seq.blocks)
             last_rows.append(len(ids) - 1)
-        meta = build_attention_metadata(qlens, ctx, tables, self.block_size, self.device)
+        meta = build_attention_metadata(qlens, ctx, tables, self.block_size, self.device,
+                                        self.backend)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(pos, device=self.device), meta, self.kv_caches)
         # a copy: compute_logits may return a view of a buffer its next call overwrites

@@ -42,8 +42,10 @@ def _reference(q, k_all, v_all, query_lens, seq_lens, scale):
 
 
 def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5, head_dim=64,
-              expect_kernel=None):
-    """expect_kernel: None = don't care, True/False = the decodes must (not) take the C++ path."""
+              expect_kernel=None, backend=None, block_size=BS):
+    """expect_kernel: None = don't care, True/False = the decodes must (not) take the C++ path.
+    backend: an attention backend (tokenweir/model/backends) that runs the step instead."""
+    BS = block_size
     gen = torch.Generator().manual_seed(seed)
     arch = _arch(heads, kv_heads, head_dim)
     d = arch.head_dim
@@ -64,7 +66,7 @@ def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5,
         for p in range(c):
             slot = tables[i][p // BS] * BS + p % BS
             flat[0, slot], flat[1, slot] = k_all[i][p], v_all[i][p]
-    meta = A.build_attention_metadata(query_lens, ctx_before, tables, BS, "cpu")
+    meta = A.build_attention_metadata(query_lens, ctx_before, tables, BS, "cpu", backend)
     q = torch.randn(sum(query_lens), heads, d, generator=gen).to(dtype)
     k_new = torch.cat([k_all[i][c:] for i, c in enumerate(ctx_before)])
     v_new = torch.cat([v_all[i][c:] for i, c in enumerate(ctx_before)])
@@ -327,3 +329,21 @@ def test_avx512bf16_one_pass_prefill_rising_max():
     mid-row; still within the bf16 tolerance of float64."""
     out, ref = _bf16_prefill_case([100, 20], [120, 300], 6, 2, 64, 16, seed=5, ramp=1 / 8)
     assert (out.float() - ref).abs().max().item() < KERNEL_ATOL[torch.bfloat16]
+
+
+def test_torch_path_takes_a_non_contiguous_sdpa_output(monkeypatch):
+    """CUDA's memory-efficient SDPA (cuDNN off, float32) returns its output in [B, L, H, D]
+    memory seen as [B, H, L, D]: the decode groups once `.view`ed it and crashed there. Here
+    every SDPA call's output gets that layout on CPU."""
+    monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "0")
+    real = torch.nn.functional.scaled_dot_product_attention
+    strided = []
+
+    def memory_efficient_layout(*args, **kwargs):
+        out = real(*args, **kwargs).transpose(-2, -3).contiguous().transpose(-2, -3)
+        strided.append(not out.is_contiguous())
+        return out
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        memory_efficient_layout)
+    _run_case(*CASES["mixed"], 4, 2, torch.float32, expect_kernel=False)
+    assert strided and all(strided)  # probe: every call really returned a strided output

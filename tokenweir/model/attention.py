@@ -62,12 +62,15 @@ PREFILL_IN_PLACE_MAX_ROWS: dict[str, int] = {"avx2": 32, "avx512": 1 << 30,
 
 
 def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """One zeroed `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer."""
+                       dtype: torch.dtype, device: torch.device | str,
+                       pin_memory: bool = False) -> list[torch.Tensor]:
+    """One zeroed `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer
+    (`pin_memory`: page-locked host memory, for asynchronous copies to and from CUDA)."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
     shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+            for _ in range(arch.num_layers)]
 
 
 def kv_cache_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -126,6 +129,9 @@ class AttentionMetadata:
     slot_mapping:    LongTensor[T], cache slot of each token.
     query_lens_cpu, seq_lens_cpu: the same lengths as Python lists.
     num_decodes:     the first num_decodes requests have query_len == 1.
+    backend:         the attention backend that runs this step (tokenweir/model/backends);
+                     None: this module's own path (the CPU kernels, else batched SDPA).
+    backend_plan:    what the backend derived from this metadata at the first layer.
     """
 
     query_start_loc: torch.Tensor
@@ -135,6 +141,8 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     num_decodes: int
+    backend: Optional[object] = field(default=None, compare=False)
+    backend_plan: Optional[object] = field(default=None, repr=False, compare=False)
     _plan: Optional[_StepPlan] = field(default=None, repr=False, compare=False)
 
     @property
@@ -151,11 +159,13 @@ class AttentionMetadata:
 
 def build_attention_metadata(query_lens: Sequence[int], context_lens_before: Sequence[int],
                              block_tables_lists: Sequence[Sequence[int]], block_size: int,
-                             device: torch.device | str) -> AttentionMetadata:
+                             device: torch.device | str, backend: Optional[object] = None
+                             ) -> AttentionMetadata:
     """Metadata for one step. Request i schedules query_lens[i] tokens at positions
     context_lens_before[i] .. context_lens_before[i] + query_lens[i] - 1, using the blocks
     block_tables_lists[i] (which must cover all of them). Requests with query_len == 1 must come
-    first (the leading run of them is counted as decodes)."""
+    first (the leading run of them is counted as decodes). `backend` runs the step's attention
+    (see AttentionMetadata). On CUDA the tables travel in one pinned, non-blocking copy."""
     query_lens, ctx = list(query_lens), list(context_lens_before)
     if not (len(query_lens) == len(ctx) == len(block_tables_lists)):
         raise ValueError("query_lens, context_lens_before and block tables differ in length")
@@ -174,11 +184,27 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens_before: Seq
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    flat = [x for row in table for x in row]
+    start_loc, lens, tables, slot_mapping = to_device_long(
+        [starts, seq_lens, flat, slots], device)
     return AttentionMetadata(
-        query_start_loc=as_long(starts), seq_lens=as_long(seq_lens),
-        block_tables=as_long(table).reshape(len(table), width), slot_mapping=as_long(slots),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, num_decodes=num_decodes)
+        query_start_loc=start_loc, seq_lens=lens,
+        block_tables=tables.reshape(len(table), width), slot_mapping=slot_mapping,
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, num_decodes=num_decodes,
+        backend=backend)
+
+
+def to_device_long(lists: Sequence[Sequence[int]], device: torch.device | str
+                   ) -> list[torch.Tensor]:
+    """int64 device tensors of these lists. On CUDA: packed into ONE pinned host tensor and
+    copied with non_blocking (no host synchronisation; the caching host allocator keeps the
+    pinned memory alive until the copy has run), then split into views."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [torch.tensor(xs, dtype=torch.long, device=device) for xs in lists]
+    sizes = [len(xs) for xs in lists]
+    packed = torch.tensor([x for xs in lists for x in xs], dtype=torch.long).pin_memory()
+    return list(packed.to(device, non_blocking=True).split(sizes))
 
 
 def _blocks_for(n_tokens: int, block_size: int) -> int:
@@ -328,7 +354,9 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
         # kvh, so [n, H, D] -> [n, kvh, G, D] attends [n, kvh, L, D] directly.
         qg = qd[g.start:g.end].view(n, kv_heads, group_size, head_dim)
         o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.mask, scale=scale)
-        od[g.start:g.end] = o.view(n, num_heads, head_dim)
+        # SDPA's output layout is the backend's (CUDA's memory-efficient one returns [n, G,
+        # kvh, D] memory viewed as [n, kvh, G, D]): copy into the rows' view, never `.view` it.
+        od[g.start:g.end].view(n, kv_heads, group_size, head_dim).copy_(o)
     if order is not None:
         out[:nd].index_copy_(0, order, od)
 
@@ -354,7 +382,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """Causal attention of this step's queries over each request's cached context.
 
     q [T, H, D]; k, v [T, KVH, D] (after RoPE / q-k norm); kv_cache is the layer's cache.
-    Writes k, v at meta.slot_mapping first. Returns [T, H, D] in q's dtype."""
+    Writes k, v at meta.slot_mapping first. Returns [T, H, D] in q's dtype. The step's
+    backend runs it when the metadata names one (tokenweir/model/backends)."""
+    if meta.backend is not None:
+        return meta.backend.forward(q, k, v, kv_cache, meta, scale)
     write_kv(kv_cache, meta.slot_mapping, k, v)
     plan = meta.plan(kv_cache)
     if plan.kernel is not None:

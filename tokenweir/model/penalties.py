@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from tokenweir.model.transfer import to_device
 from tokenweir.request import SamplingParams
 
 __all__ = ["TokenHistory", "apply_penalties"]
@@ -69,7 +70,7 @@ def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError("penalties and logit_bias need each row's token ids")
     sub_params = [params[i] for i in rows]
     all_rows = len(rows) == x.shape[0]
-    idx = None if all_rows else torch.tensor(rows, dtype=torch.long, device=x.device)
+    idx = None if all_rows else to_device(rows, torch.long, x.device)
     sub = x.clone() if all_rows else x.index_select(0, idx)
     _add_bias(sub, sub_params)
     if any(_has_penalty(p) for p in sub_params):
@@ -93,9 +94,8 @@ def _add_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     c_idx = [t for p in params for t in (p.logit_bias or ())]
     values = [float(b) for p in params for b in (p.logit_bias or {}).values()]
     dev = x.device
-    x.index_put_((torch.tensor(r_idx, dtype=torch.long, device=dev),
-                  torch.tensor(c_idx, dtype=torch.long, device=dev)),
-                 torch.tensor(values, dtype=x.dtype, device=dev), accumulate=True)
+    x.index_put_((to_device(r_idx, torch.long, dev), to_device(c_idx, torch.long, dev)),
+                 to_device(values, x.dtype, dev), accumulate=True)
 
 
 def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
@@ -106,17 +106,17 @@ def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
     `row * vocab + token` keys; no [rows, vocab] temporary is made."""
     num_rows, vocab = x.shape
     dev = x.device
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=dev)
+    lengths = to_device([len(s) for s in seqs], torch.long, dev)
     flat = torch.from_numpy(np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]))
     flat = flat.to(dev)
     row_of = torch.repeat_interleave(torch.arange(num_rows, device=dev), lengths)
     # Position of each flat token inside its row; outputs start at len - num_output.
     pos = torch.arange(flat.numel(), device=dev) - (lengths.cumsum(0) - lengths)[row_of]
-    first_output = lengths - torch.tensor(list(num_output), dtype=torch.long, device=dev)
+    first_output = lengths - to_device(list(num_output), torch.long, dev)
     is_output = pos >= first_output[row_of]
-    scalars = torch.tensor([[p.repetition_penalty for p in params],
-                            [p.frequency_penalty for p in params],
-                            [p.presence_penalty for p in params]], dtype=x.dtype, device=dev)
+    scalars = to_device([[p.repetition_penalty for p in params],
+                         [p.frequency_penalty for p in params],
+                         [p.presence_penalty for p in params]], x.dtype, dev)
     keys = row_of * vocab + flat
     if any(p.repetition_penalty != 1.0 for p in params):
         rows, cols = _split(torch.unique(keys), vocab)  # seen in the prompt or the output

@@ -60,6 +60,7 @@ from tokenweir import faults
 from tokenweir.core.outputs import TokenLogprobs
 from tokenweir.guided.masks import GuidedMask, apply_guided_mask
 from tokenweir.model.penalties import apply_penalties
+from tokenweir.model.transfer import to_device
 from tokenweir.request import SamplingParams
 
 __all__ = ["SamplerOutput", "process_logits", "sample", "sample_isolated", "row_uniform"]
@@ -197,9 +198,9 @@ def _put_random(x: torch.Tensor, params: Sequence[SamplingParams], random_rows: 
     """`tokens` with the random rows' draws written in (a new tensor when every row is)."""
     sub = [params[i] for i in random_rows]
     # One host-to-device copy for every per-row scalar.
-    scalars = torch.tensor(
+    scalars = to_device(
         [[p.temperature for p in sub], [float(p.top_k) for p in sub], [p.top_p for p in sub],
-         [p.min_p for p in sub], uniforms], dtype=torch.float64, device=x.device)
+         [p.min_p for p in sub], uniforms], torch.float64, x.device)
     all_rows = len(random_rows) == x.shape[0]
     if not all_rows:
         x = x[_index(random_rows, x.device)]
@@ -268,7 +269,7 @@ def _fire_sampling(request_ids: Sequence[str]) -> None:
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return to_device(rows, torch.long, device)
 
 
 def _apply_masks(raw: torch.Tensor, masks: dict[int, list[int]]) -> torch.Tensor:

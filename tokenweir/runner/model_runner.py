@@ -7,6 +7,8 @@ tokens, decodes first (the attention op batches them), then prefill chunks.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -18,11 +20,17 @@ from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.policy import PreemptionCosts
 from tokenweir.guided.masks import GuidedRow
 from tokenweir.model import kernels
-from tokenweir.model.attention import allocate_kv_caches, build_attention_metadata
+from tokenweir.model.attention import (allocate_kv_caches, build_attention_metadata,
+                                       to_device_long)
+from tokenweir.model.backends import select_backend
 from tokenweir.model.penalties import TokenHistory
 from tokenweir.model.sampler import sample_isolated
 from tokenweir.request import SamplingParams
+from tokenweir.runner.host_swap import HostSwapper, copy_blocks  # noqa: F401 (re-exported)
 from tokenweir.runner.interrupt import CutSignal, StepCut, make_layer_hook
+
+
+logger = logging.getLogger("tokenweir")
 
 
 @dataclass(slots=True)
@@ -61,12 +69,21 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.seed = seed
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+        # Runs every step's attention (tokenweir/model/backends); None: attention.py's own path.
+        self.attention_backend = select_backend(device)
         if device.type == "cpu":
             kernels.paged_attention_kernel()  # build (or load) the C++ kernels now, not mid-step
-        # The swap pool lives in host memory; on a CPU-only machine it is a second CPU pool.
+        # The swap pool lives in host memory (pinned when the pool is on CUDA: asynchronous
+        # copies); on a CPU-only machine it is a second CPU pool.
         self.host_caches = (allocate_kv_caches(arch, num_host_blocks, block_size, dtype,
-                                               torch.device("cpu"))
+                                               torch.device("cpu"),
+                                               pin_memory=device.type == "cuda")
                             if num_host_blocks else [])
+        self.swapper = HostSwapper(self.kv_caches, self.host_caches)
+        # Decode-only steps replay a CUDA graph per batch bucket (runner/cuda_graphs.py): on
+        # CUDA with the Triton backend, unless TOKENWEIR_CUDA_GRAPHS=0. Any capture failure
+        # turns them off (logged) and the step runs eagerly.
+        self.graphs = self._decode_graphs(arch, num_blocks)
         self.requests: dict[str, _RunnerRequest] = {}
         # Set by the engine under the slo policy: the monitor's orders to cut a step.
         self.cut_signal: Optional[CutSignal] = None
@@ -105,6 +122,7 @@ class ModelRunner:
         forwarded = time.perf_counter()
         self.sample_errors = {}
         sampled, logprobs = self._sample(batch, hidden, out.step_id)
+        self.swapper.finish()  # the sampled tokens were read: this step's copies have run
         self._advance_guided(sampled)
         for req_id in self.sample_errors:  # a request whose sampling failed gets no token
             sampled.pop(req_id, None)
@@ -133,7 +151,7 @@ class ModelRunner:
 
         def prefill() -> None:
             attn = build_attention_metadata([num_tokens], [0], [block_ids], self.block_size,
-                                            self.device)
+                                            self.device, self.attention_backend)
             self.model(input_ids, positions, attn, self.kv_caches)
 
         per_token = self._best_time(prefill, repeats) / num_tokens
@@ -170,11 +188,11 @@ class ModelRunner:
             return False  # a pool too small to warm up in: the first step pays, as before
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         attn = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size,
-                                        self.device)
+                                        self.device, self.attention_backend)
         ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
         self.model(ids, positions, attn, self.kv_caches)
         attn = build_attention_metadata([1] * len(lens), lens, tables, self.block_size,
-                                        self.device)
+                                        self.device, self.attention_backend)
         ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.tensor(lens, device=self.device), attn, self.kv_caches)
         self.model.compute_logits(hidden)
@@ -190,7 +208,8 @@ class ModelRunner:
 
         def prefill(n: int) -> None:
             block_ids = list(range(1, -(-n // self.block_size) + 1))
-            attn = build_attention_metadata([n], [0], [block_ids], self.block_size, self.device)
+            attn = build_attention_metadata([n], [0], [block_ids], self.block_size, self.device,
+                                            self.attention_backend)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, torch.arange(n, device=self.device), attn, self.kv_caches)
             self.model.compute_logits(hidden[-1:])
@@ -239,9 +258,9 @@ class ModelRunner:
         copies = out.blocks_to_copy
         pending = gather_blocks(self.kv_caches, [s for s, _ in copies]) if copies else None
         if out.blocks_to_swap_in:
-            copy_blocks(self.host_caches, self.kv_caches, out.blocks_to_swap_in)
+            self.swapper.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_swap_out:
-            copy_blocks(self.kv_caches, self.host_caches, out.blocks_to_swap_out)
+            self.swapper.swap_out(out.blocks_to_swap_out)  # lands on the host by finish()
         if pending is not None:
             scatter_blocks(self.kv_caches, [d for _, d in copies], pending)
 
@@ -295,18 +314,43 @@ class ModelRunner:
                 batch.sample_rows.append(len(batch.input_ids) - 1)
         return batch
 
+    def _decode_graphs(self, arch, num_blocks: int):
+        if (self.device.type != "cuda" or getattr(self.attention_backend, "name", None) != "triton"
+                or os.environ.get("TOKENWEIR_CUDA_GRAPHS", "1") == "0"):
+            return None
+        from tokenweir.runner.cuda_graphs import DecodeGraphs
+        max_blocks = -(-arch.max_position_embeddings // self.block_size)
+        return DecodeGraphs(self.model, self.kv_caches, self.attention_backend, self.block_size,
+                            min(max_blocks, num_blocks), arch.num_heads // arch.num_kv_heads)
+
+    def _replay_decode_graph(self, batch: _Batch, block_tables: list[list[int]],
+                             layer_hook) -> Optional[torch.Tensor]:
+        """The hidden states of a decode-only step from its bucket's CUDA graph; None when
+        the step does not qualify (prefill rows, a cut hook, no bucket) or graphs are off."""
+        if (self.graphs is None or layer_hook is not None
+                or len(batch.input_ids) != len(batch.req_ids)):
+            return None
+        try:
+            return self.graphs.run(batch.input_ids, batch.positions, block_tables)
+        except Exception:  # noqa: BLE001 (a capture that fails: eager from now on)
+            logger.exception("CUDA graph capture failed: decode steps run eagerly")
+            self.graphs = None
+            return None
+
     def _forward(self, batch: _Batch, layer_hook=None) -> torch.Tensor:
         block_tables = [self.requests[r].block_ids for r in batch.req_ids]
+        hidden = self._replay_decode_graph(batch, block_tables, layer_hook)
+        if hidden is not None:
+            return hidden
         attn = build_attention_metadata(batch.query_lens, batch.context_lens, block_tables,
-                                        self.block_size, self.device)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+                                        self.block_size, self.device, self.attention_backend)
+        input_ids, positions = to_device_long([batch.input_ids, batch.positions], self.device)
         return self.model(input_ids, positions, attn, self.kv_caches, layer_hook=layer_hook)
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor, step_id: int):
         if not batch.sample_req_ids:
             return {}, {}
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=hidden.device)
+        (rows,) = to_device_long([batch.sample_rows], hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         states = [self.requests[r] for r in batch.sample_req_ids]
         guided = self.guided.take_masks() if self.guided is not None else None
@@ -326,15 +370,6 @@ class ModelRunner:
         logprobs = {r: lp for r, lp in zip(batch.sample_req_ids, result.logprobs)
                     if lp is not None}
         return sampled, logprobs
-
-
-def copy_blocks(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
-                pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks (K and V, every layer): dst[:, d] = src[:, s] for each (s, d)."""
-    src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_layers[0].device)
-    dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_layers[0].device)
-    for src, dst in zip(src_layers, dst_layers):
-        dst.index_copy_(1, dst_ids, src.index_select(1, src_ids).to(dst.device))
 
 
 def gather_blocks(layers: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:

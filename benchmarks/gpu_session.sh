@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 33's GPU checks as ONE prepared command, for a session lent an H100/H200 (no network).
+#
+# Here, before the device call (from the project root):  bash ../shared/gpu-check/prepare.sh
+#   (fills the git-ignored .gpu/ with the wheels the GPU machine lacks; carry it: carry=[".gpu"])
+# On the GPU machine (from the project root):               bash benchmarks/gpu_session.sh
+#
+# Steps, each under its own timeout, all within 9.5 minutes (a device command may run 10):
+#   1. the wheels into $TMPDIR/site (gpu-check's installer: nothing newer is shadowed; 60 s)
+#   2. the CUDA-marked tests and the device-parametrised ones (-m cuda; 150 s)
+#   3. benchmarks/gpu_throughput.py (tokenweir vs transformers, roofline, GPU busy; 300 s
+#      budget, killed at 360 s: what it printed by then stays)
+# STEPS=tests or STEPS=bench runs only one of 2 and 3 (e.g. to rerun one within the budget).
+# Output under $OUT (default /tmp/gpu-out): env.txt, cuda_tests.txt, gpu_throughput.txt/.json.
+set -u
+OUT="${OUT:-/tmp/gpu-out}"
+mkdir -p "$OUT"
+SITE="${TMPDIR:-/tmp}/site"
+PY="${PY:-python3}"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/tokenweir_torch_ext}"
+
+if [ -f .gpu/install_wheels.py ]; then
+  timeout 60 "$PY" .gpu/install_wheels.py "$SITE" > "$OUT/install.txt" 2>&1
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} > "$OUT/env.txt" 2>&1
+
+STEPS="${STEPS:-tests,bench}"
+if [[ "$STEPS" == *tests* ]]; then
+timeout 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider \
+  tests/model/test_cuda_parity.py tests/model/test_transfer.py tests/engine/test_host_swap.py \
+  tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py tests/engine/test_warm_up.py \
+  > "$OUT/cuda_tests.txt" 2>&1
+echo "cuda tests rc=$?" >> "$OUT/cuda_tests.txt"
+fi
+
+if [[ "$STEPS" == *bench* ]]; then
+timeout 360 "$PY" benchmarks/gpu_throughput.py --budget-s 300 --json "$OUT/gpu_throughput.json" \
+  > "$OUT/gpu_throughput.txt" 2>&1
+echo "gpu_throughput rc=$?" >> "$OUT/gpu_throughput.txt"
+fi
+tail -n 60 "$OUT"/cuda_tests.txt "$OUT"/gpu_throughput.txt 2>/dev/null

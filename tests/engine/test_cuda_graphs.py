@@ -1,0 +1,106 @@
+"""Decode CUDA graphs (runner/cuda_graphs.py). On every machine: the bucket choice, and the
+padded static-buffer forward giving the unpadded forward's rows and K/V (padding rows touch
+only the null block). On CUDA: graph replays equal eager decode steps, step after step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenweir.model.attention import build_attention_metadata
+from tokenweir.model.backends import select_backend
+from tokenweir.runner.cuda_graphs import (DEFAULT_BUCKETS, DecodeGraphs, StaticDecodeBuffers,
+                                          bucket_for)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from paged_driver import PagedDriver  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+
+from tokenweir.model.loader import load_model  # noqa: E402
+
+PROMPTS = {"a": [5, 9, 33, 7, 100, 3], "b": list(range(40, 61)), "c": [8, 8]}
+
+
+def test_bucket_for():
+    assert [bucket_for(n, DEFAULT_BUCKETS) for n in (1, 3, 8, 9, 33, 512)] == \
+        [1, 4, 8, 16, 48, 512]
+    assert bucket_for(513, DEFAULT_BUCKETS) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-graphs")
+    make_tiny_model("llama", str(path), seed=4)
+    return str(path)
+
+
+def _prefilled(path: str, device: str, backend):
+    loaded = load_model(path, torch.float32, torch.device(device))
+    driver = PagedDriver(loaded.model, loaded.arch, block_size=4, num_blocks=64, device=device,
+                         backend=backend)
+    for rid, prompt in PROMPTS.items():
+        driver.add(rid, prompt)
+    driver.step([(rid, len(p)) for rid, p in PROMPTS.items()])
+    for rid in PROMPTS:
+        driver.append(rid, 11)
+        driver._reserve(driver.seqs[rid], len(driver.seqs[rid].tokens))
+    return loaded, driver
+
+
+def _decode_inputs(driver):
+    seqs = [driver.seqs[r] for r in PROMPTS]
+    return ([s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs],
+            [list(s.blocks) for s in seqs])
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "reference"])
+@torch.inference_mode()
+def test_padded_static_forward_equals_unpadded(tiny_path, backend_name):
+    backend = select_backend("cpu", backend_name)
+    loaded, driver = _prefilled(tiny_path, "cpu", backend)
+    ids, positions, tables = _decode_inputs(driver)
+    before = [c.clone() for c in driver.kv_caches]
+    meta = build_attention_metadata([1] * 3, positions, tables, 4, "cpu", backend)
+    eager = loaded.model(torch.tensor(ids), torch.tensor(positions), meta, driver.kv_caches)
+    eager_caches = [c.clone() for c in driver.kv_caches]
+    for cache, saved in zip(driver.kv_caches, before):
+        cache.copy_(saved)
+    buffers = StaticDecodeBuffers(8, 16, 4, torch.device("cpu"), group=2)
+    seq_lens = buffers.fill(ids, positions, tables, bucket=8)
+    static_meta = buffers.metadata(8, seq_lens, backend)
+    padded = loaded.model(buffers.input_ids[:8], buffers.positions[:8], static_meta,
+                          driver.kv_caches)
+    assert padded.shape[0] == 8  # probe: five padding rows ran
+    torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
+    for got, want, saved in zip(driver.kv_caches, eager_caches, before):
+        # live blocks: equal up to rounding (8-row GEMMs round unlike 3-row ones)
+        torch.testing.assert_close(got[:, 1:], want[:, 1:], rtol=1e-4, atol=1e-5)
+        assert not torch.equal(got[:, 0], saved[:, 0])  # probe: padding wrote the null block
+
+
+@pytest.mark.cuda
+@torch.inference_mode()
+def test_cuda_graph_replays_equal_eager_steps(tiny_path):
+    backend = select_backend("cuda", "triton")
+    loaded, driver = _prefilled(tiny_path, "cuda", backend)
+    _, eager_driver = _prefilled(tiny_path, "cuda", backend)
+    group = loaded.arch.num_heads // loaded.arch.num_kv_heads
+    graphs = DecodeGraphs(loaded.model, driver.kv_caches, backend, 4, 16, group,
+                          buckets=(1, 2, 4, 8))
+    for _ in range(5):
+        ids, positions, tables = _decode_inputs(driver)
+        hidden = graphs.run(ids, positions, tables)
+        want = eager_driver.step([(r, 1) for r in PROMPTS])
+        logits = loaded.model.compute_logits(hidden).float()
+        for row, rid in enumerate(PROMPTS):
+            torch.testing.assert_close(logits[row], want[rid].float(), rtol=1e-4, atol=1e-4)
+            token = int(want[rid].argmax())
+            seq = driver.seqs[rid]
+            seq.num_computed = len(seq.tokens)  # the replay computed the last token's K/V
+            driver.append(rid, token)
+            driver._reserve(seq, len(seq.tokens))
+            eager_driver.append(rid, token)  # its step() advanced num_computed itself
+    assert graphs.replays == 5 and set(graphs.graphs) == {4}  # probe: replayed, one capture

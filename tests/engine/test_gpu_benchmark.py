@@ -1,0 +1,28 @@
+"""benchmarks/gpu_throughput.py's dry run (--device cpu --tiny): every code path (model build
+from the shipped configs, word tokenizer, tokenweir and transformers runs, roofline, report)
+runs here, so the script is not first executed on a lent GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_benchmark_dry_run(tmp_path):
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--device", "cpu",
+         "--tiny", "--json", str(out)], capture_output=True, text=True, timeout=600,
+        cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results["models"]) == {"smollm2-135m", "qwen3-0.6b"}
+    small = results["models"]["smollm2-135m"]
+    assert small["tokenweir"]["W4"]["output_tokens"] == 16  # 4 requests x 4 tokens, none cut
+    assert small["transformers"]["W4"]["output_tokens"] == 16
+    assert small["tokenweir"]["single_stream_tok_s"] > 0
+    assert "roofline tok/s" in done.stdout and "nano-vllm's own figure" in done.stdout

@@ -1,0 +1,67 @@
+"""The Triton source of the paged attention kernel (see triton_paged.py for its contract).
+Imported only when the triton backend is used; jitted there, lazily, in the mode that
+TRITON_INTERPRET names at first use."""
+
+import triton.language as tl
+
+
+def paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        tile_seq_ptr, tile_start_ptr, scale,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    tile_start = tl.load(tile_start_ptr + tile)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_before = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = tile_start + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len) & (token < tile_start + BLOCK_Q)
+    dims = tl.arange(0, D_PAD)
+    dim_ok = dims < HEAD_DIM
+    q_offs = (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q_pos = ctx_before + token
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    kv_end = tl.minimum(seq_len, ctx_before + tile_start + BLOCK_Q)  # the tile's last key + 1
+    for key_start in range(0, kv_end, BLOCK_N):
+        keys = key_start + tl.arange(0, BLOCK_N)
+        key_ok = keys < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE,
+                        mask=key_ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + keys % BLOCK_SIZE
+        kv_offs = (slot * KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        allowed = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        s = tl.where(allowed, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_offs = (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
