@@ -82,3 +82,16 @@ def test_parallel_map_on_ray_keeps_order_and_marks_failures(local_ray):
     results = parallel_map(ray_helpers.square_unless_three, list(range(6)), ray="local")
     assert results[:3] == [0, 1, 4] and results[4:] == [16, 25]
     assert isinstance(results[3], FailedPoint) and "three" in results[3].error
+
+
+def test_a_study_with_a_failing_point_exits_1_and_keeps_the_others(local_ray, tmp_path,
+                                                                    capsys):
+    """`study --ray` reports a failed point and exits 1 (as sweep does), keeping the rest."""
+    status = cli_main(["study", "pool", "--out-dir", str(tmp_path), "--num-requests", "20",
+                       "--prompt-len", "uniform:50:200", "--output-len", "uniform:5:40",
+                       "--blocks", "1,256", "--ray"])
+    err = capsys.readouterr().err
+    assert status == 1 and "1 points failed" in err
+    assert "point 0" in err  # probe: the 1-block pool (only the null block) really failed
+    rows = open(tmp_path / "pool.csv").read().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["256"]

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from typing import Any
 
 from tokenweir.sim.metrics import percentile
 from tokenweir.sim.plots import (format_table, parallel_map, plot_grouped_bars, plot_xy,
                                  write_csv)
-from tokenweir.sim.ray_points import succeeded
+from tokenweir.sim.ray_points import failures, succeeded
 from tokenweir.sim.workload import RequestSpec, synthetic
 
 STUDIES = ("frontier", "pool", "policies")
@@ -32,15 +33,26 @@ STUDIES = ("frontier", "pool", "policies")
 
 def run_study(args: argparse.Namespace) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
+    failed: list = []
     rows, columns, png = {"frontier": frontier, "pool": pool,
-                          "policies": policies}[args.study](args)
+                          "policies": policies}[args.study](args, failed)
     csv_path = os.path.join(args.out_dir, f"{args.study}.csv")
     write_csv(rows, csv_path)
     print(f"--- tokenweir study {args.study}: {args.model_shape} on {args.tp} x {args.hardware} ---")
     print(format_table(rows, columns))
     print(f"wrote {csv_path}")
     print(f"wrote {png}")
-    return 0
+    if failed:  # each failure was reported as it happened (sim/ray_points.py)
+        print(f"{len(failed)} points failed (reported above)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _run_points(fn, jobs: list, args: argparse.Namespace, desc: str, failed: list) -> list:
+    """The rows of the points that succeeded; the failed ones (only --ray keeps going past a
+    failure) are appended to `failed`."""
+    results = parallel_map(fn, jobs, args.jobs, desc, ray=getattr(args, "ray", None))
+    failed.extend(failures(results))
+    return succeeded(results)
 
 
 def _png(args: argparse.Namespace) -> str:
@@ -85,11 +97,10 @@ def frontier_point(job: tuple) -> dict:
                                  if long.arrival <= s.start < long.first_token)}
 
 
-def frontier(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
+def frontier(args: argparse.Namespace, failed: list) -> tuple[list[dict], list[str], str]:
     specs = frontier_specs(args)
     jobs = [(c, args, specs) for c in sorted(args.chunks)]
-    rows = succeeded(parallel_map(frontier_point, jobs, args.jobs, "frontier",
-                                  ray=getattr(args, "ray", None)))
+    rows = _run_points(frontier_point, jobs, args, "frontier", failed)
     png = plot_xy(rows, "itl_p99_ms", ["long_ttft_ms"], _png(args),
                   f"{args.long_prompt}-token prompt among {args.num_decodes} decodes "
                   f"(labels: chunk size)", annotate="chunk")
@@ -135,7 +146,7 @@ def default_pool_grid(smallest: int, roomy: int, points: int = 10) -> list[int]:
     return sorted({int(round(smallest * ratio ** k)) for k in range(points)})
 
 
-def pool(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
+def pool(args: argparse.Namespace, failed: list) -> tuple[list[dict], list[str], str]:
     specs, max_len = _workload(args)
     smallest, roomy = _blocks_needed(specs)
     grid = args.blocks or default_pool_grid(smallest, roomy)
@@ -143,8 +154,7 @@ def pool(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
             "scheduler_reserve_full_isl": False}
     jobs = [({"blocks": b}, {**base, "num_gpu_blocks_override": b}, specs, args.model_shape,
              args.hardware, args.tp) for b in grid]
-    rows = succeeded(parallel_map(_sim_point, jobs, args.jobs, "pool",
-                                  ray=getattr(args, "ray", None)))
+    rows = _run_points(_sim_point, jobs, args, "pool", failed)
     png = plot_xy(rows, "blocks", ["num_steps", "preemptions", "sim_seconds"], _png(args),
                   f"{args.num_requests} requests, pool size sweep", logx=True)
     columns = ["blocks", "num_steps", "preemptions", "recompute_tax", "sim_seconds",
@@ -157,7 +167,7 @@ VICTIMS = ("fcfs", "priority", "cost")
 MODES = ("recompute", "swap", "auto")
 
 
-def policies(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
+def policies(args: argparse.Namespace, failed: list) -> tuple[list[dict], list[str], str]:
     specs, max_len = _workload(args, priority_mix=args.priority_mix)
     smallest, roomy = _blocks_needed(specs)
     blocks = args.blocks or max(smallest, roomy // 16)
@@ -166,8 +176,7 @@ def policies(args: argparse.Namespace) -> tuple[list[dict], list[str], str]:
     jobs = [({"victim": v, "mode": m},
              {**base, "preemption_policy": v, "preemption_mode": m}, specs,
              args.model_shape, args.hardware, args.tp) for v in VICTIMS for m in MODES]
-    rows = succeeded(parallel_map(_sim_point, jobs, args.jobs, "policies",
-                                  ray=getattr(args, "ray", None)))
+    rows = _run_points(_sim_point, jobs, args, "policies", failed)
     png = plot_grouped_bars(rows, "victim", "mode",
                             ["preemptions", "recompute_tax", "e2e_p99_ms", "e2e_p99_prio0_ms"],
                             _png(args), f"{args.num_requests} requests, {blocks} KV blocks")
