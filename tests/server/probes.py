@@ -62,6 +62,18 @@ def start_server(root: str, *extra: str, drain_timeout: float = 10.0,
         time.sleep(0.5)
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a server from start_server and wait for it to exit; kill it after 60 s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def post(base: str, path: str, body: Any = None, raw: Optional[bytes] = None,
          timeout: float = 120) -> httpx.Response:
     headers = {**HEADERS, "Content-Type": "application/json"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import time
 
 import httpx
@@ -32,11 +31,7 @@ def server():
     try:
         yield base
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except Exception:  # noqa: BLE001
-            proc.kill()
+        probes.stop_server(proc)
 
 
 def _cap_tokens(case) -> None:

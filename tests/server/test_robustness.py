@@ -44,12 +44,7 @@ def server():
     try:
         yield {"base": base, "proc": proc}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001
-                proc.kill()
+        probes.stop_server(proc)
 
 
 def test_every_reproduction_has_an_expectation():

@@ -7,7 +7,6 @@ known number: a 10 ms target is below 50 ms whatever the prompt."""
 from __future__ import annotations
 
 import os
-import signal
 
 import probes  # tests/server/probes.py (pytest puts this folder on sys.path)
 from tokenweir.core.sched import slo
@@ -29,15 +28,6 @@ def _serve(*extra):
     return proc, base
 
 
-def _stop(proc) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except Exception:  # noqa: BLE001
-            proc.kill()
-
-
 def test_hopeless_request_is_503_with_retry_after_and_a_feasible_one_is_served():
     proc, base = _serve("--slo-reject-hopeless")
     try:
@@ -49,11 +39,11 @@ def test_hopeless_request_is_503_with_retry_after_and_a_feasible_one_is_served()
         assert feasible.status_code == 200, feasible.text
         assert feasible.json()["choices"][0]["text"] is not None
     finally:
-        _stop(proc)
+        probes.stop_server(proc)
     # the probe: without the flag the same hopeless request is served (late)
     proc, base = _serve()
     try:
         served = probes.post(base, "/v1/completions", probes.completion(ttft_slo_ms=10))
         assert served.status_code == 200, served.text
     finally:
-        _stop(proc)
+        probes.stop_server(proc)

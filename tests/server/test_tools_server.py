@@ -6,7 +6,6 @@ and penalties and logit_bias reach the sampler (the server's tokens equal the of
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
@@ -40,12 +39,7 @@ def server(tiny_path):
     try:
         yield base
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except Exception:  # noqa: BLE001
-            proc.kill()
-            proc.wait(timeout=30)
+        probes.stop_server(proc)
 
 
 @pytest.fixture(scope="module")
