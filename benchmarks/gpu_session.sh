@@ -8,10 +8,13 @@
 # Steps, each under its own timeout, all within 9.5 minutes (a device command may run 10):
 #   1. the wheels into $TMPDIR/site (gpu-check's installer: nothing newer is shadowed; 60 s)
 #   2. the CUDA-marked tests and the device-parametrised ones (-m cuda; 150 s)
-#   3. benchmarks/gpu_throughput.py (tokenweir vs transformers, roofline, GPU busy; 300 s
-#      budget, killed at 360 s: what it printed by then stays)
-# STEPS=tests or STEPS=bench runs only one of 2 and 3 (e.g. to rerun one within the budget).
-# Output under $OUT (default /tmp/gpu-out): env.txt, cuda_tests.txt, gpu_throughput.txt/.json.
+#   3. benchmarks/gpu_step_profile.py (host vs device time of a decode step; 90 s)
+#   4. benchmarks/gpu_throughput.py (tokenweir vs transformers, roofline, GPU busy;
+#      $BUDGET_S (300) s budget, killed 60 s later: what it printed by then stays)
+# STEPS (default tests,profile,bench) picks some of 2-4; BENCH_ARGS adds flags to step 4
+# (e.g. "--models smollm2-135m --skip-transformers").
+# Output under $OUT (default /tmp/gpu-out): env.txt, cuda_tests.txt, step_profile.txt,
+# gpu_throughput.txt/.json.
 set -u
 OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUT"
@@ -28,18 +31,24 @@ fi
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } > "$OUT/env.txt" 2>&1
 
-STEPS="${STEPS:-tests,bench}"
+STEPS="${STEPS:-tests,profile,bench}"
+BUDGET_S="${BUDGET_S:-300}"
 if [[ "$STEPS" == *tests* ]]; then
-timeout 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider \
-  tests/model/test_cuda_parity.py tests/model/test_transfer.py tests/engine/test_host_swap.py \
+timeout 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider -n 4 -rfE \
+  tests/model/test_attention_backends.py tests/model/test_cuda_parity.py tests/model/test_transfer.py tests/engine/test_host_swap.py \
   tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py tests/engine/test_warm_up.py \
   > "$OUT/cuda_tests.txt" 2>&1
 echo "cuda tests rc=$?" >> "$OUT/cuda_tests.txt"
 fi
 
+if [[ "$STEPS" == *profile* ]]; then
+timeout 90 "$PY" benchmarks/gpu_step_profile.py > "$OUT/step_profile.txt" 2>&1
+echo "step profile rc=$?" >> "$OUT/step_profile.txt"
+fi
+
 if [[ "$STEPS" == *bench* ]]; then
-timeout 360 "$PY" benchmarks/gpu_throughput.py --budget-s 300 --json "$OUT/gpu_throughput.json" \
-  > "$OUT/gpu_throughput.txt" 2>&1
+timeout $((BUDGET_S + 60)) "$PY" benchmarks/gpu_throughput.py --budget-s "$BUDGET_S" \
+  --json "$OUT/gpu_throughput.json" ${BENCH_ARGS:-} > "$OUT/gpu_throughput.txt" 2>&1
 echo "gpu_throughput rc=$?" >> "$OUT/gpu_throughput.txt"
 fi
-tail -n 60 "$OUT"/cuda_tests.txt "$OUT"/gpu_throughput.txt 2>/dev/null
+tail -n 25 "$OUT"/cuda_tests.txt; tail -n 40 "$OUT"/gpu_throughput.txt 2>/dev/null

@@ -42,9 +42,11 @@ def _reference(q, k_all, v_all, query_lens, seq_lens, scale):
 
 
 def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5, head_dim=64,
-              expect_kernel=None, backend=None, block_size=BS):
+              expect_kernel=None, backend=None, block_size=BS, device="cpu"):
     """expect_kernel: None = don't care, True/False = the decodes must (not) take the C++ path.
-    backend: an attention backend (tokenweir/model/backends) that runs the step instead."""
+    backend: an attention backend (tokenweir/model/backends) that runs the step instead.
+    device: where the cache, the step's tensors and the metadata live (the reference is
+    computed on CPU from the same values)."""
     BS = block_size
     gen = torch.Generator().manual_seed(seed)
     arch = _arch(heads, kv_heads, head_dim)
@@ -66,20 +68,24 @@ def _run_case(query_lens, ctx_before, heads, kv_heads, dtype, seed=0, atol=1e-5,
         for p in range(c):
             slot = tables[i][p // BS] * BS + p % BS
             flat[0, slot], flat[1, slot] = k_all[i][p], v_all[i][p]
-    meta = A.build_attention_metadata(query_lens, ctx_before, tables, BS, "cpu", backend)
+    meta = A.build_attention_metadata(query_lens, ctx_before, tables, BS, device, backend)
     q = torch.randn(sum(query_lens), heads, d, generator=gen).to(dtype)
     k_new = torch.cat([k_all[i][c:] for i, c in enumerate(ctx_before)])
     v_new = torch.cat([v_all[i][c:] for i, c in enumerate(ctx_before)])
     scale = d ** -0.5
+    ref = _reference(q, k_all, v_all, query_lens, seq_lens, scale)
+    if device != "cpu":
+        cache, q, k_new, v_new = (t.to(device) for t in (cache, q, k_new, v_new))
+        flat = cache.view(2, -1, kv_heads, d)
     with torch.inference_mode():
         out = A.paged_attention(q, k_new, v_new, cache, meta, scale)
         out2 = A.paged_attention(q, k_new, v_new, cache, meta, scale)  # plan reused (layer 2)
-    ref = _reference(q, k_all, v_all, query_lens, seq_lens, scale)
+    out = out.cpu()
     if expect_kernel is not None:
         assert (meta.plan(cache).kernel is not None) == expect_kernel
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - ref).abs().max().item() < atol
-    assert torch.equal(out, out2)
+    assert torch.equal(out, out2.cpu())
     # the step's K/V landed in the cache at slot_mapping
     assert torch.equal(flat[0, meta.slot_mapping], k_new)
     assert torch.equal(flat[1, meta.slot_mapping], v_new)

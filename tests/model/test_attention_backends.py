@@ -25,7 +25,7 @@ def interpreted_triton(monkeypatch):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install triton; the `gpu` extra)")
     if torch.cuda.is_available():
-        pytest.skip("CUDA is visible: the kernel runs compiled there (tests/model/test_cuda.py)")
+        pytest.skip("CUDA is visible: the kernel runs compiled there (test_triton_compiled_on_cuda)")
     assert os.environ.get("TRITON_INTERPRET") == "1"  # set by tests/conftest.py
     backend = backends.select_backend("cpu", "triton")
     assert type(backend).__name__ == "TritonBackend"
@@ -64,6 +64,22 @@ def test_triton_long_prefill_spans_tiles(interpreted_triton):
     _, block_q = triton_paged.launch_sizes(group, decode_only=False)
     _run_case([1, 1, 2 * block_q + 3], [7, 0, 5], 4, 2, torch.float32,
               backend=interpreted_triton)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES) + ["long_chunk"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES + [(15, 5, 64), (32, 8, 128)],
+                         ids=SHAPE_IDS + ["h15kv5d64", "h32kv8d128"])
+def test_triton_compiled_on_cuda(case, heads, kv_heads, head_dim, dtype):
+    """The compiled kernel on the GPU against the dense reference: float32 with IEEE dots,
+    bfloat16 with bfloat16 dots (which the interpreter cannot check)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    backend = backends.select_backend("cuda", "triton")
+    query_lens, ctx = CASES[case] if case in CASES else ([1, 1, 150], [7, 0, 33])
+    _run_case(query_lens, ctx, heads, kv_heads, dtype, head_dim=head_dim, backend=backend,
+              device="cuda", atol=2e-4 if dtype == torch.float32 else 3e-2)
 
 
 def test_tile_table_and_launch_sizes():
