@@ -60,8 +60,10 @@ def profile_case(llm, prompts: list[list[int]], device: str, steps: int, top: in
     prof.enable()
     decode_steps(engine, device, steps)
     prof.disable()
+    graphs = getattr(engine.core.executor, "graphs", None)
     lines = [f"{len(prompts)} decodes per step: wall {statistics.median(wall) * 1e3:.3f} ms "
-             f"per step (median of {steps}), {len(prompts) / statistics.median(wall):,.0f} tok/s"]
+             f"per step (median of {steps}), {len(prompts) / statistics.median(wall):,.0f} tok/s;"
+             f" CUDA graph replays so far: {getattr(graphs, 'replays', None)}"]
     lines += device_table(engine, device, steps, top)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)

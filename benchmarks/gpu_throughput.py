@@ -114,7 +114,7 @@ def plans(tiny: bool) -> list[ModelPlan]:
         ModelPlan("qwen3-0.6b", GPU_MODELS / "qwen3-0.6b.json", [nano_vllm()], 128,
                   (), 45.0),
         ModelPlan("llama-3-8b", SIM_MODELS / "llama-3-8b.json", [offline(256, 64, 512, 128)],
-                  64, (), 30.0, transformers_single_stream=False),  # 15 GB through host RAM
+                  64, (), transformers_single_stream=False, cap_s=30.0),  # 15 GB via host RAM
     ]
 
 
