@@ -8,11 +8,11 @@
 # Steps, each under its own timeout, all within 9.5 minutes (a device command may run 10):
 #   1. the wheels into $TMPDIR/site (gpu-check's installer: nothing newer is shadowed; 60 s)
 #   2. the CUDA-marked tests and the device-parametrised ones (-m cuda; 150 s)
-#   3. benchmarks/gpu_step_profile.py (host vs device time of a decode step; 90 s)
-#   4. benchmarks/gpu_throughput.py (tokenweir vs transformers, roofline, GPU busy;
+#   3. benchmarks/gpu_throughput.py (tokenweir vs transformers, roofline, GPU busy;
 #      $BUDGET_S (300) s budget, killed 60 s later: what it printed by then stays)
-# STEPS (default tests,profile,bench) picks some of 2-4; BENCH_ARGS adds flags to step 4
-# (e.g. "--models smollm2-135m --skip-transformers").
+#   4. benchmarks/gpu_step_profile.py (host vs device time of a decode step; $PROFILE_S, 90)
+# STEPS (default tests,profile,bench) picks some of 2-4; BENCH_ARGS adds flags to step 3
+# (e.g. "--models smollm2-135m --skip-transformers"); TESTS_S caps step 2.
 # Output under $OUT (default /tmp/gpu-out): env.txt, cuda_tests.txt, step_profile.txt,
 # gpu_throughput.txt/.json.
 set -u
@@ -34,21 +34,22 @@ fi
 STEPS="${STEPS:-tests,profile,bench}"
 BUDGET_S="${BUDGET_S:-300}"
 if [[ "$STEPS" == *tests* ]]; then
-timeout 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider -n 4 -rfE \
-  tests/model/test_attention_backends.py tests/model/test_cuda_parity.py tests/model/test_transfer.py tests/engine/test_host_swap.py \
+timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m cuda -p no:cacheprovider -n 4 -rfE \
+  tests/model/test_attention_backends.py tests/model/test_triton_ops.py tests/model/test_cuda_parity.py tests/model/test_transfer.py tests/engine/test_host_swap.py \
   tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py tests/engine/test_warm_up.py \
   > "$OUT/cuda_tests.txt" 2>&1
 echo "cuda tests rc=$?" >> "$OUT/cuda_tests.txt"
-fi
-
-if [[ "$STEPS" == *profile* ]]; then
-timeout 90 "$PY" benchmarks/gpu_step_profile.py > "$OUT/step_profile.txt" 2>&1
-echo "step profile rc=$?" >> "$OUT/step_profile.txt"
 fi
 
 if [[ "$STEPS" == *bench* ]]; then
 timeout $((BUDGET_S + 60)) "$PY" benchmarks/gpu_throughput.py --budget-s "$BUDGET_S" \
   --json "$OUT/gpu_throughput.json" ${BENCH_ARGS:-} > "$OUT/gpu_throughput.txt" 2>&1
 echo "gpu_throughput rc=$?" >> "$OUT/gpu_throughput.txt"
+fi
+
+if [[ "$STEPS" == *profile* ]]; then  # after the benchmark: diagnostics, cut first
+timeout "${PROFILE_S:-90}" "$PY" benchmarks/gpu_step_profile.py --steps 20 --top 15 \
+  --batches 1,64,512 > "$OUT/step_profile.txt" 2>&1
+echo "step profile rc=$?" >> "$OUT/step_profile.txt"
 fi
 tail -n 25 "$OUT"/cuda_tests.txt; tail -n 40 "$OUT"/gpu_throughput.txt 2>/dev/null

@@ -104,3 +104,37 @@ def test_cuda_graph_replays_equal_eager_steps(tiny_path):
             driver._reserve(seq, len(seq.tokens))
             eager_driver.append(rid, token)  # its step() advanced num_computed itself
     assert graphs.replays == 5 and set(graphs.graphs) == {4}  # probe: replayed, one capture
+
+
+def test_fill_padding_only_rows_touch_the_null_block():
+    """capture_all fills buckets with padding rows alone: each a 1-token 'decode' of the null
+    block (slot 0, context 1, table entry 0), whatever stale rows the buffers held."""
+    buffers = StaticDecodeBuffers(8, 6, 4, torch.device("cpu"))
+    buffers.fill([3, 4], [9, 2], [[5, 6, 7], [8]], bucket=2)  # live rows first
+    assert buffers.fill([], [], [], bucket=4) == []
+    assert buffers.input_ids[:4].tolist() == [0] * 4 and buffers.slot_mapping[:4].tolist() == [0] * 4
+    assert buffers.seq_lens[:4].tolist() == [1] * 4
+    assert buffers.block_tables[:4, 0].tolist() == [0] * 4  # stale entries past it unread
+    with pytest.raises(ValueError, match="exceeds"):
+        buffers.fill([1], [0], [[1] * 7], bucket=1)
+
+
+@pytest.mark.cuda
+def test_engine_captures_every_bucket_at_start_and_replays_them(tiny_path, monkeypatch):
+    """With the warm-up on, the engine captures each decode bucket up to max_num_seqs before
+    serving; serving then replays without a new capture (probe: replays > 0, same buckets),
+    and the tokens equal the graphs-off engine's."""
+    from tokenweir import LLM, SamplingParams
+    monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS.values()]
+    llm = LLM(tiny_path, dtype="float32", device="cuda", max_num_seqs=8, max_model_len=128)
+    graphs = llm.llm_engine.core.executor.graphs
+    assert set(graphs.graphs) == {1, 2, 4, 8}
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert graphs.replays > 0 and set(graphs.graphs) == {1, 2, 4, 8}
+    monkeypatch.setenv("TOKENWEIR_CUDA_GRAPHS", "0")
+    eager = LLM(tiny_path, dtype="float32", device="cuda", max_num_seqs=8, max_model_len=128)
+    assert eager.llm_engine.core.executor.graphs is None
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -26,3 +26,25 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert small["transformers"]["W4"]["output_tokens"] == 16
     assert small["tokenweir"]["single_stream_tok_s"] > 0
     assert "roofline tok/s" in done.stdout and "nano-vllm's own figure" in done.stdout
+
+
+def test_full_plans_construct():
+    """The full (GPU) plans are built only on a GPU otherwise: a broken one (an argument
+    passed twice, as once happened) would fail there first, after a device start."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_throughput
+    names = [plan.name for plan in gpu_throughput.plans(tiny=False)]
+    assert names == ["smollm2-135m", "qwen3-0.6b", "llama-3-8b"]
+    assert gpu_throughput.plans(tiny=False)[2].cap_s == 30.0
+
+
+def test_step_profile_dry_run():
+    """benchmarks/gpu_step_profile.py on CPU with a tiny model: the per-step wall time and the
+    host table for a single stream and a batch."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_step_profile.py"), "--device", "cpu",
+         "--tiny", "--steps", "3", "--top", "5", "--batches", "1,4"], capture_output=True,
+        text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 decodes per step: wall" in done.stdout and "4 decodes per step" in done.stdout
+    assert "host functions by own time" in done.stdout

@@ -317,12 +317,34 @@ class Embedding(nn.Embedding):
 
 
 def fused_ops_for(x: torch.Tensor):
-    """The compiled module with `add_rmsnorm`, `silu_mul` and `rotary_inplace` when they apply
-    to x (CPU, float32 or bfloat16, kernels available), else None: callers keep a torch path.
-    The fused ops reproduce the unfused torch ops' roundings (see cpu_kernels.cpp)."""
+    """The module with `add_rmsnorm`, `silu_mul` and `rotary_inplace` when they apply to x, else
+    None (callers keep a torch path): on CPU the compiled C++ ops (float32 or bfloat16, kernels
+    available), on CUDA the Triton ones (model/backends/triton_ops.py: float32, bfloat16,
+    float16, triton installed). Both reproduce the unfused torch ops' roundings."""
+    if x.device.type == "cuda":
+        return _cuda_fused_ops(x) if x.dtype in (torch.float32, torch.bfloat16,
+                                                 torch.float16) else None
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     return kernels.fused_ops()
+
+
+_CUDA_OPS: dict = {}
+
+
+def _cuda_fused_ops(x: torch.Tensor):
+    """tokenweir.model.backends.triton_ops, or None (no triton, TOKENWEIR_CUDA_FUSED_OPS=0, or
+    its self-check failed on this device and dtype: logged, and the torch ops run instead);
+    decided once per process and dtype."""
+    if x.dtype not in _CUDA_OPS:
+        from tokenweir.model.backends import triton_available
+        ops = None
+        if triton_available():
+            from tokenweir.model.backends import triton_ops
+            if triton_ops.enabled() and triton_ops.self_check(x.device, x.dtype):
+                ops = triton_ops
+        _CUDA_OPS[x.dtype] = ops
+    return _CUDA_OPS[x.dtype]
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -344,6 +366,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda" and x.stride(-1) == 1 and x.dim() in (2, 3):
+            ops = fused_ops_for(x)
+            if ops is not None and self.weight.dtype == x.dtype:
+                return ops.rmsnorm_rows(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         xf = x.float()

@@ -62,30 +62,36 @@ class StaticDecodeBuffers:
 
     def fill(self, input_ids: Sequence[int], positions: Sequence[int],
              block_tables: Sequence[Sequence[int]], bucket: int) -> list[int]:
-        """Write n live decode rows, padded to `bucket`. Returns the live rows' sequence
-        lengths after the step (positions + 1)."""
+        """Write n live decode rows, padded to `bucket` (n may be 0: padding only, as a
+        capture at start-up does). Returns the live rows' sequence lengths after the step
+        (positions + 1). Only the first `width` columns of the block tables are written
+        (width: the longest live table): the kernel reads no entry past a row's own blocks,
+        and a padding row reads only its first entry (0, the null block)."""
         n = len(input_ids)
-        if not 0 < n <= bucket <= self.max_batch:
+        if not 0 <= n <= bucket <= self.max_batch:
             raise ValueError(f"{n} rows do not fit bucket {bucket} (max {self.max_batch})")
         bs = self.block_size
         pad = bucket - n
+        width = max(map(len, block_tables), default=1) or 1
+        if width > self.max_blocks:
+            raise ValueError(f"a block table of {width} blocks exceeds {self.max_blocks}")
         seq_lens = [p + 1 for p in positions]
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
-        table = torch.zeros(bucket, self.max_blocks, dtype=torch.long)
-        for row, blocks in enumerate(block_tables):
-            if len(blocks) > self.max_blocks:
-                raise ValueError(f"a block table of {len(blocks)} blocks exceeds "
-                                 f"{self.max_blocks}")
-            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        rows = torch.tensor([list(input_ids) + [0] * pad, list(positions) + [0] * pad,
-                             slots + [0] * pad, seq_lens + [1] * pad], dtype=torch.long)
+        flat: list[int] = []
+        for blocks in block_tables:
+            flat.extend(blocks)
+            flat.extend([0] * (width - len(blocks)))
+        flat.extend([0] * (pad * width))
+        rows = torch.tensor(list(input_ids) + [0] * pad + list(positions) + [0] * pad
+                            + slots + [0] * pad + seq_lens + [1] * pad + flat, dtype=torch.long)
         cuda = self.device.type == "cuda"
         if cuda:
-            rows, table = rows.pin_memory(), table.pin_memory()
-        for dst, src in zip((self.input_ids, self.positions, self.slot_mapping, self.seq_lens),
-                            rows):
-            dst[:bucket].copy_(src, non_blocking=cuda)
-        self.block_tables[:bucket].copy_(table, non_blocking=cuda)
+            rows = rows.pin_memory()
+        for i, dst in enumerate((self.input_ids, self.positions, self.slot_mapping,
+                                 self.seq_lens)):
+            dst[:bucket].copy_(rows[i * bucket:(i + 1) * bucket], non_blocking=cuda)
+        self.block_tables[:bucket, :width].copy_(rows[4 * bucket:].view(bucket, width),
+                                                 non_blocking=cuda)
         return seq_lens
 
     def metadata(self, bucket: int, seq_lens_cpu: list[int], backend) -> AttentionMetadata:
@@ -133,6 +139,21 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return hidden[:len(input_ids)]
+
+    def capture_all(self, max_batch: int) -> int:
+        """Capture the graph of every bucket a batch of up to `max_batch` decodes can use, now
+        (start-up) rather than at the first step of each size: a capture costs a forward and
+        any compilation of the kernels' variants, which would otherwise land inside serving.
+        The captures attend padding rows only (the null block). Returns how many it took."""
+        largest = bucket_for(max_batch, self.buckets) or self.buckets[-1]
+        taken = 0
+        for bucket in self.buckets:
+            if bucket > largest or bucket in self.graphs:
+                continue
+            self.buffers.fill([], [], [], bucket)
+            self.graphs[bucket] = self._capture(bucket, [])
+            taken += 1
+        return taken
 
     def _capture(self, bucket: int, seq_lens: list[int]) -> tuple:
         b = self.buffers

@@ -48,7 +48,10 @@ def kernel():
     from tokenweir.model.backends._triton_kernel import paged_attention_kernel
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if interpret not in _JITTED:
-        _JITTED[interpret] = triton.jit(paged_attention_kernel)
+        # the block-table width changes from step to step (and is 1 for short contexts):
+        # specialising on it (== 1, % 16) would compile new variants mid-serving
+        _JITTED[interpret] = triton.jit(paged_attention_kernel,
+                                        do_not_specialize=["stride_bt", "scale"])
     return _JITTED[interpret]
 
 
