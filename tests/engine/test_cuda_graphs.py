@@ -17,7 +17,7 @@ from tokenweir.runner.cuda_graphs import (DEFAULT_BUCKETS, DecodeGraphs, StaticD
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from paged_driver import PagedDriver  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from tiny_models import make_tiny_model, save_tiny_tokenizer  # noqa: E402
 
 from tokenweir.model.loader import load_model  # noqa: E402
 
@@ -119,8 +119,18 @@ def test_fill_padding_only_rows_touch_the_null_block():
         buffers.fill([1], [0], [[1] * 7], bucket=1)
 
 
+@pytest.fixture(scope="module")
+def tiny_engine_path(tmp_path_factory) -> str:
+    """The tiny model with a tokenizer (the engine needs one; the drivers above do not)."""
+    path = tmp_path_factory.mktemp("tiny-graphs-engine")
+    make_tiny_model("llama", str(path), seed=4)
+    save_tiny_tokenizer(str(path), "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return str(path)
+
+
 @pytest.mark.cuda
-def test_engine_captures_every_bucket_at_start_and_replays_them(tiny_path, monkeypatch):
+def test_engine_captures_every_bucket_at_start_and_replays_them(tiny_engine_path,
+                                                                 monkeypatch):
     """With the warm-up on, the engine captures each decode bucket up to max_num_seqs before
     serving; serving then replays without a new capture (probe: replays > 0, same buckets),
     and the tokens equal the graphs-off engine's."""
@@ -128,13 +138,33 @@ def test_engine_captures_every_bucket_at_start_and_replays_them(tiny_path, monke
     monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS.values()]
-    llm = LLM(tiny_path, dtype="float32", device="cuda", max_num_seqs=8, max_model_len=128)
+    llm = LLM(tiny_engine_path, dtype="float32", device="cuda", max_num_seqs=8,
+              max_model_len=128)
     graphs = llm.llm_engine.core.executor.graphs
     assert set(graphs.graphs) == {1, 2, 4, 8}
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert graphs.replays > 0 and set(graphs.graphs) == {1, 2, 4, 8}
     monkeypatch.setenv("TOKENWEIR_CUDA_GRAPHS", "0")
-    eager = LLM(tiny_path, dtype="float32", device="cuda", max_num_seqs=8, max_model_len=128)
+    eager = LLM(tiny_engine_path, dtype="float32", device="cuda", max_num_seqs=8,
+                max_model_len=128)
     assert eager.llm_engine.core.executor.graphs is None
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_a_failed_start_up_capture_turns_graphs_off(caplog):
+    """capture_decode_graphs: a capture that raises leaves the runner eager (graphs None,
+    logged), never a failed start (probe: the stand-in capture really raised)."""
+    from tokenweir.runner.model_runner import ModelRunner
+    calls = []
+
+    class Broken:
+        def capture_all(self, max_batch):
+            calls.append(max_batch)
+            raise RuntimeError("capture failed")
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.graphs = Broken()
+    assert runner.capture_decode_graphs(8) == 0
+    assert calls == [8] and runner.graphs is None
+    assert "CUDA graph capture failed" in caplog.text
+    assert runner.capture_decode_graphs(8) == 0  # graphs off: nothing to capture

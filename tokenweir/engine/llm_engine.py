@@ -220,8 +220,7 @@ class LLMEngine:
         if warm_up_enabled() and isinstance(runner, ModelRunner):
             runner.warm_up(config.scheduler.max_num_batched_tokens,
                            config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS)
-            if runner.graphs is not None:  # CUDA: every decode bucket's graph, before serving
-                runner.graphs.capture_all(config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS)
+            runner.capture_decode_graphs(config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS)
         if needs_measured_costs(config):
             scheduler.costs = runner.measure_preemption_costs()
             logger.info("measured preemption costs: %s", scheduler.costs)

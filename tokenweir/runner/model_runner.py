@@ -323,6 +323,19 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.kv_caches, self.attention_backend, self.block_size,
                             min(max_blocks, num_blocks), arch.num_heads // arch.num_kv_heads)
 
+    def capture_decode_graphs(self, max_batch: int) -> int:
+        """CUDA: capture every decode bucket's graph up to `max_batch` rows now, before serving
+        (runner/cuda_graphs.py capture_all). A failure turns graphs off (logged): decode steps
+        then run eagerly, as with TOKENWEIR_CUDA_GRAPHS=0. Returns the number captured."""
+        if self.graphs is None:
+            return 0
+        try:
+            return self.graphs.capture_all(max_batch)
+        except Exception:  # noqa: BLE001 (eager decode steps are slower, never wrong)
+            logger.exception("CUDA graph capture failed: decode steps run eagerly")
+            self.graphs = None
+            return 0
+
     def _replay_decode_graph(self, batch: _Batch, block_tables: list[list[int]],
                              layer_hook) -> Optional[torch.Tensor]:
         """The hidden states of a decode-only step from its bucket's CUDA graph; None when
