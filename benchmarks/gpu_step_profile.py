@@ -37,12 +37,13 @@ def add_requests(engine, prompts: list[list[int]], max_tokens: int) -> None:
 
 
 def decode_steps(engine, device: str, steps: int) -> list[float]:
-    """Wall seconds of each of `steps` engine steps (synchronised after each)."""
+    """Wall seconds of each of `steps` engine steps (synchronised after each), stepped as
+    LLM.generate steps (outputs of finished requests only)."""
     times = []
     for _ in range(steps):
         gt.sync(device)
         t0 = time.perf_counter()
-        engine.step()
+        engine.step(final_only=True)
         gt.sync(device)
         times.append(time.perf_counter() - t0)
     return times

@@ -262,11 +262,13 @@ def run_engine(llm, prompts: list[list[int]], output_lens: list[int], cap_s: flo
     cap_s = cap(cap_s)
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step(final_only=True):  # as LLM.generate steps
             made[out.request_id] = len(out.outputs[0].token_ids)
         steps += 1
         if time.perf_counter() - t0 > cap_s:
             cut = True
+            for rid, state in engine.outputs.states.items():  # the unfinished ones so far
+                made[rid] = len(state.request.output_token_ids)
             engine.abort_requests(ids)
             break
     seconds = time.perf_counter() - t0

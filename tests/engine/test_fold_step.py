@@ -115,3 +115,34 @@ def test_abort_returns_the_final_outputs_and_forgets_the_state(tiny_path):
     while engine.has_unfinished_requests():
         assert all(out.request_id == "n2lp" for out in engine.step())
     fs.assert_idle(engine)
+
+
+@pytest.mark.parametrize("scenario", ["single", "parallel", "stop", "detokenize_single"])
+def test_final_only_steps_give_the_same_finals(tiny_path, scenario):
+    """step(final_only=True), what LLM.generate uses: the final outputs equal the ones the
+    every-step outputs end with (stop strings and a failing detokenizer included), lone
+    requests show nothing before they finish (probe: they do show something in the plain
+    run), and groups still show every step."""
+    def run(final_only: bool) -> tuple[dict, int]:
+        engine = fs.scripted_engine(tiny_path)
+        base = fs.FAULTS[scenario][0] if scenario in fs.FAULTS else scenario
+        for index, rid, params in fs.SCENARIOS[base]:
+            engine.add_request(*engine.make_request({"prompt_token_ids": fs.PROMPTS[index]},
+                                                    params, request_id=rid))
+        finals, unfinished_lone = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step(final_only=final_only):
+                lone = out.request_id not in {"n3", "n2lp", "sg"}
+                unfinished_lone += lone and not out.finished
+                if out.finished:
+                    finals[out.request_id] = fs.encode(out)
+        fs.assert_idle(engine)
+        return finals, unfinished_lone
+
+    if scenario in fs.FAULTS:  # each run under its own armed fault (it must fire in each)
+        plain, shown = fs.with_fault(scenario, lambda _: run(False))
+        final, hidden = fs.with_fault(scenario, lambda _: run(True))
+        assert any(f["error"] for f in final.values()), "probe: the fault failed a request"
+    else:
+        (plain, shown), (final, hidden) = run(False), run(True)
+    assert final == plain and shown > 0 and hidden == 0

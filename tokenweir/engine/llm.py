@@ -90,7 +90,7 @@ class LLM:
                    dynamic_ncols=True)
         try:
             while pending:
-                for output in engine.step():
+                for output in engine.step(final_only=True):
                     if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)
                         done[output.request_id] = output

@@ -396,8 +396,10 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     # ---- step -------------------------------------------------------------------------
-    def step(self, delta: bool = False) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that got tokens.
+    def step(self, delta: bool = False, final_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that got tokens
+        (`final_only`: only for those that finished, and for parallel-sampling groups; what
+        offline generate uses: the rest costs host time per request per step).
 
         Finished requests' state is released after their final output is returned. A request
         whose output processing fails (detokenization, stop strings, building the output)
@@ -406,7 +408,8 @@ class LLMEngine:
         """
         core_outputs = self.core.step()
         made = self.outputs.fold_step(core_outputs, self.core.clock(), delta=delta,
-                                      on_stop=self._finish_stopped, on_fail=self._fail_now)
+                                      on_stop=self._finish_stopped, on_fail=self._fail_now,
+                                      final_only=final_only)
         if self.tracer is not None:
             self.tracer.output_processed(self.core.clock())
         return list(made.values())

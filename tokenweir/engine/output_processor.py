@@ -111,8 +111,8 @@ class OutputProcessor:
 
     # ---- one step ----------------------------------------------------------------------
     def fold_step(self, core_outputs: Iterable[EngineCoreOutput], now: float, *, delta: bool,
-                  on_stop: OnStop, on_fail: OnFail,
-                  yield_gil: bool = False) -> dict[str, RequestOutput]:
+                  on_stop: OnStop, on_fail: OnFail, yield_gil: bool = False,
+                  final_only: bool = False) -> dict[str, RequestOutput]:
         """One step's engine-core outputs -> {output id: RequestOutput}, one per request or
         parallel-sampling group that has something to show (in the order the step named them;
         a best_of group shows nothing until it is finished). `delta`: only what is new since
@@ -124,7 +124,10 @@ class OutputProcessor:
         building the output fails for one sample, its whole group fails alone: `on_fail` gets
         every sample's id and the group's final output is an "error" one (`error_output`).
         `yield_gil`: sleep(0) before each request, so that an engine thread running the next
-        forward takes the GIL between requests (the output thread sets it)."""
+        forward takes the GIL between requests (the output thread sets it). `final_only`: a
+        lone request's output is built only when it finished (vLLM's FINAL_ONLY output kind,
+        what offline generate needs: its tokens are still folded in every step, for stop
+        strings); groups and error outputs are built as usual."""
         made: dict[str, Request | RequestOutput] = {}  # the request to build from, or final
         for core_output in core_outputs:
             request = core_output.request
@@ -140,9 +143,18 @@ class OutputProcessor:
                 made.setdefault(output_id, request)
             except Exception as exc:  # noqa: BLE001 - this request (group) alone fails
                 made[output_id] = self._fail(request, exc, delta, on_fail)
+        if final_only:
+            made = {output_id: item for output_id, item in made.items()
+                    if not self._unfinished_lone(output_id, item)}
         outputs = ((output_id, self._build(output_id, item, delta, on_fail))
                    for output_id, item in made.items())
         return {output_id: out for output_id, out in outputs if out is not None}
+
+    def _unfinished_lone(self, output_id: str, item: Request | RequestOutput) -> bool:
+        """A request outside any group, still running: its output would say nothing final."""
+        if isinstance(item, RequestOutput) or output_id in self.groups:
+            return False
+        return self.states[output_id].finish_reason is None
 
     def _build(self, output_id: str, item: Request | RequestOutput, delta: bool,
                on_fail: OnFail) -> Optional[RequestOutput]:
