@@ -120,3 +120,18 @@ def test_a_job_left_by_a_step_that_never_sampled_is_dropped():
         assert decoder.advance("r", ord("x")) is not None  # the grammar refuses it
     finally:
         decoder.close()
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 257])
+def test_device_unpack_equals_the_numpy_unpack(vocab):
+    """allowed_tokens_on_device (CUDA's path: packed words travel, unpacked by shifts there)
+    gives numpy's unpack bit for bit, sign bit (bit 31 of a word) included."""
+    from tokenweir.guided.masks import allowed_tokens, allowed_tokens_on_device, bitmask_words
+    gen = torch.Generator().manual_seed(vocab)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (5, bitmask_words(vocab)), generator=gen,
+                          dtype=torch.int64).to(torch.int32)
+    words[0] = -1  # every bit set
+    want = allowed_tokens(words, vocab)
+    got = allowed_tokens_on_device(words, vocab, "cuda" if torch.cuda.is_available() else "cpu")
+    assert want[0].all() and not want.all(), "probe: full and mixed rows"
+    assert torch.equal(got.cpu(), want)

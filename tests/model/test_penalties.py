@@ -240,3 +240,30 @@ def test_extreme_repetition_penalties_leave_a_row_the_sampler_can_draw_from(r):
     out = sample(logits, [SamplingParams(repetition_penalty=r, seed=1)], [2], EOS, 0, 0,
                  token_ids=hist)
     assert 0 <= out.token_ids[0] < 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_pass_equals_the_sparse_pass_bit_for_bit(seed):
+    """CUDA runs the dense pass (no host synchronisation: no unique, no repeat_interleave on
+    the device), CPU the sparse one: on the same rows they give identical logits, extreme
+    penalties, -inf logits, repeated tokens and rows without outputs included."""
+    from tokenweir.model import penalties as P
+    rng = random.Random(seed)
+    vocab, rows = 97, 6
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * 4
+    x[0, 3] = float("-inf")
+    params, seqs, outs = [], [], []
+    for i in range(rows):
+        params.append(SamplingParams(
+            repetition_penalty=rng.choice([1.0, 1.3, 0.7, 1e-40]),
+            frequency_penalty=rng.choice([0.0, 0.5, -1.2]),
+            presence_penalty=rng.choice([0.0, 1.0, -0.4])))
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] + [3, 3]
+        seqs.append(seq)
+        outs.append(rng.randrange(0, len(seq) + 1) if i else 0)
+    sparse, dense = x.clone(), x.clone()
+    P._penalize_sparse(sparse, params, seqs, outs)
+    P._penalize_dense(dense, params, seqs, outs)
+    assert not torch.equal(sparse, x), "probe: the penalties changed something"
+    assert torch.equal(dense, sparse)

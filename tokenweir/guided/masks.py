@@ -52,6 +52,18 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(bits.view(np.bool_))
 
 
+def allowed_tokens_on_device(bitmask: torch.Tensor, vocab_size: int,
+                             device: torch.device) -> torch.Tensor:
+    """allowed_tokens, unpacked on `device`: the packed words (32 times smaller than the
+    [rows, vocab] bools) travel through pinned memory without a host synchronisation."""
+    device = torch.device(device)
+    words = (bitmask.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+             else bitmask.to(device))
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32], least significant first
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
 def apply_guided_mask(logits: torch.Tensor, mask: GuidedMask | None) -> torch.Tensor:
     """`logits` with -inf wherever `mask` forbids a token: a new tensor when any row is
     constrained (the caller's logits are never written), `logits` itself otherwise. Rows that
@@ -59,7 +71,10 @@ def apply_guided_mask(logits: torch.Tensor, mask: GuidedMask | None) -> torch.Te
     if mask is None or not mask.rows:
         return logits
     num_rows, vocab = logits.shape
-    allowed = allowed_tokens(mask.bitmask, vocab).to(logits.device)
+    if logits.device.type == "cuda":
+        allowed = allowed_tokens_on_device(mask.bitmask, vocab, logits.device)
+    else:
+        allowed = allowed_tokens(mask.bitmask, vocab)
     out = logits.clone()
     if mask.rows == list(range(num_rows)):
         return out.masked_fill_(~allowed, float("-inf"))

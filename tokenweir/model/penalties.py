@@ -100,6 +100,51 @@ def _add_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
 def _penalize(x: torch.Tensor, params: Sequence[SamplingParams],
               seqs: Sequence[TokenIds], num_output: Sequence[int]) -> None:
+    """Repetition, then frequency and presence penalties, in place on every row of `x`: the
+    sparse pass on CPU, the dense one on CUDA (no host synchronisation)."""
+    if x.device.type == "cuda":
+        _penalize_dense(x, params, seqs, num_output)
+    else:
+        _penalize_sparse(x, params, seqs, num_output)
+
+
+def _penalize_dense(x: torch.Tensor, params: Sequence[SamplingParams],
+                    seqs: Sequence[TokenIds], num_output: Sequence[int]) -> None:
+    """The same penalties with [rows, vocab] masks and counts built by scatters whose sizes
+    are known on the host (the sparse pass's `unique` and `repeat_interleave` wait for the
+    device to learn their output sizes: a synchronisation inside the step on CUDA). Every
+    element is computed by the sparse pass's expressions, so the results are identical."""
+    num_rows, vocab = x.shape
+    dev = x.device
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
+    row_of = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)
+    first_output = np.repeat(lengths - np.asarray(num_output, dtype=np.int64), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    is_output = (np.arange(flat.size) - starts) >= first_output
+    rows, cols = to_device(row_of, torch.long, dev), to_device(flat, torch.long, dev)
+    scalars = to_device([[p.repetition_penalty for p in params],
+                         [p.frequency_penalty for p in params],
+                         [p.presence_penalty for p in params]], x.dtype, dev)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=dev)
+        seen[rows, cols] = True
+        r = scalars[0][:, None]
+        penalized = torch.where(x > 0, x / r, x * r).nan_to_num_(
+            nan=0.0, posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+        x.copy_(torch.where(seen & ~torch.isneginf(x), penalized, x))
+    if is_output.any():
+        out = to_device(np.flatnonzero(is_output), torch.long, dev)
+        counts = torch.zeros(num_rows, vocab, dtype=x.dtype, device=dev)
+        counts.index_put_((rows[out], cols[out]), torch.ones((), dtype=x.dtype, device=dev)
+                          .expand(out.numel()), accumulate=True)
+        hit = counts > 0
+        x.sub_(torch.where(hit, counts * scalars[1][:, None] + scalars[2][:, None],
+                           torch.zeros((), dtype=x.dtype, device=dev)))
+
+
+def _penalize_sparse(x: torch.Tensor, params: Sequence[SamplingParams],
+                     seqs: Sequence[TokenIds], num_output: Sequence[int]) -> None:
     """Repetition, then frequency and presence penalties, in place on every row of `x`.
 
     Sparse: only the (row, token) pairs that occur are touched, found with one `unique` over
