@@ -1,4 +1,4 @@
-"""engine/malloc_tuning.py: glibc keeps a step's activations instead of mapping them afresh.
+"""tokenweir/malloc_tuning.py: glibc keeps a step's activations instead of mapping them afresh.
 Each probe runs in a subprocess (mallopt settings are per process). The effect is probed with
 malloc itself: blocks of 1-12 MB allocated, touched and freed in rounds, counting page faults."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 PROBE = textwrap.dedent("""
     import ctypes, resource, sys
-    from tokenweir.engine.malloc_tuning import tune_malloc
+    from tokenweir.malloc_tuning import tune_malloc
     print(tune_malloc() if sys.argv[1] == "tune" else None)
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

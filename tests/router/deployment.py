@@ -55,10 +55,11 @@ def wait_healthy(proc: Optional[subprocess.Popen], base: str, ready_s: float = 6
         time.sleep(0.3)
 
 
-def start_replica(port: Optional[int] = None) -> tuple[subprocess.Popen, str]:
+def start_replica(port: Optional[int] = None,
+                  *extra: str) -> tuple[subprocess.Popen, str]:
     port = port or free_port()
     proc = start(["serve", MODEL, "--dtype", "float32", "--max-model-len", "512",
-                  "--num-gpu-blocks-override", "256", "--drain-timeout", "5"], port)
+                  "--num-gpu-blocks-override", "256", "--drain-timeout", "5", *extra], port)
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from tokenweir.cli import main as cli_main
 from tokenweir.sim.plots import parallel_map
-from tokenweir.sim.ray_points import INSTALL_HINT, FailedPoint, import_ray
+from tokenweir.sim.ray_points import INSTALL_HINT, FailedPoint, check_reachable, import_ray
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +43,27 @@ def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, caps
                        "--ray"])
     assert status == 2 and INSTALL_HINT in capsys.readouterr().err
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_an_address_where_nothing_listens_is_refused_at_once(tmp_path, capsys):
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    status = cli_main([*SWEEP, "--set", "max_num_seqs=4,8", "--out", str(tmp_path / "s.csv"),
+                       "--ray", f"127.0.0.1:{port}"])
+    err = capsys.readouterr().err
+    assert status == 2 and f"--ray 127.0.0.1:{port}: no Ray cluster answers there" in err
+    assert time.monotonic() - started < 60 and not (tmp_path / "s.csv").exists()
+    with socket.socket() as listening:  # probe: a listening address passes the check
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        check_reachable(f"127.0.0.1:{listening.getsockname()[1]}")
+    check_reachable("local")
+    check_reachable("auto")
 
 
 @pytest.fixture(scope="module")

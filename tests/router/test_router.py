@@ -1,7 +1,8 @@
 """`tokenweir router` against real `tokenweir serve` replicas on loopback: what it relays is
 what a replica answers, its metrics carry every replica's with a `replica` label, a user's
-routing policy plugs in, a client that leaves aborts on the replica, and a replica that hangs
-or dies is taken out (its requests end cleanly, the others go on) and taken back.
+routing policy plugs in, a client that leaves aborts on the replica, each replica's /timeline
+and /profile are reached through it, and a replica that hangs or dies is taken out (its
+requests end cleanly, the others go on) and taken back.
 
 The replicas are module-scoped; the tests that hang and kill replica B run last."""
 
@@ -25,7 +26,7 @@ def replicas():
     started = []
     try:
         for _ in range(2):
-            started.append(start_replica())
+            started.append(start_replica(None, "--profile-serving"))
         yield started
     finally:
         for proc, _ in started:
@@ -183,6 +184,43 @@ def _wait_for(check, seconds: float = 30) -> None:
 
 def _in_flight(base: str, url: str) -> float:
     return metric(scrape(base), "tokenweir:router_in_flight", replica=url)
+
+
+def get(base: str, path: str, headers=None) -> httpx.Response:
+    return httpx.get(base + path, headers=headers or {}, timeout=60, trust_env=False)
+
+
+def test_timeline_and_profile_are_each_replicas_own(router, replicas):
+    """/profile and /timeline through the router are the replica's own pages (?replica= an
+    index or URL); /profile alone holds every replica's; a reset passed on really resets the
+    replica's profile (probe read from the replica directly)."""
+    base = router()
+    for _ in range(2):  # round-robin: one request on each replica
+        assert post(base, "/v1/completions", {**GREEDY, "max_tokens": 3}).status_code == 200
+    urls = [url for _, url in replicas]
+    for index, url in enumerate(urls):
+        own = get(url, "/profile").json()
+        assert own["tokens"] > 0
+        for name in (str(index), url):
+            through = get(base, f"/profile?replica={name}").json()
+            assert (through["steps"], through["tokens"]) == (own["steps"], own["tokens"])
+    every = get(base, "/profile").json()["replicas"]
+    assert sorted(every) == sorted(urls)
+    assert all(every[url]["phases"].keys() == own["phases"].keys() for url in urls)
+    missing = get(base, "/profile?replica=7")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "replica"
+
+    assert get(base, "/timeline?replica=1").status_code == 401  # the router's key
+    page = get(base, f"/timeline?replica=1&key={API_KEY}")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert page.text.startswith("<!") and "live schedule" in page.text
+    index = get(base, f"/timeline?key={API_KEY}")  # two replicas: a page linking each
+    assert all(url in index.text for url in urls)
+    assert f'href="/timeline?replica=1&amp;key={API_KEY}"' in index.text
+
+    assert get(base, "/profile?replica=0&reset=1").status_code == 200
+    assert get(urls[0], "/profile").json()["tokens"] == 0  # probe: the reset reached it
+    assert get(urls[1], "/profile").json()["tokens"] > 0
 
 
 def test_a_hung_replica_is_taken_out_and_back_in(router, replicas):

@@ -17,7 +17,7 @@ from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.sched import slo
 from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.engine_core import EngineCore
-from tokenweir.engine.malloc_tuning import tune_malloc
+from tokenweir.malloc_tuning import tune_malloc
 from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.preflight import check_before_load
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor

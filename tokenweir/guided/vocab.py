@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from tokenweir.model.tokenizer import Tokenizer, byte_to_unicode
+from tokenweir.gpt2_bytes import byte_to_unicode
+
+if TYPE_CHECKING:  # guided/ uses the tokenizer it is handed; model/ imports guided/masks
+    from tokenweir.model.tokenizer import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _METASPACE = "\u2581"

@@ -21,25 +21,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from tokenizers import AddedToken, Tokenizer as RustTokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from tokenweir.gpt2_bytes import byte_to_unicode
+
 # GGUF pre-tokenizer names that use the plain GPT-2 split regex (ByteLevel's own regex).
 _GPT2_SPLIT_PRE = (None, "default", "gpt-2", "gpt2", "smollm")
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
-
-
-@lru_cache(maxsize=1)
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (printable Latin-1 bytes map to
-    themselves, the other 68 bytes to U+0100 upwards)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,

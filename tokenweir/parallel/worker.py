@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from tokenweir.engine.malloc_tuning import tune_malloc
+from tokenweir.malloc_tuning import tune_malloc
 from tokenweir.parallel.vote import ShouldCut, never_cut
 
 # Runner methods the driver may ask every rank to run in lockstep (timed forwards).
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     spec: WorkerSpec = conn.recv()
     torch.set_num_threads(spec.num_threads)
     if spec.device_type == "cpu":
-        tune_malloc()  # as the engine process does (engine/malloc_tuning.py)
+        tune_malloc()  # as the engine process does (tokenweir/malloc_tuning.py)
     try:
         join_group(spec, args.rank)
         runner = build_runner(spec, args.rank)

@@ -1,6 +1,7 @@
-"""The router's HTTP app: the OpenAI routes of tokenweir serve, each forwarded to a replica
-(forward.py), with serve's API key check, body limit and error shapes (server/auth.py,
-server/body.py, server/errors.py)."""
+"""The router's HTTP app: every route of tokenweir serve. The OpenAI ones are forwarded to
+the replica the routing policy picks (forward.py), /timeline and /profile to the one the query
+names (replica_pages.py); /health, /metrics and /v1/models answer for the deployment. Serve's
+API key check, body limit and error shapes (server/auth.py, server/body.py, server/errors.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenweir.config import RouterConfig
 from tokenweir.router.forward import Forwarder, relayed_headers
 from tokenweir.router.metrics import scrape
+from tokenweir.router.replica_pages import page
 from tokenweir.router.replicas import ReplicaSet, describe
 from tokenweir.routing import routing_policy_class
 from tokenweir.server.auth import BearerAuth
@@ -101,6 +103,18 @@ def _add_routes(app: FastAPI) -> None:
             raise APIError(f"replica {replica.url} failed: {describe(exc)}", 502,
                            "service_unavailable", code="replica_failed") from exc
         return Response(answer.content, answer.status_code, headers=relayed_headers(answer.headers))
+
+    @app.get("/timeline")
+    async def timeline(request: Request) -> Response:
+        """A replica's schedule page (router/replica_pages.py: ?replica=I)."""
+        state = _state(request)
+        return await page(state.client, state.replicas, "/timeline", request)
+
+    @app.get("/profile")
+    async def profile(request: Request) -> Response:
+        """Each replica's serving profile, or one's with ?replica=I (replica_pages.py)."""
+        state = _state(request)
+        return await page(state.client, state.replicas, "/profile", request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -1,6 +1,8 @@
 """`tokenweir serve --data-parallel-size N`: N replicas of the engine, each a process of its
-own (`tokenweir serve` on a free loopback port, with cores // N torch threads), and the router
-in front on the --host/--port the user gave.
+own (`tokenweir serve` on a free loopback port) on cores of its own (this process's cores cut
+into N equal shares, one torch thread per core of the share, the process pinned to it, so that
+no replica's threads run on another's cores; with fewer cores than replicas, one thread each,
+unpinned), and the router in front on the --host/--port the user gave.
 
 The router starts once every replica answers /health (a replica that exits first ends the
 command). On SIGINT/SIGTERM the router stops taking requests, then each replica is sent
@@ -15,6 +17,7 @@ import os
 import signal
 import socket
 import time
+from typing import Optional
 
 import httpx
 
@@ -31,15 +34,15 @@ def free_port() -> int:
 
 def run_data_parallel(args: argparse.Namespace) -> int:
     size = args.data_parallel_size
-    threads = max(1, (os.cpu_count() or 1) // size)
+    shares = core_shares(sorted(os.sched_getaffinity(0)), size)
     context = multiprocessing.get_context("spawn")  # fresh interpreters: no torch state shared
     replicas: list[tuple[multiprocessing.Process, str]] = []
     try:
-        for _ in range(size):
+        for cores in shares:
             port = free_port()
             replica_args = argparse.Namespace(**{**vars(args), "port": port,
                                                  "host": "127.0.0.1", "data_parallel_size": 1})
-            process = context.Process(target=_replica_main, args=(replica_args, threads),
+            process = context.Process(target=_replica_main, args=(replica_args, cores),
                                       daemon=False)
             process.start()
             replicas.append((process, f"http://127.0.0.1:{port}"))
@@ -53,10 +56,22 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         _stop(replicas, args.drain_timeout)
 
 
-def _replica_main(args: argparse.Namespace, threads: int) -> None:
-    """A replica process: torch sees `threads` cores before it loads; it is sent SIGTERM
-    if the parent dies without stopping it (Linux)."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+def core_shares(cores: list[int], size: int) -> list[Optional[list[int]]]:
+    """Each replica's cores: `size` equal, disjoint shares of `cores` (the remainder unused);
+    None for every replica when there are fewer cores than replicas."""
+    share = len(cores) // size
+    if share == 0:
+        return [None] * size
+    return [cores[i * share:(i + 1) * share] for i in range(size)]
+
+
+def _replica_main(args: argparse.Namespace, cores: Optional[list[int]]) -> None:
+    """A replica process: pinned to `cores` with one torch thread each (one thread, unpinned,
+    when None) before torch loads; it is sent SIGTERM if the parent dies without stopping it
+    (Linux)."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = str(len(cores) if cores else 1)
     _die_with_parent()
     from tokenweir.server.cli import run_serve
 

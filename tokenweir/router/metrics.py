@@ -7,7 +7,8 @@ scrape (its `tokenweir:router_replica_up` says 0)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
@@ -23,9 +24,16 @@ async def scrape(client: httpx.AsyncClient, replicas: ReplicaSet, retries: int) 
     """The exposition text of the whole deployment (`retries`: requests moved so far)."""
     texts = await asyncio.gather(*(_scrape_one(client, r, replicas.health_timeout)
                                    for r in replicas.replicas))
-    families = merge_families((r.url, t) for r, t in zip(replicas.replicas, texts) if t)
+    return exposition(((r.url, t) for r, t in zip(replicas.replicas, texts) if t),
+                      replicas.replicas, retries)
+
+
+def exposition(texts: Iterable[tuple[str, str]], replicas: list[Replica],
+               retries: int) -> bytes:
+    """The replicas' (url, text) pairs merged, then the router's families, as exposition
+    text."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed([*families, *router_families(replicas.replicas, retries)]))
+    registry.register(_Fixed([*merge_families(texts), *router_families(replicas, retries)]))
     return generate_latest(registry)
 
 
@@ -56,35 +64,49 @@ def merge_families(texts: Iterable[tuple[str, str]]) -> list[Metric]:
     return list(merged.values())
 
 
+@dataclass(frozen=True)
+class RouterFamily:
+    """One of the router's per-replica families: `tokenweir:router_<name>`, a `kind`
+    ("gauge" or "counter"; a counter's samples are exposed as `<name>_total`), and the value
+    it reads from a replica."""
+    name: str
+    kind: str
+    help: str
+    value: Callable[[Replica], float]
+
+
+ROUTER_FAMILIES = (
+    RouterFamily("replica_up", "gauge", "1 while the replica takes requests.",
+                 lambda r: 1.0 if r.up else 0.0),
+    RouterFamily("replica_load", "gauge",
+                 "The load the routing policy sees (requests + KV usage).",
+                 lambda r: r.load() if r.up else 0.0),
+    RouterFamily("in_flight", "gauge", "Requests the router has in flight on the replica.",
+                 lambda r: len(r.flights)),
+    RouterFamily("routed", "counter", "Requests the routing policy sent to the replica.",
+                 lambda r: r.routed),
+    RouterFamily("failed", "counter",
+                 "Requests that ended with an error because the replica failed.",
+                 lambda r: r.failed),
+    RouterFamily("taken_out", "counter", "Times the replica was taken out of routing.",
+                 lambda r: r.taken_out),
+)
+_KINDS = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+
+
 def router_families(replicas: list[Replica], retries: int) -> list[Metric]:
-    up = GaugeMetricFamily(ROUTER_PREFIX + "replica_up", "1 while the replica takes requests.",
-                           labels=["replica"])
-    load = GaugeMetricFamily(ROUTER_PREFIX + "replica_load",
-                             "The load the routing policy sees (requests + KV usage).",
-                             labels=["replica"])
-    flights = GaugeMetricFamily(ROUTER_PREFIX + "in_flight",
-                                "Requests the router has in flight on the replica.",
-                                labels=["replica"])
-    routed = CounterMetricFamily(ROUTER_PREFIX + "routed",
-                                 "Requests the routing policy sent to the replica.",
-                                 labels=["replica"])
-    failed = CounterMetricFamily(ROUTER_PREFIX + "failed",
-                                 "Requests that ended with an error because the replica failed.",
-                                 labels=["replica"])
-    taken_out = CounterMetricFamily(ROUTER_PREFIX + "taken_out",
-                                    "Times the replica was taken out of routing.",
-                                    labels=["replica"])
-    for r in replicas:
-        up.add_metric([r.url], 1.0 if r.up else 0.0)
-        load.add_metric([r.url], r.load() if r.up else 0.0)
-        flights.add_metric([r.url], len(r.flights))
-        routed.add_metric([r.url], r.routed)
-        failed.add_metric([r.url], r.failed)
-        taken_out.add_metric([r.url], r.taken_out)
+    """ROUTER_FAMILIES with a sample per replica (labelled with its URL), in the table's
+    order, then the deployment-wide count of requests moved to a second replica."""
+    families = []
+    for spec in ROUTER_FAMILIES:
+        family = _KINDS[spec.kind](ROUTER_PREFIX + spec.name, spec.help, labels=["replica"])
+        for r in replicas:
+            family.add_metric([r.url], spec.value(r))
+        families.append(family)
     moved = CounterMetricFamily(ROUTER_PREFIX + "retries",
                                 "Requests moved to a second replica before any byte was sent.")
     moved.add_metric([], retries)
-    return [up, load, flights, routed, failed, taken_out, moved]
+    return [*families, moved]
 
 
 class _Fixed:

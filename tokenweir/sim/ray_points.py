@@ -8,17 +8,21 @@ Contracts:
 - A point that raises is reported (its index, its job's first element, the error) and stands
   as a `FailedPoint` in its place; every other point still runs and is returned.
 - Ray is optional (`pip install 'tokenweir[ray]'`): without it, `--ray` says how to install it.
+- An ADDRESS (host:port) where nothing listens is refused at once (ValueError), before Ray's
+  own connection retries would wait for minutes.
 - `fn` must be a module-level function (Ray ships it by reference); on a remote cluster the
   workers need tokenweir importable (the same version).
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 LOCAL = "local"  # the flag's value when given without an address
+CONNECT_TIMEOUT_S = 10.0  # how long ADDRESS has to accept a connection
 INSTALL_HINT = ("--ray needs Ray: pip install 'tokenweir[ray]' (or pip install ray), "
                 "or leave --ray out to run the points in local processes")
 
@@ -44,6 +48,7 @@ def ray_map(fn: Callable, jobs: Sequence[Any], address: str, desc: str = "points
     ray = import_ray()
     started_here = not ray.is_initialized()
     if started_here:
+        check_reachable(address)
         ray.init(address=None if address == LOCAL else address, include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR")
     try:
@@ -61,6 +66,20 @@ def ray_map(fn: Callable, jobs: Sequence[Any], address: str, desc: str = "points
     finally:
         if started_here:
             ray.shutdown()
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """ValueError at once when ADDRESS is host:port and nothing listens there (ray.init
+    would retry its connection for minutes); other forms (local, auto, ray://) pass."""
+    host, _, port = address.rpartition(":")
+    if address == LOCAL or "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ValueError(f"--ray {address}: no Ray cluster answers there ({exc}); start one "
+                         "with `ray start --head`, or leave the address out for a local "
+                         "Ray") from None
 
 
 def _run_point(fn: Callable, job: Any) -> Any:
