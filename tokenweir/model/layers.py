@@ -131,6 +131,52 @@ def set_quantization(model: nn.Module, quantization: Optional[str]) -> None:
             object.__setattr__(module, "quantization", quantization)
 
 
+# Batch-invariant mode (issue 38; `--batch-invariant`, set_batch_invariant): a row's result
+# must not depend on how many rows share the matmul. MKL's sgemm and oneDNN pick kernels and
+# splits of K by the row count, and the packed kernel's own loop order changes with it (k unsplit
+# up to 6 rows, k % KU accumulator sets at 1-3 rows). In this mode every Linear and the LM head
+# take the packed kernel with `fixed_order` at every row count: one accumulator set, k cut at one
+# fixed block size, so each row is summed in one order. bfloat16 rows are widened to float32 (an
+# exact conversion) against float32 panels of the bfloat16 weight (+2x the weight's bytes) and
+# the float32 sums rounded once to bfloat16, as a bfloat16 GEMM that accumulates in float32 does.
+BATCH_INVARIANT_ATTR = "batch_invariant"
+
+
+def batch_invariant(owner: object) -> bool:
+    """Whether `owner` (a Linear, or the model for its LM head) runs batch-invariant matmuls."""
+    return getattr(owner, BATCH_INVARIANT_ATTR, False)
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x [M, K] @ weight.T with every row's sums in one order whatever M (see above), in
+    `out_dtype` (default: x's dtype). RuntimeError where the packed kernel cannot run it (off
+    CPU, kernels unavailable, a dtype other than float32 / bfloat16): batch-invariant mode is
+    refused before the model runs there (engine/llm_engine.py), never silently weakened."""
+    kernel = kernels.packed_linear_kernel()
+    if (kernel is None or x.device.type != "cpu" or x.dim() != 2
+            or weight.dtype not in (torch.float32, torch.bfloat16)):
+        raise RuntimeError("batch-invariant matmuls need the C++ CPU kernels and a CPU float32 "
+                           f"or bfloat16 2-D input (got {x.dtype} {tuple(x.shape)} on "
+                           f"{x.device.type}, kernels {'on' if kernel else 'off'})")
+    kind = kernel.panel if weight.dtype == torch.float32 else ("widened", kernel.panel)
+    panels = packed_weight(owner, weight, kind,
+                           lambda w: kernels.pack_linear_weight(w.float(), kernel.panel))
+    out = kernel(x.float().contiguous(), panels, weight.shape[0], fixed_order=True)
+    target = out_dtype or x.dtype
+    return out if target == torch.float32 else out.to(target)
+
+
+def set_batch_invariant(model: nn.Module, enabled: bool) -> None:
+    """Every Linear of `model` and `model` itself (its LM head) take invariant_matmul from now
+    on (or stop, `enabled` False); the runner reads `model.batch_invariant` to ask the same of
+    attention (model/attention.py). Bound direct-path stacks are dropped (rebound on use)."""
+    for module in (model, *model.modules()):
+        module.__dict__.pop(DIRECT_ATTR, None)
+        if module is model or isinstance(module, Linear):
+            object.__setattr__(module, BATCH_INVARIANT_ATTR, bool(enabled))
+
+
 def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object, packed_max_rows: int,
                     skinny_max_rows: int) -> Optional[torch.Tensor]:
     """x @ weight.T by a C++ kernel when one applies: the packed kernel up to packed_max_rows
@@ -248,6 +294,8 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant(self):
+            return _with_bias(lambda y: invariant_matmul(y, self.weight, self), self.bias)(x)
         out = int8_matmul(x, self.weight, self)
         if out is None:
             out = few_rows_matmul(x, self.weight, self, PACKED_MAX_ROWS, SKINNY_MAX_ROWS)
@@ -267,6 +315,8 @@ class Linear(nn.Linear):
         probe = x.contiguous()
         if probe.device.type != "cpu" or probe.dim() != 2:
             return None
+        if batch_invariant(self):
+            return _with_bias(lambda y: invariant_matmul(y, weight, self), bias)
         small = probe.shape[0] <= EXACT_ROWS
         if small and _int8_applies(probe, weight, self):
             q, scales = packed_weight(self, weight, "int8", quantize_int8, slot=_INT8_ATTR)
