@@ -101,3 +101,16 @@ def test_the_flag_is_refused_where_it_cannot_hold(wide_path, monkeypatch):
     monkeypatch.setenv("TOKENWEIR_ATTENTION_BACKEND", "reference")
     with pytest.raises(ValueError, match="batch_invariant: it needs the cpu attention backend"):
         LLM(wide_path, dtype="float32", device="cpu", batch_invariant=True)
+
+
+def test_the_benchmark_quick_mode_runs_both_dtypes_both_ways(wide_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import batch_invariance as bench
+    results = bench.main(["--quick", "--model", wide_path, "--token-range", "3", "380",
+                          "--max-prompt", "24", "--max-model-len", "512"])
+    assert [r["dtype"] for r in results] == ["float32", "bfloat16"]
+    for r in results:
+        assert 0 <= r["same_tokens"] <= r["requests"] == 8
+        for name in ("w64_out_tok_s", "single_decode_tok_s"):
+            assert r[name]["off"] > 0 and r[name]["on"] > 0
+            assert len(r[name]["runs_off"]) == len(r[name]["runs_on"]) == 1

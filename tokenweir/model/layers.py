@@ -56,6 +56,7 @@ _PACKED_ATTR = "_tokenweir_packed_weight"
 
 
 _INT8_ATTR = "_tokenweir_int8_weight"  # the int8 copy has a slot of its own (kept beside)
+_WIDENED_ATTR = "_tokenweir_widened_weight"  # float32 panels of a bfloat16 weight (invariant)
 DIRECT_ATTR = "_tokenweir_direct_stacks"  # model/direct.py's stacks, bound to packed copies
 
 
@@ -79,6 +80,7 @@ def drop_packed_weights(module: nn.Module) -> None:
     for sub in (module, *module.modules()):
         sub.__dict__.pop(_PACKED_ATTR, None)
         sub.__dict__.pop(_INT8_ATTR, None)
+        sub.__dict__.pop(_WIDENED_ATTR, None)
         sub.__dict__.pop(DIRECT_ATTR, None)
 
 
@@ -159,9 +161,11 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object,
         raise RuntimeError("batch-invariant matmuls need the C++ CPU kernels and a CPU float32 "
                            f"or bfloat16 2-D input (got {x.dtype} {tuple(x.shape)} on "
                            f"{x.device.type}, kernels {'on' if kernel else 'off'})")
-    kind = kernel.panel if weight.dtype == torch.float32 else ("widened", kernel.panel)
-    panels = packed_weight(owner, weight, kind,
-                           lambda w: kernels.pack_linear_weight(w.float(), kernel.panel))
+    # float32 shares the default packed panels; bfloat16's widened ones have a slot of their
+    # own, so an owner switched in and out of the mode keeps both (no repacking per switch)
+    slot = _PACKED_ATTR if weight.dtype == torch.float32 else _WIDENED_ATTR
+    panels = packed_weight(owner, weight, kernel.panel,
+                           lambda w: kernels.pack_linear_weight(w.float(), kernel.panel), slot)
     out = kernel(x.float().contiguous(), panels, weight.shape[0], fixed_order=True)
     target = out_dtype or x.dtype
     return out if target == torch.float32 else out.to(target)
