@@ -78,7 +78,9 @@ class StepLog:
 
 
 def _samples(output) -> list[tuple[list[int], list[float]]]:
-    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    """Per sample: its token ids, and every logprob reported (the sampled token's and the top
+    2's, each position in token-id order), as exact floats."""
+    return [(list(c.token_ids), [lp.logprob for d in c.logprobs for _, lp in sorted(d.items())])
             for c in sorted(output.outputs, key=lambda c: c.index)]
 
 
@@ -243,6 +245,10 @@ def attribution_table(path: str) -> None:  # pragma: no cover - a report, run by
                     ref = reference_for(scenario, got, path, dtype, engine_flag, GREEDY, cache)
                     print(f"{dtype:9s} {mode:15s} {scenario.__name__:22s} "
                           f"{_verdict(got, ref)}", flush=True)
+                together, lone = parallel_samples(path, dtype, engine_flag)
+                diff = sum(a != b.samples[0] for a, b in zip(together.samples, lone))
+                print(f"{dtype:9s} {mode:15s} n8_vs_seed_plus_i      {diff} of {N_SAMPLES} "
+                      f"samples differ", flush=True)
 
 
 def _verdict(got: Outcome, ref: Outcome) -> str:

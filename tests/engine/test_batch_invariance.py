@@ -98,6 +98,12 @@ def test_the_flag_is_refused_where_it_cannot_hold(wide_path, monkeypatch):
     with pytest.raises(ValueError, match="batch_invariant: quantization"):
         LLM(wide_path, dtype="bfloat16", device="cpu", batch_invariant=True,
             quantization="int8")
+    from tokenweir.config import EngineConfig
+    from tokenweir.engine.llm_engine import check_batch_invariant
+    on_cuda = EngineConfig.from_kwargs(model=wide_path, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant: it runs on CPU only"):
+        check_batch_invariant(on_cuda, torch.device("cuda"))  # refused before any CUDA call
+    check_batch_invariant(EngineConfig.from_kwargs(model=wide_path), torch.device("cuda"))
     monkeypatch.setenv("TOKENWEIR_ATTENTION_BACKEND", "reference")
     with pytest.raises(ValueError, match="batch_invariant: it needs the cpu attention backend"):
         LLM(wide_path, dtype="float32", device="cpu", batch_invariant=True)
