@@ -47,11 +47,11 @@ def cpu_flags() -> str:
 
 
 def build_engine(args, loaded, dtype: str, invariant: bool) -> LLM:
+    budget = {} if args.budget is None else {"max_num_batched_tokens": args.budget}
     config = EngineConfig.from_kwargs(model=args.model, dtype=dtype, device="cpu",
-                                      batch_invariant=invariant,
-                                      max_num_batched_tokens=args.budget,
-                                      enable_prefix_caching=False,
-                                      max_model_len=args.max_model_len, kv_cache_space=0.5)
+                                      batch_invariant=invariant, enable_prefix_caching=False,
+                                      max_model_len=args.max_model_len, kv_cache_space=0.5,
+                                      **budget)
     return LLM.from_engine(LLMEngine(config, loaded=loaded))
 
 
@@ -131,7 +131,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--single-tokens", type=int, default=32)
-    p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    p.add_argument("--budget", type=int, default=None,
+                   help="max_num_batched_tokens (default: the engine's)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--token-range", type=int, nargs=2, default=[252, 49_152])
