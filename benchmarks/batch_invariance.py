@@ -1,5 +1,5 @@
 """What --batch-invariant costs (issue 38): offline throughput of a 64-request workload (W64)
-and single-stream decode speed, with and without the flag, in float32 and bfloat16, all in ONE
+and single-stream decode speed (and one 1000-token prefill), with and without the flag, in float32 and bfloat16, all in ONE
 process and run: per dtype the model loads once and the two engines (flag off / on) share it,
 their runs alternating (off, on, off, on, ...) so a busy machine slows both alike. Medians of
 the alternated runs and the ratio on / off are printed (targets: <= 15% slower in bfloat16,
@@ -34,6 +34,7 @@ from tokenweir.engine.llm_engine import LLMEngine  # noqa: E402
 from tokenweir.model.loader import load_model  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
+MEASURES = ("w64_out_tok_s", "single_decode_tok_s", "long_prefill_tok_s")
 
 
 def cpu_flags() -> str:
@@ -73,6 +74,14 @@ def single_stream(llm: LLM, prompt: list[int], output_len: int) -> float:
     return (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
 
 
+def long_prefill(llm: LLM, prompt: list[int]) -> float:
+    """Prompt tokens per second of one long prompt's prefill (time to its first token): where
+    the invariant attention (one row per work item) costs the most."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    return len(prompt) / out.metrics.time_to_first_token
+
+
 def alternate(runs: dict[bool, Callable[[], Any]], repeats: int) -> dict[bool, list]:
     """runs[False](), runs[True](), ... `repeats` rounds after one warm-up round."""
     results: dict[bool, list] = {flag: [] for flag in runs}
@@ -101,10 +110,14 @@ def measure_dtype(args, dtype: str) -> dict:
     single = alternate({f: run(f, lambda llm: single_stream(llm, workload.prompts[0],
                                                             args.single_tokens))
                         for f in (False, True)}, args.repeats)
+    long_prompt = make_workload(1, args.long_prompt, args.long_prompt, 1, seed=1,
+                                token_range=tuple(args.token_range)).prompts[0]
+    prefill = alternate({f: run(f, lambda llm: long_prefill(llm, long_prompt))
+                         for f in (False, True)}, args.repeats)
     same = sum(a == b for a, b in zip(w64[False][-1][1], w64[True][-1][1]))
     result = {"dtype": dtype, "same_tokens": same, "requests": workload.num_requests}
     for name, runs in (("w64_out_tok_s", {f: [r[0] for r in w64[f]] for f in w64}),
-                       ("single_decode_tok_s", single)):
+                       ("single_decode_tok_s", single), ("long_prefill_tok_s", prefill)):
         off, on = statistics.median(runs[False]), statistics.median(runs[True])
         result[name] = {"off": off, "on": on, "on_over_off": on / off,
                         "runs_off": runs[False], "runs_on": runs[True]}
@@ -114,7 +127,7 @@ def measure_dtype(args, dtype: str) -> dict:
 def print_table(results: list[dict]) -> None:
     print(f"{'dtype':9s} {'measure':22s} {'flag off':>10s} {'flag on':>10s} {'on/off':>7s}")
     for r in results:
-        for name in ("w64_out_tok_s", "single_decode_tok_s"):
+        for name in MEASURES:
             m = r[name]
             print(f"{r['dtype']:9s} {name:22s} {m['off']:10.1f} {m['on']:10.1f} "
                   f"{m['on_over_off']:7.3f}")
@@ -131,6 +144,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--single-tokens", type=int, default=32)
+    p.add_argument("--long-prompt", type=int, default=1000, help="tokens of the long prefill")
     p.add_argument("--budget", type=int, default=None,
                    help="max_num_batched_tokens (default: the engine's)")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -142,7 +156,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.output_len, args.single_tokens, args.repeats = 8, 4, 4, 1
-        args.max_prompt = min(args.max_prompt, 48)
+        args.max_prompt, args.long_prompt = min(args.max_prompt, 48), min(args.long_prompt, 96)
     return args
 
 
