@@ -125,7 +125,8 @@ def measure_dtype(args, dtype: str) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'dtype':9s} {'measure':22s} {'flag off':>10s} {'flag on':>10s} {'on/off':>7s}")
+    print(f"{'dtype':9s} {'measure':22s} {'flag off':>10s} {'flag on':>10s} {'on/off':>7s}",
+          flush=True)
     for r in results:
         for name in MEASURES:
             m = r[name]
@@ -165,8 +166,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.environ.setdefault("TOKENWEIR_WARMUP", "0")  # both sides warm up in the first round
     print(f"cpu: {cpu_flags()}; torch threads {torch.get_num_threads()}; model {args.model}",
           flush=True)
-    results = [measure_dtype(args, dtype) for dtype in args.dtypes]
-    print_table(results)
+    results = []
+    for dtype in args.dtypes:  # each dtype's table as soon as it is measured
+        results.append(measure_dtype(args, dtype))
+        print_table(results[-1:])
+        sys.stdout.flush()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"cpu": cpu_flags(), "args": vars(args), "results": results}, f, indent=1)
