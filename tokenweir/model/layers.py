@@ -155,20 +155,30 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object,
     `out_dtype` (default: x's dtype). RuntimeError where the packed kernel cannot run it (off
     CPU, kernels unavailable, a dtype other than float32 / bfloat16): batch-invariant mode is
     refused before the model runs there (engine/llm_engine.py), never silently weakened."""
+    if x.device.type != "cpu" or x.dim() != 2:
+        raise RuntimeError(f"batch-invariant matmuls take a CPU 2-D input (got "
+                           f"{tuple(x.shape)} on {x.device.type})")
+    return invariant_matmul_op(weight, owner, out_dtype or x.dtype)(x)
+
+
+def invariant_matmul_op(weight: torch.Tensor, owner: object,
+                        out_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """invariant_matmul on `weight` as it is now, resolved once (kernel, panels): a function of
+    a CPU 2-D x (Linear.bind's use)."""
     kernel = kernels.packed_linear_kernel()
-    if (kernel is None or x.device.type != "cpu" or x.dim() != 2
-            or weight.dtype not in (torch.float32, torch.bfloat16)):
-        raise RuntimeError("batch-invariant matmuls need the C++ CPU kernels and a CPU float32 "
-                           f"or bfloat16 2-D input (got {x.dtype} {tuple(x.shape)} on "
-                           f"{x.device.type}, kernels {'on' if kernel else 'off'})")
+    if kernel is None or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(f"batch-invariant matmuls need the C++ CPU kernels and a float32 or "
+                           f"bfloat16 weight (got {weight.dtype}, kernels "
+                           f"{'on' if kernel else 'off'})")
     # float32 shares the default packed panels; bfloat16's widened ones have a slot of their
     # own, so an owner switched in and out of the mode keeps both (no repacking per switch)
     slot = _PACKED_ATTR if weight.dtype == torch.float32 else _WIDENED_ATTR
     panels = packed_weight(owner, weight, kernel.panel,
                            lambda w: kernels.pack_linear_weight(w.float(), kernel.panel), slot)
-    out = kernel(x.float().contiguous(), panels, weight.shape[0], fixed_order=True)
-    target = out_dtype or x.dtype
-    return out if target == torch.float32 else out.to(target)
+    n = weight.shape[0]
+    if out_dtype == torch.float32:
+        return lambda x: kernel(x.float().contiguous(), panels, n, fixed_order=True)
+    return lambda x: kernel(x.float().contiguous(), panels, n, fixed_order=True).to(out_dtype)
 
 
 def set_batch_invariant(model: nn.Module, enabled: bool) -> None:
@@ -320,7 +330,7 @@ class Linear(nn.Linear):
         if probe.device.type != "cpu" or probe.dim() != 2:
             return None
         if batch_invariant(self):
-            return _with_bias(lambda y: invariant_matmul(y, weight, self), bias)
+            return _with_bias(invariant_matmul_op(weight, self, probe.dtype), bias)
         small = probe.shape[0] <= EXACT_ROWS
         if small and _int8_applies(probe, weight, self):
             q, scales = packed_weight(self, weight, "int8", quantize_int8, slot=_INT8_ATTR)
