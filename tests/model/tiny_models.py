@@ -17,6 +17,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama3_rope", "llama_tied")
+# Not in KINDS (no parity sweep): a Llama whose matmuls have K = 512 / 1024, past one k block
+# of the packed float32 kernel (256 floats on AVX2), for batch-invariance tests.
+WIDE = dict(COMMON, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+            num_key_value_heads=2)
 
 
 def tiny_config(kind: str):
@@ -25,6 +29,8 @@ def tiny_config(kind: str):
 
     if kind == "llama":
         return tf.LlamaConfig(**COMMON)
+    if kind == "llama_wide":
+        return tf.LlamaConfig(**WIDE)
     if kind == "llama_tied":
         return tf.LlamaConfig(**COMMON, tie_word_embeddings=True)
     if kind == "llama3_rope":

@@ -22,8 +22,10 @@ from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.preflight import check_before_load
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
 from tokenweir.guided.engine_hooks import attach_guided_decoder, check_guided
+from tokenweir.model import kernels
 from tokenweir.model.attention import kv_cache_bytes_per_block
-from tokenweir.model.layers import set_quantization
+from tokenweir.model.backends import select_backend
+from tokenweir.model.layers import set_batch_invariant, set_quantization
 from tokenweir.model.loader import LoadedModel, load_model, preferred_dtype
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import Request, RequestStatus, SamplingParams, make_sample_group
@@ -167,6 +169,29 @@ def check_quantization(config: EngineConfig, device: torch.device, dtype: torch.
                          "tensor_parallel_size must be 1")
 
 
+def check_batch_invariant(config: EngineConfig, device: torch.device) -> None:
+    """--batch-invariant runs where every op has a batch-invariant form (model/layers.py,
+    invariant_matmul; model/attention.py, one-row items): the C++ CPU kernels, one process,
+    the CPU attention path, no int8 (whose kernel applies by row count). Refused otherwise,
+    with the reason, before the weights load."""
+    if not config.model.batch_invariant:
+        return
+    why = None
+    if device.type != "cpu":
+        why = (f"it runs on CPU only (device is {device.type}: cuBLAS and the Triton attention "
+               "kernel pick their reduction splits by batch shape)")
+    elif config.parallel.tensor_parallel_size > 1:
+        why = "it runs in one process: tensor_parallel_size must be 1"
+    elif config.model.quantization is not None:
+        why = f"quantization={config.model.quantization!r} picks its kernel by row count"
+    elif select_backend(device) is not None:
+        why = "it needs the cpu attention backend (unset TOKENWEIR_ATTENTION_BACKEND)"
+    elif kernels.paged_attention_kernel() is None or kernels.packed_linear_kernel() is None:
+        why = "it needs the C++ CPU kernels (unavailable here, or TOKENWEIR_CPU_KERNELS=0)"
+    if why is not None:
+        raise ValueError(f"batch_invariant: {why}")
+
+
 def warm_up_enabled() -> bool:
     return os.environ.get("TOKENWEIR_WARMUP", "1") != "0"
 
@@ -187,11 +212,13 @@ class LLMEngine:
         # refused before the weights load: a bad setting costs milliseconds, not a load
         check_before_load(config, None if loaded is None else loaded.max_model_len)
         check_quantization(config, self.device, self.dtype)
+        check_batch_invariant(config, self.device)
         if self.device.type == "cpu":
             tune_malloc()  # activations reused, not faulted in again each step: see the module
         if loaded is None:
             loaded = load_model(config.model.model, self.dtype, self.device)
         set_quantization(loaded.model, config.model.quantization)
+        set_batch_invariant(loaded.model, config.model.batch_invariant)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.arch.vocab_size

@@ -30,6 +30,12 @@ slot view), then
 
 The per-step plan (index tensors, masks) is built once, at the first layer, and cached on the
 `AttentionMetadata` object, so the other layers only do tensor work and never sync.
+
+Batch-invariant mode (`AttentionMetadata.batch_invariant`, set by the runner under
+`--batch-invariant`): every query row of the step, decode or prefill, any chunk length, is
+attended alone by the C++ kernel's decode code (`one_row_items`), so row r of a request reads
+keys [0, ctx + r] and reduces them in one order whatever its chunk, its step's other rows, a
+cached prefix or a recompute after preemption. It needs the kernel (RuntimeError without it).
 """
 
 from __future__ import annotations
@@ -117,6 +123,8 @@ class _StepPlan:
     decode_order: Optional[torch.Tensor] = None  # decodes sorted by length (None: already are)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     prefills: list[_PrefillPlan] = field(default_factory=list)
+    # batch-invariant mode: every request's rows, each row its own kernel work item
+    one_row_reqs: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -132,6 +140,7 @@ class AttentionMetadata:
     backend:         the attention backend that runs this step (tokenweir/model/backends);
                      None: this module's own path (the CPU kernels, else batched SDPA).
     backend_plan:    what the backend derived from this metadata at the first layer.
+    batch_invariant: attend every row alone, in one order (see the module docstring).
     """
 
     query_start_loc: torch.Tensor
@@ -143,6 +152,7 @@ class AttentionMetadata:
     num_decodes: int
     backend: Optional[object] = field(default=None, compare=False)
     backend_plan: Optional[object] = field(default=None, repr=False, compare=False)
+    batch_invariant: bool = False
     _plan: Optional[_StepPlan] = field(default=None, repr=False, compare=False)
 
     @property
@@ -159,13 +169,17 @@ class AttentionMetadata:
 
 def build_attention_metadata(query_lens: Sequence[int], context_lens_before: Sequence[int],
                              block_tables_lists: Sequence[Sequence[int]], block_size: int,
-                             device: torch.device | str, backend: Optional[object] = None
-                             ) -> AttentionMetadata:
+                             device: torch.device | str, backend: Optional[object] = None,
+                             batch_invariant: bool = False) -> AttentionMetadata:
     """Metadata for one step. Request i schedules query_lens[i] tokens at positions
     context_lens_before[i] .. context_lens_before[i] + query_lens[i] - 1, using the blocks
     block_tables_lists[i] (which must cover all of them). Requests with query_len == 1 must come
     first (the leading run of them is counted as decodes). `backend` runs the step's attention
-    (see AttentionMetadata). On CUDA the tables travel in one pinned, non-blocking copy."""
+    (see AttentionMetadata); `batch_invariant` asks for the batch-invariant path (no backend).
+    On CUDA the tables travel in one pinned, non-blocking copy."""
+    if batch_invariant and backend is not None:
+        raise ValueError(f"batch-invariant attention runs on the CPU kernels' path, not on the "
+                         f"{getattr(backend, 'name', backend)!r} backend")
     query_lens, ctx = list(query_lens), list(context_lens_before)
     if not (len(query_lens) == len(ctx) == len(block_tables_lists)):
         raise ValueError("query_lens, context_lens_before and block tables differ in length")
@@ -191,7 +205,7 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens_before: Seq
         query_start_loc=start_loc, seq_lens=lens,
         block_tables=tables.reshape(len(table), width), slot_mapping=slot_mapping,
         query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, num_decodes=num_decodes,
-        backend=backend)
+        backend=backend, batch_invariant=batch_invariant)
 
 
 def to_device_long(lists: Sequence[Sequence[int]], device: torch.device | str
@@ -226,6 +240,8 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     tables = meta.block_tables.to(torch.long)
     nd = meta.num_decodes
     plan.kernel = paged_kernel_for(kv_cache)
+    if meta.batch_invariant:
+        return _one_row_plan(plan, meta, tables)
     if plan.kernel is not None:
         plan.tables = tables.contiguous()
         plan.query_start_loc = meta.query_start_loc.to(torch.long).contiguous()
@@ -252,6 +268,20 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
         start += q_len
     if in_place:
         plan.in_place_prefill_reqs = torch.tensor(in_place, dtype=torch.long, device=device)
+    return plan
+
+
+def _one_row_plan(plan: _StepPlan, meta: AttentionMetadata,
+                  tables: torch.Tensor) -> _StepPlan:
+    """The batch-invariant plan: every request's rows to the kernel, one row per work item."""
+    if plan.kernel is None:
+        raise RuntimeError("batch-invariant attention needs the C++ CPU kernels (CPU, float32 or "
+                           "bfloat16, head_dim a multiple of the vector width)")
+    plan.tables = tables.contiguous()
+    plan.query_start_loc = meta.query_start_loc.to(torch.long).contiguous()
+    plan.seq_lens = meta.seq_lens.to(torch.long).contiguous()
+    plan.one_row_reqs = torch.arange(len(meta.query_lens_cpu), dtype=torch.long,
+                                     device=meta.slot_mapping.device)
     return plan
 
 
@@ -391,6 +421,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if plan.kernel is not None:
         q = q.contiguous()
     out = torch.empty_like(q)
+    if plan.one_row_reqs is not None:
+        plan.kernel(q, kv_cache, plan.tables, plan.query_start_loc, plan.seq_lens,
+                    plan.one_row_reqs, scale, out, one_row_items=True)
+        return out
     _decode_attention(q, kv_cache, plan, scale, out)
     if plan.in_place_prefill_reqs is not None:
         plan.kernel(q, kv_cache, plan.tables, plan.query_start_loc, plan.seq_lens,

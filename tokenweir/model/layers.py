@@ -56,6 +56,7 @@ _PACKED_ATTR = "_tokenweir_packed_weight"
 
 
 _INT8_ATTR = "_tokenweir_int8_weight"  # the int8 copy has a slot of its own (kept beside)
+_WIDENED_ATTR = "_tokenweir_widened_weight"  # float32 panels of a bfloat16 weight (invariant)
 DIRECT_ATTR = "_tokenweir_direct_stacks"  # model/direct.py's stacks, bound to packed copies
 
 
@@ -79,6 +80,7 @@ def drop_packed_weights(module: nn.Module) -> None:
     for sub in (module, *module.modules()):
         sub.__dict__.pop(_PACKED_ATTR, None)
         sub.__dict__.pop(_INT8_ATTR, None)
+        sub.__dict__.pop(_WIDENED_ATTR, None)
         sub.__dict__.pop(DIRECT_ATTR, None)
 
 
@@ -129,6 +131,64 @@ def set_quantization(model: nn.Module, quantization: Optional[str]) -> None:
         module.__dict__.pop(DIRECT_ATTR, None)  # its Linears were bound for the old path
         if module is model or isinstance(module, Linear):
             object.__setattr__(module, "quantization", quantization)
+
+
+# Batch-invariant mode (issue 38; `--batch-invariant`, set_batch_invariant): a row's result
+# must not depend on how many rows share the matmul. MKL's sgemm and oneDNN pick kernels and
+# splits of K by the row count, and the packed kernel's own loop order changes with it (k unsplit
+# up to 6 rows, k % KU accumulator sets at 1-3 rows). In this mode every Linear and the LM head
+# take the packed kernel with `fixed_order` at every row count: one accumulator set, k cut at one
+# fixed block size, so each row is summed in one order. bfloat16 rows are widened to float32 (an
+# exact conversion) against float32 panels of the bfloat16 weight (+2x the weight's bytes) and
+# the float32 sums rounded once to bfloat16, as a bfloat16 GEMM that accumulates in float32 does.
+BATCH_INVARIANT_ATTR = "batch_invariant"
+
+
+def batch_invariant(owner: object) -> bool:
+    """Whether `owner` (a Linear, or the model for its LM head) runs batch-invariant matmuls."""
+    return getattr(owner, BATCH_INVARIANT_ATTR, False)
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x [M, K] @ weight.T with every row's sums in one order whatever M (see above), in
+    `out_dtype` (default: x's dtype). RuntimeError where the packed kernel cannot run it (off
+    CPU, kernels unavailable, a dtype other than float32 / bfloat16): batch-invariant mode is
+    refused before the model runs there (engine/llm_engine.py), never silently weakened."""
+    if x.device.type != "cpu" or x.dim() != 2:
+        raise RuntimeError(f"batch-invariant matmuls take a CPU 2-D input (got "
+                           f"{tuple(x.shape)} on {x.device.type})")
+    return invariant_matmul_op(weight, owner, out_dtype or x.dtype)(x)
+
+
+def invariant_matmul_op(weight: torch.Tensor, owner: object,
+                        out_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """invariant_matmul on `weight` as it is now, resolved once (kernel, panels): a function of
+    a CPU 2-D x (Linear.bind's use)."""
+    kernel = kernels.packed_linear_kernel()
+    if kernel is None or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(f"batch-invariant matmuls need the C++ CPU kernels and a float32 or "
+                           f"bfloat16 weight (got {weight.dtype}, kernels "
+                           f"{'on' if kernel else 'off'})")
+    # float32 shares the default packed panels; bfloat16's widened ones have a slot of their
+    # own, so an owner switched in and out of the mode keeps both (no repacking per switch)
+    slot = _PACKED_ATTR if weight.dtype == torch.float32 else _WIDENED_ATTR
+    panels = packed_weight(owner, weight, kernel.panel,
+                           lambda w: kernels.pack_linear_weight(w.float(), kernel.panel), slot)
+    n = weight.shape[0]
+    if out_dtype == torch.float32:
+        return lambda x: kernel(x.float().contiguous(), panels, n, fixed_order=True)
+    return lambda x: kernel(x.float().contiguous(), panels, n, fixed_order=True).to(out_dtype)
+
+
+def set_batch_invariant(model: nn.Module, enabled: bool) -> None:
+    """Every Linear of `model` and `model` itself (its LM head) take invariant_matmul from now
+    on (or stop, `enabled` False); the runner reads `model.batch_invariant` to ask the same of
+    attention (model/attention.py). Bound direct-path stacks are dropped (rebound on use)."""
+    for module in (model, *model.modules()):
+        module.__dict__.pop(DIRECT_ATTR, None)
+        if module is model or isinstance(module, Linear):
+            object.__setattr__(module, BATCH_INVARIANT_ATTR, bool(enabled))
 
 
 def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object, packed_max_rows: int,
@@ -248,6 +308,8 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant(self):
+            return _with_bias(lambda y: invariant_matmul(y, self.weight, self), self.bias)(x)
         out = int8_matmul(x, self.weight, self)
         if out is None:
             out = few_rows_matmul(x, self.weight, self, PACKED_MAX_ROWS, SKINNY_MAX_ROWS)
@@ -267,6 +329,8 @@ class Linear(nn.Linear):
         probe = x.contiguous()
         if probe.device.type != "cpu" or probe.dim() != 2:
             return None
+        if batch_invariant(self):
+            return _with_bias(invariant_matmul_op(weight, self, probe.dtype), bias)
         small = probe.shape[0] <= EXACT_ROWS
         if small and _int8_applies(probe, weight, self):
             q, scales = packed_weight(self, weight, "int8", quantize_int8, slot=_INT8_ATTR)

@@ -22,8 +22,9 @@ from tokenweir.model.attention import AttentionMetadata, paged_attention
 from tokenweir.model.direct import direct_stack
 from tokenweir.model.layers import (PACKED_MAX_ROWS_LM_HEAD, SKINNY_MAX_ROWS_LM_HEAD,
                                     Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
-                                    RotaryStep, bucketed_linear, drop_packed_weights,
-                                    few_rows_matmul, int8_matmul)
+                                    RotaryStep, batch_invariant, bucketed_linear,
+                                    drop_packed_weights, few_rows_matmul, int8_matmul,
+                                    invariant_matmul)
 
 
 # Called with the layer index before each decoder layer (an attention-layer boundary). It may
@@ -167,6 +168,8 @@ class CausalLM(nn.Module):
         sizes, the result is a view of a buffer the next call overwrites (`logits_buffer`):
         use it (sampling, logprobs) before computing logits again."""
         weight = self.lm_head_weight
+        if batch_invariant(self):  # float32 sums in one order per row, whatever the rows
+            return invariant_matmul(hidden, weight, self, out_dtype=torch.float32)
         logits = int8_matmul(hidden, weight, self)
         if logits is not None:
             return logits.float()

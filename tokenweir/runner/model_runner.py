@@ -23,6 +23,7 @@ from tokenweir.model import kernels
 from tokenweir.model.attention import (allocate_kv_caches, build_attention_metadata,
                                        to_device_long)
 from tokenweir.model.backends import select_backend
+from tokenweir.model.layers import batch_invariant
 from tokenweir.model.penalties import TokenHistory
 from tokenweir.model.sampler import sample_isolated
 from tokenweir.request import SamplingParams
@@ -151,7 +152,8 @@ class ModelRunner:
 
         def prefill() -> None:
             attn = build_attention_metadata([num_tokens], [0], [block_ids], self.block_size,
-                                            self.device, self.attention_backend)
+                                            self.device, self.attention_backend,
+                                            batch_invariant=batch_invariant(self.model))
             self.model(input_ids, positions, attn, self.kv_caches)
 
         per_token = self._best_time(prefill, repeats) / num_tokens
@@ -188,11 +190,13 @@ class ModelRunner:
             return False  # a pool too small to warm up in: the first step pays, as before
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         attn = build_attention_metadata(lens, [0] * len(lens), tables, self.block_size,
-                                        self.device, self.attention_backend)
+                                        self.device, self.attention_backend,
+                                        batch_invariant=batch_invariant(self.model))
         ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
         self.model(ids, positions, attn, self.kv_caches)
         attn = build_attention_metadata([1] * len(lens), lens, tables, self.block_size,
-                                        self.device, self.attention_backend)
+                                        self.device, self.attention_backend,
+                                        batch_invariant=batch_invariant(self.model))
         ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.tensor(lens, device=self.device), attn, self.kv_caches)
         self.model.compute_logits(hidden)
@@ -209,7 +213,8 @@ class ModelRunner:
         def prefill(n: int) -> None:
             block_ids = list(range(1, -(-n // self.block_size) + 1))
             attn = build_attention_metadata([n], [0], [block_ids], self.block_size, self.device,
-                                            self.attention_backend)
+                                            self.attention_backend,
+                                            batch_invariant=batch_invariant(self.model))
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, torch.arange(n, device=self.device), attn, self.kv_caches)
             self.model.compute_logits(hidden[-1:])
@@ -356,7 +361,8 @@ class ModelRunner:
         if hidden is not None:
             return hidden
         attn = build_attention_metadata(batch.query_lens, batch.context_lens, block_tables,
-                                        self.block_size, self.device, self.attention_backend)
+                                        self.block_size, self.device, self.attention_backend,
+                                        batch_invariant=batch_invariant(self.model))
         input_ids, positions = to_device_long([batch.input_ids, batch.positions], self.device)
         return self.model(input_ids, positions, attn, self.kv_caches, layer_hook=layer_hook)
 

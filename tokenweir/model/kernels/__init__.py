@@ -60,16 +60,19 @@ def vector_floats(isa: str) -> int:
 
 
 def paged_attention_kernel() -> Optional[Any]:
-    """`f(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale, out)`: the
-    in-place paged attention of the listed requests on this CPU's widest variant, or None."""
+    """`f(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale, out,
+    one_row_items=False)`: the in-place paged attention of the listed requests on this CPU's
+    widest variant, or None. `one_row_items`: every query row attended alone, by the decode's
+    code (batch-invariant mode; cpu_kernels.cpp, work_items)."""
     isa = cpu_isa()
     if not isa:
         return None
     run = _module().paged_attention
 
     def paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale,
-                        out) -> None:
-        run(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale, out, isa)
+                        out, one_row_items: bool = False) -> None:
+        run(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale, out, isa,
+            one_row_items)
 
     paged_attention.isa = isa  # type: ignore[attr-defined]
     return paged_attention
@@ -89,16 +92,17 @@ def skinny_linear_kernel() -> Optional[Any]:
 
 
 def packed_linear_kernel() -> Optional[Any]:
-    """`f(x, packed, n) -> x @ w.T` on a weight packed by `pack_linear_weight` (this CPU's
-    widest variant; `f.panel` is its panel width), or None."""
+    """`f(x, packed, n, fixed_order=False) -> x @ w.T` on a weight packed by
+    `pack_linear_weight` (this CPU's widest variant; `f.panel` is its panel width), or None.
+    `fixed_order`: every row's sums in one order whatever the row count (batch-invariant)."""
     isa = cpu_isa()
     if not isa:
         return None
     module = _module()
     run, panel = module.packed_linear, module.linear_panel_width(isa)
 
-    def packed_linear(x, packed, n: int):
-        return run(x, packed, n, isa)
+    def packed_linear(x, packed, n: int, fixed_order: bool = False):
+        return run(x, packed, n, isa, fixed_order)
 
     packed_linear.panel = panel  # type: ignore[attr-defined]
     packed_linear.isa = isa  # type: ignore[attr-defined]

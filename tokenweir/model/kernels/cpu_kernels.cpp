@@ -167,7 +167,9 @@ int64_t linear_panel_width(std::string isa) {
 // out[M, N] = x[M, K] @ w^T from `packed`, w packed for `isa` (see linear_impl.h):
 // [ceil(N / NR), K, NR] float32, NR = linear_panel_width(isa). Contract (checked by
 // tokenweir/model/layers.py): x [M, K] float32 contiguous; packed built by pack_linear_weight.
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, std::string isa) {
+// fixed_order: each row's result is independent of M and of the other rows (linear_impl.h).
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, std::string isa,
+                            bool fixed_order) {
   const int64_t M = x.size(0), K = x.size(1), nr = linear_panel_width(isa);
   TORCH_CHECK(nr > 0, "packed_linear: unsupported isa '", isa, "'");
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
@@ -182,8 +184,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, st
   float* op = out.data_ptr<float>();
   const bool wide = isa == "avx512" || isa == "avx512bf16";
   at::parallel_for(0, packed.size(0), 1, [&](int64_t p0, int64_t p1) {
-    if (wide) linear_avx512::packed_panels(xp, wp, op, M, K, N, p0, p1);
-    else linear_avx2::packed_panels(xp, wp, op, M, K, N, p0, p1);
+    if (wide) linear_avx512::packed_panels(xp, wp, op, M, K, N, p0, p1, fixed_order);
+    else linear_avx2::packed_panels(xp, wp, op, M, K, N, p0, p1, fixed_order);
   });
   return out;
 }
@@ -377,7 +379,9 @@ struct WorkItem {
 constexpr int64_t kPrefillRowsPerItem = 16;
 
 // Runs of query rows of every listed request: decodes are one item each; a prefill chunk is cut
-// into runs of `rows` rows.
+// into runs of `rows` rows. With rows == 1 (batch-invariant mode) every query row is an item of
+// its own and takes the decode's code path: row r of a chunk attends keys [0, ctx + r] exactly
+// as a decode at that position would, whatever the chunk or the step.
 std::vector<WorkItem> work_items(const int64_t* reqs, int64_t n_reqs, const int64_t* starts,
                                  int64_t rows) {
   std::vector<WorkItem> items;
@@ -447,7 +451,7 @@ void run_paged(const G& g, const T* q, T* out, torch::Tensor& block_tables,
                    static_cast<float>(scale)};                                                 \
     const int64_t* starts = query_start_loc.data_ptr<int64_t>();                               \
     const auto items = work_items(req_ids.data_ptr<int64_t>(), req_ids.numel(), starts,       \
-                                  kPrefillRowsPerItem);                                        \
+                                  rows_per_item);                                              \
     run_paged<NS::Scratch>(g, reinterpret_cast<const T*>(q.data_ptr()),                        \
                            reinterpret_cast<T*>(out.data_ptr()), block_tables, starts,         \
                            seq_lens.data_ptr<int64_t>(), items, &NS::attend_item<T>);          \
@@ -461,9 +465,12 @@ void run_paged(const G& g, const T* q, T* out, torch::Tensor& block_tables,
 // on AVX-512); block_tables int64 [B, max_blocks]; query_start_loc int64 [B + 1]; seq_lens int64
 // [B] (context after this step); req_ids int64 [n], the requests to attend. Rows of other
 // requests in out are left untouched. `isa` is cpu_isa()'s answer (or a narrower one).
+// `one_row_items` (batch-invariant mode): every query row is a work item of its own (see
+// work_items), so its result does not depend on its chunk, its step or its neighbours.
 void paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor req_ids,
-                     double scale, torch::Tensor out, std::string isa) {
+                     double scale, torch::Tensor out, std::string isa, bool one_row_items) {
+  const int64_t rows_per_item = one_row_items ? 1 : kPrefillRowsPerItem;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_attention: float32 or bfloat16");
   TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
@@ -494,10 +501,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_width", &parallel_width, "threads at::parallel_for ran the tasks on");
   m.def("cpu_isa", &cpu_isa, "widest compiled instruction set this CPU runs ('' = none)");
   m.def("paged_attention", &paged_attention,
-        "causal attention over a block-paged KV cache, read in place (float32/bfloat16, CPU)");
+        "causal attention over a block-paged KV cache, read in place (float32/bfloat16, CPU)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
+        py::arg("seq_lens"), py::arg("req_ids"), py::arg("scale"), py::arg("out"),
+        py::arg("isa"), py::arg("one_row_items") = false);
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (float32, CPU)");
   m.def("linear_panel_width", &linear_panel_width, "output columns per packed panel for an isa");
-  m.def("packed_linear", &packed_linear, "x @ w.T from a panel-packed w (float32, CPU)");
+  m.def("packed_linear", &packed_linear, "x @ w.T from a panel-packed w (float32, CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("isa"),
+        py::arg("fixed_order") = false);
   m.def("silu_mul", &silu_mul, "silu(x[:, :I]) * x[:, I:] (float32/bfloat16, CPU)");
   m.def("add_rmsnorm", &add_rmsnorm, "residual += x; return rmsnorm(residual) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));

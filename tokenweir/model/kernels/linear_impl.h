@@ -78,8 +78,21 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t K, floa
 }
 
 // `rows` (1..kMaxRows) rows of x against one panel: the microkernel instantiated for that count.
+// `fixed_order` (batch-invariant mode): one accumulator set over k for every count, so a row's
+// sums run in the same order whichever block of rows it falls in (KU > 1 splits k by k % KU).
 inline void panel_block(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
-                        float* out, int64_t ldo, int cols, bool acc) {
+                        float* out, int64_t ldo, int cols, bool acc, bool fixed_order) {
+  if (fixed_order) {
+    switch (rows) {
+      case 1: panel_rows<1, 1>(x, ldx, panel, K, out, ldo, cols, acc); break;
+      case 2: panel_rows<2, 1>(x, ldx, panel, K, out, ldo, cols, acc); break;
+      case 3: panel_rows<3, 1>(x, ldx, panel, K, out, ldo, cols, acc); break;
+      case 4: panel_rows<4, 1>(x, ldx, panel, K, out, ldo, cols, acc); break;
+      case 5: panel_rows<5, 1>(x, ldx, panel, K, out, ldo, cols, acc); break;
+      default: panel_rows<6, 1>(x, ldx, panel, K, out, ldo, cols, acc); break;
+    }
+    return;
+  }
   switch (rows) {
     case 1: panel_rows<1, 4>(x, ldx, panel, K, out, ldo, cols, acc); break;
     case 2: panel_rows<2, 2>(x, ldx, panel, K, out, ldo, cols, acc); break;
@@ -97,9 +110,12 @@ constexpr int64_t kKBlock = 2048 / TW_W;
 // Panels [p0, p1) against every row of x: each block of k of a panel meets all M rows (blocks
 // of kMaxRows, the remainder in one smaller block) while it is L1-hot. At one block of rows
 // the k blocks run in order, so the weight is still read as one sequential stream.
+// `fixed_order` (batch-invariant mode): k is always cut at kKBlock and every row block uses one
+// accumulator set, so out[m] is the same bits for any M and any position of row m in x (the
+// split of panels across threads never splits k). Without it, M <= kMaxRows runs k unsplit.
 inline void packed_panels(const float* x, const float* packed, float* out, int64_t M, int64_t K,
-                          int64_t N, int64_t p0, int64_t p1) {
-  const int64_t kc = M > kMaxRows ? kKBlock : K;
+                          int64_t N, int64_t p0, int64_t p1, bool fixed_order) {
+  const int64_t kc = (M > kMaxRows || fixed_order) ? kKBlock : K;
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kPanel;
     const int cols = int(std::min<int64_t>(kPanel, N - n0));
@@ -108,7 +124,8 @@ inline void packed_panels(const float* x, const float* packed, float* out, int64
       const int64_t klen = std::min(kc, K - k0);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int rows = int(std::min<int64_t>(kMaxRows, M - m0));
-        panel_block(rows, x + m0 * K + k0, K, block, klen, out + m0 * N + n0, N, cols, k0 > 0);
+        panel_block(rows, x + m0 * K + k0, K, block, klen, out + m0 * N + n0, N, cols, k0 > 0,
+                    fixed_order);
       }
     }
   }

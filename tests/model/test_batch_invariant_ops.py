@@ -1,0 +1,117 @@
+"""The batch-invariant ops (issue 38), one at a time: a row's result is the same bits whatever
+the other rows of the call. Each test also shows the default op moving the same row (so the
+invariant one is not trivially equal), where this machine's default op does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenweir.model import attention as A
+from tokenweir.model import kernels
+from tokenweir.model.layers import Linear, invariant_matmul, set_batch_invariant
+
+pytestmark = pytest.mark.skipif(
+    kernels.paged_attention_kernel() is None or kernels.packed_linear_kernel() is None,
+    reason="batch-invariant ops need the C++ CPU kernels")
+
+ROW_COUNTS = (1, 2, 3, 5, 7, 13, 64, 300, 700)
+
+
+def _linear(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> Linear:
+    lin = Linear(k, n, bias=False, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_bits_in_any_number_of_rows(dtype):
+    lin = _linear(96, 600, dtype)  # K = 600: more than two k blocks, and a ragged last panel
+    row = torch.randn(1, 600, generator=torch.Generator().manual_seed(1)).to(dtype)
+    alone = invariant_matmul(row, lin.weight, lin)
+    for m in ROW_COUNTS:
+        x = torch.randn(m, 600, generator=torch.Generator().manual_seed(m)).to(dtype)
+        for at in {0, m // 2, m - 1}:
+            x[at] = row[0]
+            assert torch.equal(invariant_matmul(x, lin.weight, lin)[at], alone[0]), (m, at)
+
+
+def test_the_default_float32_matmul_moves_a_row_with_the_row_count():
+    """The cause the invariant kernel removes: the packed kernel's k order changes with M
+    (unsplit k and k % KU accumulators at few rows), MKL's above PACKED_MAX_ROWS."""
+    lin = _linear(96, 600, torch.float32)
+    row = torch.randn(1, 600, generator=torch.Generator().manual_seed(1))
+    alone = lin(row)[0]
+    moved = []
+    for m in ROW_COUNTS[1:]:
+        x = torch.randn(m, 600, generator=torch.Generator().manual_seed(m))
+        x[0] = row[0]
+        if not torch.equal(lin(x)[0], alone):
+            moved.append(m)
+    assert moved, "the default float32 matmul gave one row the same bits at every row count"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_set_batch_invariant_routes_forward_and_bind(dtype):
+    lin = _linear(64, 512, dtype)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
+    set_batch_invariant(lin, True)
+    expected = invariant_matmul(x, lin.weight, lin)
+    assert torch.equal(lin(x), expected)
+    assert torch.equal(lin.bind(x)(x), expected)
+    assert torch.equal(lin(x[4:5]), expected[4:5])
+    set_batch_invariant(lin, False)
+    assert not getattr(lin, "batch_invariant")
+
+
+def _paged_case(dtype: torch.dtype, ctx: int, chunk: int):
+    """One request whose `chunk` rows at positions ctx.. attend a cache of ctx + chunk keys,
+    and the same rows as `chunk` separate decodes (one per position)."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, bs = 8, 2, 64, 16
+    total = ctx + chunk
+    nblk = -(-total // bs) + 1
+    cache = torch.randn(2, nblk + 1, bs, kv_heads, d, generator=gen).to(dtype)
+    q = torch.randn(chunk, heads, d, generator=gen).to(dtype)
+    blocks = list(range(1, nblk + 1))
+    return cache, q, blocks, total
+
+
+def _attend(cache, q, meta) -> torch.Tensor:
+    plan = meta.plan(cache)
+    out = torch.zeros_like(q)
+    if plan.one_row_reqs is not None:
+        plan.kernel(q, cache, plan.tables, plan.query_start_loc, plan.seq_lens,
+                    plan.one_row_reqs, 0.125, out, one_row_items=True)
+    else:  # the default path, without writing K/V (the cache already holds them)
+        plan.kernel(q, cache, plan.tables, plan.query_start_loc, plan.seq_lens,
+                    torch.arange(len(meta.query_lens_cpu)), 0.125, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_row_attends_as_the_decode_at_its_position(dtype):
+    ctx, chunk = 40, 24
+    cache, q, blocks, total = _paged_case(dtype, ctx, chunk)
+    outs = {}
+    for invariant in (False, True):
+        as_chunk = A.build_attention_metadata([chunk], [ctx], [blocks], 16, "cpu",
+                                              batch_invariant=invariant)
+        as_decodes = A.build_attention_metadata([1] * chunk, list(range(ctx, total)),
+                                                [blocks] * chunk, 16, "cpu",
+                                                batch_invariant=invariant)
+        outs[invariant] = (_attend(cache, q, as_chunk), _attend(cache, q, as_decodes))
+    chunk_rows, decode_rows = outs[True]
+    assert torch.equal(chunk_rows, decode_rows)
+    default_chunk, default_decodes = outs[False]
+    assert torch.equal(default_decodes, decode_rows)  # a decode is a one-row item already
+    torch.testing.assert_close(default_chunk, decode_rows, rtol=2e-2, atol=2e-2)
+    if kernels.cpu_isa() == "avx512bf16" and dtype == torch.bfloat16:
+        assert not torch.equal(default_chunk, decode_rows)  # the one-pass flash path differs
+
+
+def test_batch_invariant_metadata_refuses_a_backend():
+    with pytest.raises(ValueError, match="batch-invariant attention"):
+        A.build_attention_metadata([1], [3], [[1]], 16, "cpu", backend=object(),
+                                   batch_invariant=True)
