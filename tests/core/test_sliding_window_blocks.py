@@ -1,0 +1,112 @@
+"""Sliding window (issue 36): blocks wholly before every future query's window go back to the
+pool (core/sliding_window.py, KVCacheManager(sliding_window=W)), as vLLM v1 frees them. Each
+test pairs what must survive (outputs, integrity, prefix hits) with a probe that blocks really
+were freed."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import FakeRunner, expected_output, make_request, run_to_completion
+from tokenweir.config import SchedulerConfig
+from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.sched.scheduler import Scheduler
+from tokenweir.core.sliding_window import first_block_in_window, num_blocks_to_skip
+
+BS = 4
+
+
+def _grow(kv: KVCacheManager, request, upto: int, chunk: int = 1) -> None:
+    """Allocate and compute `chunk` tokens at a time until `upto` are computed (no runner)."""
+    while request.num_computed_tokens < upto:
+        n = min(chunk, upto - request.num_computed_tokens)
+        assert kv.allocate_slots(request, n) is not None
+        request.num_computed_tokens += n
+        kv.register_computed_blocks(request)
+        kv.check_integrity()
+
+
+def test_the_first_block_in_window_is_the_one_the_next_query_still_reads():
+    # next query at position 20 with W = 8 reads 13..20: block 3 (12..15) is the first read
+    assert first_block_in_window(20, 8, BS) == 3
+    assert first_block_in_window(7, 8, BS) == 0  # reads 0..7: nothing slid out
+    assert num_blocks_to_skip(20, None, BS, None) == 0  # no window, nothing freed
+    assert num_blocks_to_skip(20, 8, BS, 2) == 1  # the last published block is kept
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_blocks_before_the_window_return_to_the_pool(prefix_caching):
+    kv = KVCacheManager(64, BS, enable_prefix_caching=prefix_caching, sliding_window=8)
+    request = make_request("a", 4, 100)
+    request.all_token_ids.extend(range(100, 140))  # 44 tokens known
+    _grow(kv, request, 40)
+    # the probe: the leading slots hold the null block, and those blocks are free again
+    skipped = kv.num_freed_for_window("a")
+    assert skipped == first_block_in_window(40, 8, BS) == 8
+    assert kv.block_ids("a")[:skipped] == [0] * skipped
+    assert 0 not in kv.block_ids("a")[skipped:]
+    assert kv.num_free_blocks == kv.num_usable_blocks - (len(kv.block_ids("a")) - skipped)
+    kv.free(request)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_without_a_window_nothing_is_freed():
+    kv = KVCacheManager(64, BS)
+    request = make_request("a", 4, 100)
+    request.all_token_ids.extend(range(100, 140))
+    _grow(kv, request, 40)
+    assert kv.num_freed_for_window("a") == 0
+    assert 0 not in kv.block_ids("a")
+    assert kv.num_free_blocks == kv.num_usable_blocks - 10
+
+
+def test_freed_published_blocks_still_hit_and_publishing_goes_on():
+    kv = KVCacheManager(64, BS, enable_prefix_caching=True, sliding_window=8)
+    first = make_request("a", 32, 8)
+    _grow(kv, first, 32, chunk=5)
+    assert kv.num_freed_for_window("a") > 0  # probe: some published blocks went back
+    # every full block of the prompt was published, past the freed ones too
+    again = make_request("b", 32, 8)
+    again.all_token_ids[:] = list(first.all_token_ids)
+    hits = kv.get_computed_blocks(again)
+    assert hits.num_blocks == (32 - 1) // BS  # all leading full blocks, freed ones included
+    assert hits.num_evictable > 0  # some hits sit in the free list: the freed ones
+
+
+def _scheduler(num_blocks: int, window):
+    kv = KVCacheManager(num_blocks, BS, sliding_window=window)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    return Scheduler(config, kv, 256)
+
+
+def test_a_window_lets_a_cramped_pool_decode_without_preempting():
+    """Three requests of 8 + 120 tokens in a 65-block pool (64 usable): without a window they
+    need 96 blocks and preempt; with W = 16 each holds at most 6 blocks. The outputs are the
+    same either way (the scheduler decides nothing by window)."""
+    runs = {}
+    for window in (None, 16):
+        scheduler = _scheduler(65, window)
+        requests = [make_request(f"r{i}", 8, 120, ignore_eos=True) for i in range(3)]
+        for r in requests:
+            scheduler.add_request(r)
+        outputs = run_to_completion(scheduler, FakeRunner())
+        assert outputs == {r.request_id: expected_output(r) for r in requests}
+        runs[window] = (outputs, scheduler.stats.num_preemptions)
+    assert runs[None][0] == runs[16][0]
+    assert runs[None][1] > 0  # probe: the cramped pool really was too small without a window
+    assert runs[16][1] == 0
+
+
+def test_preempting_a_request_with_freed_slots_returns_every_block():
+    scheduler = _scheduler(200, 8)
+    request = make_request("r", 8, 60, ignore_eos=True)
+    scheduler.add_request(request)
+    runner = FakeRunner()
+    for _ in range(30):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner.execute(out))
+    assert scheduler.kv.num_freed_for_window("r") > 0  # probe
+    scheduler.kv.free(request)
+    scheduler.kv.check_integrity()
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
