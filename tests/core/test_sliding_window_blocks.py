@@ -140,3 +140,36 @@ def test_swapping_out_and_in_a_request_with_freed_slots(prefix_caching):
     assert scheduler.stats.num_swapped_out > 0  # probe: the pool was too small, and swapped
     assert scheduler.stats.num_swapped_in > 0
     assert freed > 0  # probe: window slots were freed
+
+
+def test_forks_of_a_parent_with_freed_slots_keep_them_and_decode_the_same():
+    """Parallel sampling (n = 3) of a 40-token prompt chunked 16 at a time under W = 8: the
+    parent has freed slots when it forks, the samples take its table (null slots included,
+    sharing only held blocks), and every sample's tokens match the run without a window.
+    Probes: the samples really had freed slots; the window run held fewer blocks at its peak."""
+    from tokenweir.request import SamplingParams, make_sample_group
+    runs = {}
+    for window in (None, 8):
+        kv = KVCacheManager(200, BS, sliding_window=window)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16), kv, 96)
+        request = make_request("g", 40, 30, ignore_eos=True)
+        request.sampling_params = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=30,
+                                                 ignore_eos=True)
+        make_sample_group(request)
+        scheduler.add_request(request)
+        runner, outputs, freed, peak = FakeRunner(), {}, 0, 0
+        for _ in range(1000):
+            if not scheduler.has_unfinished_requests():
+                break
+            out = scheduler.schedule()
+            freed = max([freed] + [kv.num_freed_for_window(rid) for rid in ("g#1", "g#2")])
+            peak = max(peak, kv.num_usable_blocks - kv.num_free_blocks)
+            for eco in scheduler.update_from_output(out, runner.execute(out)):
+                if eco.finish_reason is not None:
+                    outputs[eco.request.request_id] = list(eco.request.output_token_ids)
+            scheduler.check_integrity()
+        runs[window] = outputs, freed, peak
+    assert sorted(runs[None][0]) == ["g", "g#1", "g#2"]
+    assert runs[8][0] == runs[None][0]
+    assert runs[8][1] > 0 and runs[None][1] == 0  # probe: the samples held freed slots
+    assert runs[8][2] < runs[None][2]
