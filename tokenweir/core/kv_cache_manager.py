@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from tokenweir.core.block_pool import ROOT_PARENT, BlockKey, BlockPool, KVBlock
+from tokenweir.core.sliding_window import num_blocks_to_skip
 from tokenweir.request import Request
 
 
@@ -134,8 +135,15 @@ class HostBlockPool:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, sliding_window: Optional[int] = None) -> None:
+        """`sliding_window` (tokens each query attends; None: all): blocks wholly before every
+        future query's window are returned to the pool as the request grows (sliding_window.py);
+        its block table then holds the null block in their place."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._num_skipped: dict[str, int] = {}  # leading blocks freed for the window, per request
         self._pack = struct.Struct(f"{block_size}q").pack  # a full block's ids (block_tokens_key)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -240,6 +248,8 @@ class KVCacheManager:
                 key = (*ROOT_PARENT, ids)
             else:  # self._key((parent id, parent generation), tokens, k), inlined
                 parent = blocks[k - 1]
+                if parent.block_id == 0:  # freed for the window (after a swap-out): no key
+                    break
                 key = (parent.block_id, parent.generation, ids)
             register(blocks[k], key)
         self.num_registered[rid] = full
@@ -274,6 +284,8 @@ class KVCacheManager:
         held = self.req_to_blocks.get(rid)
         if held is not None and (computed_blocks is None or not computed_blocks.blocks):
             # the hot path: a running request grows
+            if self.sliding_window is not None:
+                self._free_blocks_outside_window(request, held)
             needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) \
                 - len(held)  # cdiv(tokens, block_size) - held, inlined
             if needed <= 0:
@@ -300,6 +312,29 @@ class KVCacheManager:
         held.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
+    def _free_blocks_outside_window(self, request: Request, held: list[KVBlock]) -> None:
+        """Return the request's blocks that lie before every future query's window to the pool
+        (tail first, as `free` does), holding the null block in their table slots: positions
+        keep their slots, so `len(held)` still counts the slots its tokens span. A published
+        block stays cached while free, and a later request can still hit it."""
+        rid = request.request_id
+        done = self._num_skipped.get(rid, 0)
+        registered = self.num_registered.get(rid, 0) if self.enable_prefix_caching else None
+        skip = min(len(held), num_blocks_to_skip(request.num_computed_tokens, self.sliding_window,
+                                                 self.block_size, registered))
+        if skip <= done:
+            return
+        null = self.pool.null_block
+        # slots below `done` are null; a hit or a swap-in may have left some held (not null)
+        out = [b for b in held[done:skip] if b is not null]
+        held[done:skip] = [null] * (skip - done)
+        self._num_skipped[rid] = skip
+        self.pool.free_blocks(reversed(out))
+
+    def num_freed_for_window(self, request_id: str) -> int:
+        """Leading block slots of the request whose blocks went back to the pool (its window)."""
+        return self._num_skipped.get(request_id, 0)
+
     # ---- forks (parallel sampling) ----------------------------------------------------------
     def fork(self, parent: Request, children: list[Request]) -> None:
         """Each child (its num_computed_tokens set, at most the parent's) takes a reference to
@@ -310,7 +345,9 @@ class KVCacheManager:
         self._fresh_forks.add(parent.request_id)
         for child in children:
             blocks = parent_blocks[:self.blocks_for_tokens(child.num_computed_tokens + 1)]
-            self.pool.share(blocks)
+            self.pool.share(b for b in blocks if b is not self.pool.null_block)
+            if self._num_skipped.get(parent.request_id):  # the window's null slots come along
+                self._num_skipped[child.request_id] = self._num_skipped[parent.request_id]
             rid = child.request_id
             self.req_to_blocks[rid] = list(blocks)
             self.num_registered[rid] = min(parent_registered,
@@ -356,6 +393,8 @@ class KVCacheManager:
         self.num_registered.pop(request.request_id, None)
         self.registration_behind.discard(request.request_id)
         self._fresh_forks.discard(request.request_id)
+        if self._num_skipped.pop(request.request_id, 0):  # its leading null blocks stay
+            blocks = [b for b in blocks if b is not self.pool.null_block]
         self.pool.free_blocks(reversed(blocks))
         self.host_pool.free(self.req_to_host_blocks.pop(request.request_id, []))
 
@@ -368,7 +407,8 @@ class KVCacheManager:
         (a shared block frees no memory, so it stays on the device, held)."""
         blocks = self.req_to_blocks.get(request.request_id, ())
         shared = 0
-        while shared < len(blocks) and blocks[shared].ref_cnt > 1:
+        null = self.pool.null_block  # null slots (sliding window) lead, and stay too
+        while shared < len(blocks) and (blocks[shared].ref_cnt > 1 or blocks[shared] is null):
             shared += 1
         return len(blocks) - shared
 
@@ -440,8 +480,11 @@ class KVCacheManager:
         """Blocks are conserved in both pools; a device block's holders are its ref count."""
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for block in blocks:
+        for rid, blocks in self.req_to_blocks.items():
+            for k, block in enumerate(blocks):
+                if block.block_id == 0:  # a window's freed slot: leading, and counted as such
+                    assert k < self._num_skipped.get(rid, 0), f"{rid}: null block at slot {k}"
+                    continue
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks[1:]:
             assert block.ref_cnt == refs.get(block.block_id, 0), (

@@ -87,7 +87,7 @@ class RooflineLatencyModel:
     Sliding window (`shape.sliding_window` = W): `attention_window` tells the SimRunner to
     cap each request's cached context at W in the step's sums, so attention FLOPs and KV
     reads stop growing past W. Approximation: the causal term inside a chunk longer than W is
-    not capped, and the KV pool still holds every block (vLLM frees blocks that slid out).
+    not capped. The KV pool frees the blocks that slid out (core/sliding_window.py), as vLLM does.
     """
 
     def __init__(self, shape: ModelShape, hardware: HardwareProfile, tp: int = 1) -> None:

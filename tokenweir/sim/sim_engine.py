@@ -108,7 +108,9 @@ class SimEngine:
         config = setup.config
         self.kv = KVCacheManager(setup.num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 num_host_blocks=setup.num_host_blocks)
+                                 num_host_blocks=setup.num_host_blocks,
+                                 # a sliding-window model's blocks that slid out are freed
+                                 sliding_window=getattr(setup.model, "attention_window", None))
         self.scheduler = Scheduler(config.scheduler, self.kv, setup.max_model_len,
                                    costs=setup.costs)
         self.targets: dict[str, int] = {}  # request id -> output length (EOS); runner reads it
