@@ -12,7 +12,9 @@ engine's start-up functions to time them and writes one JSON line of phase times
   warm-up      the engine's dummy step(s) before serving
   ready        process start to the first token (generate) or to /health 200 (serve)
 The kernels are assumed built (the install step builds them); a run that compiles them says
-so on stderr. Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
+so on stderr. Children run with bytecode caching on (PYTHONDONTWRITEBYTECODE dropped), as a
+user's Python does: with it set, every start compiled tokenweir's modules again (~0.7 s of
+`import` on a busy 2-core machine). Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def run_once(command: str, model: str, cache_dir: str) -> dict:
     port = _free_port()
     env = {**os.environ, "TOKENWEIR_CACHE_DIR": cache_dir, "PYTHONPATH": ROOT,
            "NO_PROXY": "127.0.0.1"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # a user's second start imports cached bytecode
     started = time.time()
     cmd = [sys.executable, os.path.abspath(__file__), "--child", command, "--model", model,
            "--started", repr(started), "--out", out, "--port", str(port)]

@@ -189,9 +189,11 @@ class SamplingParams:
 
     Parallel sampling: `n` samples of one prompt come back in one RequestOutput; with
     `best_of` (>= n), best_of samples are drawn and the n with the highest cumulative logprob
-    are kept. Sample i of a request seeded with `seed` is drawn with seed `seed + i`: it is
-    the output a lone request (n=1) seeded with `seed + i` would get, and reproducible on its
-    own whatever the other samples do. The samples share the prompt's KV blocks (see
+    are kept. Sample i of a request seeded with `seed` draws from the random stream of a lone
+    request (n=1) seeded with `seed + i`, whatever the other samples do. Its tokens are that
+    request's only while the logits are bit-identical, which a batched and a lone forward need
+    not be (from some token on a sample may diverge: 0.875-0.938 of samples were identical in
+    issue 34's check). The samples share the prompt's KV blocks (see
     `SampleGroup`). best_of > 1 needs random sampling (temperature > 0), as in vLLM.
 
     Contract: construction (and `validate()`, which the engine calls again when a request is

@@ -1,7 +1,8 @@
-"""The start-up warm-up (ModelRunner.warm_up, TOKENWEIR_WARMUP): it runs when enabled (a dummy
-prefill of the whole budget in requests of 256 tokens, then their decode with logits), it
-touches only scratch pool blocks (greedy outputs equal an engine built without it), it is
-skipped when the pool is too small to hold it, and TOKENWEIR_WARMUP=0 turns it off."""
+"""The start-up warm-up (ModelRunner.warm_up, TOKENWEIR_WARMUP): it runs when enabled (on CPU
+one dummy request of min(budget, 256) tokens, then its decode with logits; on CUDA the whole
+budget in requests of 256), it touches only scratch pool blocks (greedy outputs equal an engine
+built without it), it is skipped when the pool is too small to hold it, and TOKENWEIR_WARMUP=0
+turns it off."""
 
 from __future__ import annotations
 
@@ -39,8 +40,12 @@ def test_warm_up_runs_and_changes_no_output(tiny_llama_path, device, monkeypatch
     assert calls == []  # off: never called
     monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
     warm = _greedy(tiny_llama_path, device, max_num_batched_tokens=1024, max_num_seqs=8)
-    assert calls == [(1024, 8)]
-    assert forwards == [1024, 4]  # probe: 4 requests of 256 prefilled, then their 4 decodes
+    if device == "cpu":  # one request of 256 tokens, not the 1024-token budget
+        assert calls == [(256, 1)]
+        assert forwards == [256, 1]  # probe: the prefill ran, then its decode
+    else:
+        assert calls == [(1024, 8)]
+        assert forwards == [1024, 4]  # probe: 4 requests of 256 prefilled, then their 4 decodes
     assert warm == cold
 
 
@@ -49,8 +54,9 @@ def test_a_pool_too_small_skips_the_warm_up(tiny_llama_path, device, monkeypatch
     ran, warm_up = [], ModelRunner.warm_up
     monkeypatch.setattr(ModelRunner, "warm_up",
                         lambda self, *a: ran.append(warm_up(self, *a)) or ran[-1])
-    # 2048 tokens in requests of 256 need 8 x 17 blocks of 16 (one slot more each for the
-    # decode): more than a 40-block pool; the engine still builds and serves
-    out = _greedy(tiny_llama_path, device, max_num_batched_tokens=2048, num_gpu_blocks_override=40)
+    # 256 tokens (CPU) or 2048 in requests of 256 (CUDA) need 17 blocks of 16 per request (one
+    # slot more for the decode): more than a 12-block pool; the engine still builds and serves
+    out = _greedy(tiny_llama_path, device, max_num_batched_tokens=2048, max_model_len=128,
+                  num_gpu_blocks_override=12)
     assert ran == [False]  # probe: called, and it declined
     assert all(len(tokens) == 12 for tokens in out)

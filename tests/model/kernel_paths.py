@@ -59,13 +59,28 @@ def force_path(path: str, monkeypatch) -> Counter:
 
 def _require_variant(path: str, monkeypatch) -> None:
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
-    if kernels.paged_attention_kernel() is None or kernels.fused_ops() is None:
-        pytest.skip("C++ kernels could not be built here (no compiler?)")
+    require_kernels()
     monkeypatch.setenv("TOKENWEIR_CPU_ISA", path)
     if kernels.cpu_isa() != path:
-        pytest.skip(f"this CPU cannot run the {path} variant (widest here: "
-                    f"{kernels.cpu_isa() or 'none'}; needs "
-                    f"{kernels.ISA_NEEDS[path]})")
+        pytest.skip(f"this CPU cannot run the {path} variant (needs {kernels.ISA_NEEDS[path]}; "
+                    f"{widest_variant(monkeypatch)})")
+
+
+def require_kernels() -> None:
+    """Skip, saying what is really missing, where the compiled module is not loaded."""
+    reason = kernels.unavailable_reason()
+    if reason:
+        pytest.skip(f"no C++ CPU kernels here: {reason}")
+
+
+def widest_variant(monkeypatch) -> str:
+    """'widest variant here: X', X being what this CPU runs with no variant forced (a forced
+    TOKENWEIR_CPU_ISA the CPU cannot run makes cpu_isa() answer "", which is not "none")."""
+    with monkeypatch.context() as m:
+        m.delenv("TOKENWEIR_CPU_ISA", raising=False)
+        isa = kernels.cpu_isa()
+    return f"widest variant here: {isa}" if isa else \
+        "this CPU runs no variant (needs at least AVX2 + FMA)"
 
 
 def random_linear(in_features: int, out_features: int, bias: bool, seed: int):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenweir.model import attention as A
+from kernel_paths import require_kernels, widest_variant
 from tokenweir.model import kernels
 from tokenweir.model.arch import ArchConfig
 
@@ -107,14 +108,19 @@ def isa(request, monkeypatch):
     """Forces one instruction-set variant of the C++ kernels; skips, saying why, where this
     CPU (or this build) cannot run it."""
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
-    if kernels.paged_attention_kernel() is None:
-        pytest.skip("C++ kernels could not be built here (no compiler?)")
+    require_kernels()
     monkeypatch.setenv("TOKENWEIR_CPU_ISA", request.param)
     if kernels.cpu_isa() != request.param:
-        pytest.skip(f"this CPU cannot run the {request.param} variant "
-                    f"(widest here: {kernels.cpu_isa() or 'none'}; needs "
-                    f"{kernels.ISA_NEEDS[request.param]})")
+        pytest.skip(f"this CPU cannot run the {request.param} variant (needs "
+                    f"{kernels.ISA_NEEDS[request.param]}; {widest_variant(monkeypatch)})")
     return request.param
+
+
+def _skip_unless_bf16_variant() -> None:
+    require_kernels()
+    if kernels.cpu_isa() != "avx512bf16":
+        pytest.skip(f"needs the avx512bf16 variant (AVX-512 BF16); this CPU runs "
+                    f"{kernels.cpu_isa() or 'none (needs at least AVX2 + FMA)'}")
 
 
 @pytest.mark.parametrize("group_bytes", [A.DECODE_GROUP_BYTES, 1], ids=["one_group", "groups"])
@@ -159,9 +165,8 @@ def test_cpu_kernel_long_contexts_and_odd_blocks(dtype, isa, monkeypatch):
 def _both_avx512_variants(dtype):
     """One mixed batch (3 decodes, chunks of 5 and 37 rows over cached prefixes, 16-token
     blocks) through the avx512 and avx512bf16 variants: (outputs by variant, rows of decodes)."""
+    _skip_unless_bf16_variant()
     module = kernels._module()
-    if module is None or kernels.cpu_isa() != "avx512bf16":
-        pytest.skip(f"needs the avx512bf16 variant (widest here: {kernels.cpu_isa() or 'none'})")
     gen = torch.Generator().manual_seed(3)
     query_lens, ctx = [1, 1, 5, 1, 37], [40, 7, 20, 3, 50]
     bs, kvh, heads, d = 16, 3, 9, 64
@@ -265,9 +270,8 @@ def _bf16_prefill_case(query_lens, ctx, heads, kv_heads, head_dim, bs, seed, ram
     """One batch through the avx512bf16 kernel (bfloat16) and a float64 reference over the same
     cache: (kernel output, reference). ramp > 0 scales key t by (1 + ramp * t): later keys score
     ever higher, so the running max of the one-pass softmax rises span after span."""
+    _skip_unless_bf16_variant()
     module = kernels._module()
-    if module is None or kernels.cpu_isa() != "avx512bf16":
-        pytest.skip(f"needs the avx512bf16 variant (widest here: {kernels.cpu_isa() or 'none'})")
     gen = torch.Generator().manual_seed(seed)
     seq = [c + q for c, q in zip(ctx, query_lens)]
     need = [-(-s // bs) for s in seq]

@@ -98,6 +98,35 @@ def test_written_then_hit_and_identical(gguf_path, cache, parses, monkeypatch, d
     assert_same_model(reference, second)
 
 
+def _mapped_file_of(tensor: torch.Tensor) -> str:
+    """The file whose mapping holds `tensor`'s first byte ('' for anonymous memory)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 else ""
+    return ""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc/self/maps")
+def test_a_hit_maps_whole_float32_weights_without_a_copy(gguf_path, cache, monkeypatch):
+    reference = uncached(gguf_path, monkeypatch)
+    load(gguf_path)  # writes the entry
+    hit = load(gguf_path)
+    weights_file = str(the_entry(cache) / "weights.safetensors")
+    params = dict(hit.model.named_parameters())
+    o_proj = params["model.layers.0.self_attn.o_proj.weight"]
+    assert _mapped_file_of(o_proj) == weights_file  # probe: the parameter IS the mapped entry
+    assert _mapped_file_of(params["model.layers.0.self_attn.qkv_proj.weight"]) != weights_file
+    with torch.no_grad():  # the mapping is private: a write to the model stays in the model
+        o_proj.add_(1.0)
+    again = load(gguf_path)
+    assert again.load_cache == "hit"  # the entry's checksum still holds
+    assert_same_model(reference, again)
+
+
 def test_entry_is_a_plain_safetensors_file(gguf_path, cache, monkeypatch):
     from safetensors import safe_open
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tokenweir.model import kernels
 from tokenweir.model import layers
 
-from kernel_paths import random_linear
+from kernel_paths import random_linear, require_kernels, widest_variant
 
 SHAPES = [(576, 960), (37, 7), (5, 33), (64, 16), (1536, 17)]  # (K, N)
 SHAPE_IDS = ["qkv", "k-and-n-tails", "tiny-k", "one-panel", "long-k-ragged"]
@@ -31,11 +31,11 @@ def _isas() -> list[str]:
 def packed_kernel(request, monkeypatch):
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
     monkeypatch.setenv("TOKENWEIR_CPU_ISA", request.param)
+    require_kernels()
     kernel = kernels.packed_linear_kernel()
-    if kernel is None:
-        pytest.skip("C++ kernels could not be built here (no compiler?)")
-    if kernel.isa != request.param:
-        pytest.skip(f"this CPU does not run {request.param}")
+    if kernel is None or kernel.isa != request.param:  # None: a forced variant it cannot run
+        pytest.skip(f"this CPU cannot run the {request.param} variant (needs "
+                    f"{kernels.ISA_NEEDS[request.param]}; {widest_variant(monkeypatch)})")
     assert kernel.panel == {"avx2": 16, "avx512": 32}[request.param]
     return kernel
 
@@ -67,9 +67,8 @@ def packed_calls(monkeypatch):
     """Count the packed kernel's calls and the weight packings; the packed path switched on."""
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
     monkeypatch.setattr(layers, "PACK_LINEAR", True)
+    require_kernels()
     kernel = kernels.packed_linear_kernel()
-    if kernel is None:
-        pytest.skip("C++ kernels could not be built here (no compiler?)")
     calls: dict[str, list] = {"run": [], "pack": []}
 
     def counting(x, packed, n):

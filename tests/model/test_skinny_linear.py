@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenweir.model import kernels
 from tokenweir.model import layers
 
-from kernel_paths import random_linear, record_kernel_calls
+from kernel_paths import random_linear, record_kernel_calls, require_kernels
 
 
 @pytest.fixture
@@ -23,8 +22,7 @@ def skinny(monkeypatch):
     path but reached the kernel is seen."""
     monkeypatch.setenv("TOKENWEIR_CPU_KERNELS", "1")
     monkeypatch.setattr(layers, "PACK_LINEAR", False)  # the unpacked kernel (packed: opt-out)
-    if kernels.skinny_linear_kernel() is None:
-        pytest.skip("C++ kernels could not be built here (no compiler?)")
+    require_kernels()
     calls = []
 
     def record(name, args):

@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU (gloo, 2 processes): TP=2 equals TP=1, and the collective cut
 vote unwinds every rank before the same layer, whichever rank votes, without hanging.
 
-Every multi-process test is bounded: the group timeout is short, and each blocking call runs
-under `bounded` so a hang fails the test instead of stalling the suite. Executors are closed in
+Every multi-process test is bounded: the group has a timeout (tp_driver.TIMEOUT_S), and each
+blocking call runs under `bounded` so a hang fails the test instead of stalling the suite. Executors are closed in
 fixture teardown (workers are killed if they do not exit), so no process outlives a test.
 """
 
@@ -23,7 +23,7 @@ from tokenweir.parallel.vote import VoteOnce, never_cut
 from tokenweir.request import SamplingParams
 from tokenweir.runner.interrupt import CutOrder, CutSignal
 from tokenweir.runner.model_runner import ModelRunner
-from tp_driver import BLOCK_SIZE, NUM_BLOCKS, TIMEOUT_S, bounded, run_workload
+from tp_driver import BLOCK_SIZE, NUM_BLOCKS, START_BOUND_S, TIMEOUT_S, bounded, run_workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +53,7 @@ def tp_llm(tiny_llama_path):
     """An LLM with tensor_parallel_size=2; its executor also serves the vote tests."""
     config = EngineConfig.from_kwargs(model=tiny_llama_path, tensor_parallel_size=2,
                                       distributed_timeout=TIMEOUT_S, **ENGINE_ARGS)
-    engine = bounded(lambda: LLMEngine(config), 60.0)
+    engine = bounded(lambda: LLMEngine(config), START_BOUND_S)
     try:
         yield LLM.from_engine(engine)
     finally:

@@ -12,7 +12,7 @@ import torch
 from tokenweir.model.loader import load_model
 from tokenweir.parallel.executor import TPExecutor, TPWorkerError
 from tokenweir.parallel.vote import never_cut
-from tp_driver import BLOCK_SIZE, NUM_BLOCKS, TIMEOUT_S, bounded, run_workload
+from tp_driver import BLOCK_SIZE, NUM_BLOCKS, START_BOUND_S, TIMEOUT_S, bounded, run_workload
 from tp_votes import ExplodingVote
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,7 +25,7 @@ def test_worker_crash_is_an_error_not_a_cut(tiny_llama_path, monkeypatch):
     loaded = load_model(tiny_llama_path, torch.float32, torch.device("cpu"))
     ex = bounded(lambda: TPExecutor(loaded.model, loaded.path, 2, NUM_BLOCKS, BLOCK_SIZE,
                                     torch.float32, torch.device("cpu"), frozenset({2}),
-                                    timeout_s=TIMEOUT_S), 60.0)
+                                    timeout_s=TIMEOUT_S), START_BOUND_S)
     try:
         ex.should_cut = never_cut
         ex.set_worker_should_cut(1, ExplodingVote(layer=1))

@@ -12,7 +12,11 @@ from harness import make_prompt_request, make_scheduler
 BLOCK_SIZE = 4
 NUM_BLOCKS = 200
 PROMPT_LENS = (30, 7, 12, 1)  # a chunked prefill, short prompts, a 1-token prompt
-TIMEOUT_S = 20.0  # group timeout, and the bound on any single blocking test action
+# The group timeout, and the bound on any single blocking test action. It also bounds the
+# rendezvous (workers start a Python, import torch, load the model, join the TCPStore):
+# 20 s ran out on a shared 2-core machine under load. A passing test never waits for it.
+TIMEOUT_S = 60.0
+START_BOUND_S = 2 * TIMEOUT_S  # an executor's start: past the group's own timeout error
 
 
 def bounded(fn, timeout_s: float = TIMEOUT_S):

@@ -144,12 +144,29 @@ def _token_ids(ids: object, what: str) -> list[int]:
     return list(ids)
 
 
-# Start-up warm-up (ModelRunner.warm_up): one dummy step of the whole token budget and a decode
-# of its requests before the first real step. Measured on SmolLM2-135M, bfloat16, AVX-512 BF16
-# (2 threads): the first 2048-token step of a run took 1.44 s instead of ~0.70 s without it;
-# the warm-up itself takes ~1.4 s of start-up. TOKENWEIR_WARMUP=0 skips it (the test suite
-# does: it builds hundreds of engines).
+# Start-up warm-up (ModelRunner.warm_up): a dummy prefill and its decode with logits before the
+# first real step, so that a server's first request does not pay what any first step pays once
+# (the C++ kernels' library loaded, float32 weights packed for them, first-touch memory). On CPU
+# it is one request of WARM_UP_CPU_TOKENS tokens, not the whole token budget. Measured on
+# SmolLM2-135M float32, AVX2, 2 shared cores (benchmarks/startup.py, contended): the
+# full-budget warm-up took 15-17 s of a warm start (5.6 s on a quiet machine), 256 tokens take
+# 1.2-1.9 s; without any warm-up a first request of 4 chat prompts took 5.6 s against 1.7 s
+# for the same request next, and a first 2048-token step was no slower than the next one
+# (10.0 vs 12.4 s, noise): the one-time costs are what the first request needs warmed.
+# On CUDA, where it costs milliseconds, it stays one step of the whole budget in requests of
+# 256 tokens (at most WARM_UP_MAX_SEQS), as vLLM's profile run. TOKENWEIR_WARMUP=0 skips it (the
+# test suite does: it builds hundreds of engines).
+WARM_UP_CPU_TOKENS = 256
 WARM_UP_MAX_SEQS = 64
+
+
+def warm_up_shape(config: EngineConfig, device: torch.device) -> tuple[int, int, int]:
+    """(tokens, requests, tokens per request) of the start-up warm-up on `device`."""
+    budget = config.scheduler.max_num_batched_tokens
+    if device.type == "cpu":
+        tokens = min(budget, WARM_UP_CPU_TOKENS)
+        return tokens, 1, tokens
+    return budget, config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS, 256
 
 
 def check_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -245,8 +262,8 @@ class LLMEngine:
                                  self.eos_token_ids, config.model.seed,
                                  num_host_blocks=num_host_blocks)
         if warm_up_enabled() and isinstance(runner, ModelRunner):
-            runner.warm_up(config.scheduler.max_num_batched_tokens,
-                           config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS)
+            tokens, seqs, chunk = warm_up_shape(config, self.device)
+            runner.warm_up(tokens, seqs, chunk)
             runner.capture_decode_graphs(config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS)
         if needs_measured_costs(config):
             scheduler.costs = runner.measure_preemption_costs()

@@ -40,6 +40,8 @@ cached prefix or a recompute after preemption. It needs the kernel (RuntimeError
 
 from __future__ import annotations
 
+import math
+import mmap
 import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -71,12 +73,27 @@ def allocate_kv_caches(arch: ArchConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device | str,
                        pin_memory: bool = False) -> list[torch.Tensor]:
     """One zeroed `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer
-    (`pin_memory`: page-locked host memory, for asynchronous copies to and from CUDA)."""
+    (`pin_memory`: page-locked host memory, for asynchronous copies to and from CUDA).
+
+    Plain host pools are zero pages the kernel hands out on first touch (`_lazy_zeros`): a
+    block's memory is faulted in when a step first writes it, not all at start-up (torch.zeros
+    of the default 1 GiB pool took 0.3-1 s of every start). RSS therefore grows toward the
+    pool's size as blocks are first used."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
     shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    if torch.device(device).type == "cpu" and not pin_memory:
+        return [_lazy_zeros(shape, dtype) for _ in range(arch.num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
             for _ in range(arch.num_layers)]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled, writable, page-aligned host tensor over an anonymous private mapping
+    (the tensor's storage keeps the mapping alive)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype,
+                            count=math.prod(shape)).view(shape)
 
 
 def kv_cache_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -195,7 +195,10 @@ class CausalLM(nn.Module):
         return (shard * i, (shard + 1) * i)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy (hf_name, tensor) pairs into the parameters (casting dtype/device).
+        """Copy (hf_name, tensor) pairs into the parameters (casting dtype/device); a whole,
+        contiguous parameter already in the right dtype and device is taken as it is, without a
+        copy (the tensors a loader yields are the model's from then on: nothing else may write
+        them).
 
         Returns the names written (`name@row` for a shard of a fused parameter), for
         `check_loaded`. Unknown names raise KeyError, shape mismatches ValueError; rotary
@@ -219,8 +222,11 @@ class CausalLM(nn.Module):
             if dest.shape != tensor.shape:
                 raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}"
                                  f" vs model {tuple(dest.shape)}")
-            with torch.no_grad():
-                dest.copy_(tensor)
+            if rows is None and _adoptable(tensor, dest):
+                param.data = tensor  # no copy: e.g. a view of the load cache's private mapping
+            else:
+                with torch.no_grad():
+                    dest.copy_(tensor)
             loaded.add(target if rows is None else f"{target}@{rows[0]}")
         drop_packed_weights(self)  # `.data` writes bump no version: repack from the new weights
         return loaded
@@ -250,6 +256,12 @@ class CausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _adoptable(tensor: torch.Tensor, dest: torch.Tensor) -> bool:
+    """Whether load_weights may make `tensor` the parameter's storage instead of copying it."""
+    return (tensor.dtype == dest.dtype and tensor.device == dest.device
+            and tensor.is_contiguous() and not tensor.requires_grad)
 
 
 def logits_buffer(owner, rows: int, vocab: int, device: torch.device) -> Optional[torch.Tensor]:

@@ -25,19 +25,23 @@ def run_serve(args: argparse.Namespace) -> int:
         check_before_load(config)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return refuse("serve", exc)
-    from tokenweir.engine.async_engine import AsyncEngine
     from tokenweir.engine.engine_thread import EngineThread, wants_output_thread
     from tokenweir.engine.llm_engine import LLMEngine
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_thread = EngineThread()  # builds the engine, then steps it: one thread for torch
+    building = engine_thread.submit(lambda: LLMEngine(config))
+    # The server's imports (fastapi, pydantic, uvicorn: ~0.5-1 s) run meanwhile, on this thread
+    # while the engine thread sits in torch calls that release the GIL.
+    from tokenweir.engine.async_engine import AsyncEngine
     from tokenweir.engine.serving_profile import ServingProfile, format_profile
     from tokenweir.server.serve import serve
     from tokenweir.server.settings import ServerSettings
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     profile = ServingProfile() if args.profile_serving else None
-    engine_thread = EngineThread()  # builds the engine, then steps it: one thread for torch
     try:
-        llm_engine = engine_thread.call(lambda: LLMEngine(config))
+        llm_engine = building.result()
     except ValueError as exc:  # what only the load can tell (e.g. a --kv-cache-space pool)
         engine_thread.stop()
         return refuse("serve", exc)

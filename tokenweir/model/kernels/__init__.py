@@ -121,6 +121,16 @@ def pack_linear_weight(weight, panel: int):
     return padded.view(panels, panel, k).transpose(1, 2).contiguous()
 
 
+def unavailable_reason() -> str:
+    """Why the compiled module is missing, in words ("" when it is loaded): switched off by
+    TOKENWEIR_CPU_KERNELS=0, or the build's error (a missing compiler, headers, ...)."""
+    if not kernels_enabled():
+        return "TOKENWEIR_CPU_KERNELS=0 switches them off"
+    if _module() is not None:
+        return ""
+    return f"their build failed ({_STATE.get('error', 'no error recorded')})"
+
+
 def _module() -> Optional[Any]:
     if not kernels_enabled():
         return None
@@ -172,6 +182,7 @@ def _build() -> Optional[Any]:
             _notice(f"C++ CPU kernels ready ({time.perf_counter() - started:.0f} s)")
         return module
     except Exception as exc:  # no compiler, no headers, ...: fall back to the torch path
+        _STATE["error"] = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"tokenweir: C++ CPU kernels unavailable, using the torch path ({exc})",
                       RuntimeWarning, stacklevel=3)
         return None
