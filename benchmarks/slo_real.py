@@ -5,8 +5,10 @@ lengths times --scale, the token budget too): 80% chat prompts, 20% documents, P
 arrivals; a quarter of the requests urgent (TTFT target 1.5x their solo TTFT), the rest
 generous (5x); every request's TPOT target --tpot-x times the solo decode step. Solo TTFTs are
 measured first on this machine, through the engine (median of --solo-repeats probes at four
-prompt lengths); the slo policy's TTFT predictor is fitted to the probes' chunk steps and given
-to both sides. The load is the rate as a multiple of 1 / (mean solo service time).
+prompt lengths), and again before every seed's pair of runs (--reprobe, on by default: a shared
+machine's speed drifts 2-3x over minutes, and targets set from an earlier probe turn too lax or
+too strict); the slo policy's TTFT predictor is fitted to the probes' chunk steps and given to
+both sides. The load is the rate as a multiple of 1 / (mean solo service time).
 
 Per load and seed, fcfs and slo run on the same requests back to back (the order alternating
 by seed, so that a machine drifting over minutes drifts under both); each run is traced. Per
@@ -53,6 +55,7 @@ from benchmarks.slo_attainment import (fit_ttft_from_chunks, interpolate,  # noq
                                        measure_decode_seconds, measure_solo_ttfts)
 from benchmarks.slo_goodput import (GENEROUS, GENEROUS_TTFT_X, URGENT, URGENT_SHARE,  # noqa: E402
                                     URGENT_TTFT_X, mean_interval)
+from tokenweir.config import SchedulerConfig  # noqa: E402
 from tokenweir.sim.workload import RequestSpec, arrival_times  # noqa: E402
 
 POLICIES = ("fcfs", "slo")
@@ -420,8 +423,7 @@ def measure_machine(loaded, args, budget: int, max_len: int, blocks: int):
     return (lambda n: interpolate(measured, n)), abc, decode
 
 
-def calibrate(loaded, setup: Setup, args, solo, rate_of: Callable[[float], float],
-              trace_dir: Path) -> dict:
+def calibrate(loaded, measured: "Measured", args, trace_dir: Path) -> dict:
     """A profile fitted to --calibration-runs traced fcfs runs at the highest load, seeds
     1000, 1001, ... (never a compared run's)."""
     from tokenweir.sim.calibrate_trace import calibrate_from_traces
@@ -429,10 +431,10 @@ def calibrate(loaded, setup: Setup, args, solo, rate_of: Callable[[float], float
     paths = []
     for k in range(args.calibration_runs):
         seed = 1000 + k
-        items = make_items(args.requests, seed, args.scale, solo)
+        items = make_items(args.requests, seed, args.scale, measured.solo)
         path = trace_dir / f"calibration-{seed}.jsonl"
-        run_real(loaded, args.model, setup, "fcfs", max(args.loads), seed, items,
-                 rate_of(max(args.loads)), args, path)
+        run_real(loaded, args.model, measured.setup, "fcfs", max(args.loads), seed, items,
+                 max(args.loads) / measured.service, args, path)
         paths.append(str(path))
     profile = calibrate_from_traces(paths)
     held = profile.get("heldout", {})
@@ -466,6 +468,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--slo", action="append", default=[], metavar="KEY=VALUE",
                    help="an slo policy setting for both sides, e.g. slo_max_preemptions=3")
     p.add_argument("--no-sim", action="store_true", help="skip calibration and simulation")
+    p.add_argument("--reprobe", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the solo TTFTs again before every seed's pair of runs "
+                        "(default: on, off with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="one seed, requests 8, scale 1/32, loads 0.5 1.0 (a smoke test)")
     p.add_argument("--json", help="write the summaries here")
@@ -473,6 +478,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.quick:
         args.seeds, args.requests, args.scale, args.loads = 1, 8, 1 / 32, (0.5, 1.0)
         args.solo_repeats, args.drain_seconds, args.sim_samples = 1, 10.0, 2
+    if args.reprobe is None:
+        args.reprobe = not args.quick
     return args
 
 
@@ -482,6 +489,22 @@ def parse_settings(pairs: list[str]) -> dict:
         key, _, value = pair.partition("=")
         out[key] = json.loads(value) if value not in ("", None) else None
     return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The machine as the solo probes found it: targets, predictor, load scale."""
+
+    solo: Callable[[int], float]
+    setup: Setup
+    service: float  # mean solo service time, seconds
+
+
+def measure(loaded, args, budget: int, max_len: int, blocks: int) -> Measured:
+    solo, abc, decode = measure_machine(loaded, args, budget, max_len, blocks)
+    setup = Setup(budget, max_len, blocks, abc, args.tpot_x * decode * 1e3,
+                  parse_settings(args.slo))
+    return Measured(solo, setup, mean_service_seconds(args.scale, solo, decode))
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -495,22 +518,23 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     budget = max(16, round(BUDGET * args.scale))
     max_len = scaled(MIX[-1][1], args.scale)[1] + scaled(OUTPUT_RANGE, args.scale)[1] + 16
     blocks = 4 * max_len * args.requests // 16 + 64  # every request's blocks at once
-    solo, abc, decode = measure_machine(loaded, args, budget, max_len, blocks)
-    setup = Setup(budget, max_len, blocks, abc, args.tpot_x * decode * 1e3,
-                  parse_settings(args.slo))
-    service = mean_service_seconds(args.scale, solo, decode)
+
+    def probe() -> Measured:
+        return measure(loaded, args, budget, max_len, blocks)
+
+    first = probe()
     print(f"{args.model} float32, {args.threads} thread(s), budget {budget}, {args.requests} "
-          f"requests per run, mean solo service {service:.2f} s, TPOT target "
-          f"{setup.tpot_ms:.0f} ms, slo settings {setup.slo_extra or 'default'}; "
+          f"requests per run, mean solo service {first.service:.2f} s, TPOT target "
+          f"{first.setup.tpot_ms:.0f} ms, slo settings {first.setup.slo_extra or 'default'}"
+          f" (slo_max_preemptions default {SchedulerConfig().slo_max_preemptions}); "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    current = probe if args.reprobe else (lambda: first)
     summaries = []
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp)
-        profile = None if args.no_sim else calibrate(
-            loaded, setup, args, solo, lambda load: load / service, trace_dir)
+        profile = None if args.no_sim else calibrate(loaded, first, args, trace_dir)
         for load in args.loads:
-            comparison = compare_at(load, loaded, setup, args, solo, service, profile,
-                                    trace_dir)
+            comparison = compare_at(load, loaded, args, current, profile, trace_dir)
             summary = comparison.summary()
             summaries.append(summary)
             print(format_comparison(summary, args.seeds) + "\n", flush=True)
@@ -520,20 +544,25 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     return summaries
 
 
-def compare_at(load: float, loaded, setup: Setup, args, solo, service: float,
+def compare_at(load: float, loaded, args, current: Callable[[], Measured],
                profile: Optional[dict], trace_dir: Path) -> Comparison:
+    """Per seed, fcfs and slo on the same requests, their targets and rate from the machine as
+    `current()` measures it just before (with --reprobe, anew for every seed: on a shared
+    machine whose speed drifts by 2-3x over minutes, targets from an earlier probe would be
+    too lax or too strict for both policies)."""
     comparison = Comparison(load)
     for k, seed in enumerate(range(args.seed, args.seed + args.seeds)):
-        items = make_items(args.requests, seed, args.scale, solo)
+        measured = current()
+        items = make_items(args.requests, seed, args.scale, measured.solo)
         order = POLICIES if k % 2 == 0 else POLICIES[::-1]
         for policy in order:
             path = trace_dir / f"{policy}-{load}-{seed}.jsonl"
-            run = run_real(loaded, args.model, setup, policy, load, seed, items,
-                           load / service, args, path)
+            run = run_real(loaded, args.model, measured.setup, policy, load, seed, items,
+                           load / measured.service, args, path)
             comparison.real.setdefault(policy, []).append(run)
             if profile is not None:
                 comparison.sim.setdefault(policy, []).append(
-                    simulate(profile, setup, run, items, args.sim_samples))
+                    simulate(profile, measured.setup, run, items, args.sim_samples))
             print(f"  load {load:.2f} seed {seed} {policy:<5} urgent "
                   f"{run.attainment(True)[0]}/{run.attainment(True)[1]} generous "
                   f"{run.attainment(False)[0]}/{run.attainment(False)[1]} "

@@ -52,8 +52,9 @@ def test_quick_mode_runs_both_policies_and_the_simulator_beside_them(tmp_path, c
 
     make_tiny_model("llama", str(tmp_path), seed=5)
     save_tiny_tokenizer(str(tmp_path), "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    summaries = _bench().main(["--quick", "--model", str(tmp_path)])
+    summaries = _bench().main(["--quick", "--model", str(tmp_path), "--reprobe"])
     out = capsys.readouterr().out
+    assert out.count("solo TTFT (median of 1)") == 1 + 2  # at start, then before each pair
     assert [s["load"] for s in summaries] == [0.5, 1.0]
     for s in summaries:
         assert set(s["policies"]) == {"fcfs", "slo"}
