@@ -241,7 +241,8 @@ WORKLOADS: dict[str, Workload] = {
     "slo": Workload(60, 1.5, "uniform:64:600", "uniform:4:16",
                     dict(BASE, max_num_batched_tokens=512, scheduling_policy="slo",
                          slo_mid_step_cut=True, slo_ttft_a_ms_per_token=SLO_A_MS,
-                         slo_ttft_c_ms=SLO_C_MS, slo_step_predictor="ttft_line"), slo=True),
+                         slo_ttft_c_ms=SLO_C_MS, slo_step_predictor="ttft_line",
+                         slo_max_preemptions=1), slo=True),  # the kept suites' setting
 }
 
 

@@ -309,16 +309,17 @@ def run_real(args) -> list[Row]:
 
 
 def measure_solo_ttfts(engine, SamplingParams, prompt_len: int, repeats: int,
-                       chunks: list[tuple[int, int, float]]) -> list[float]:
+                       chunks: list[tuple[int, int, float]],
+                       token_range: tuple[int, int] = (200, 40000)) -> list[float]:
     """Seconds from add_request to the first token of one request alone, `repeats` times;
     appends each step's (first token, end token, seconds) to `chunks`. Every prompt is fresh
     (random tokens): a prompt that shared a prefix with an earlier measurement would hit the
-    prefix cache and time only its uncached tail."""
+    prefix cache and time only its uncached tail. Prompt ids are drawn from `token_range`."""
     times = []
     rng = random.Random(f"solo-{prompt_len}")
     for _ in range(repeats):
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        prompt = [rng.randrange(200, 40000) for _ in range(prompt_len)]
+        prompt = [rng.randrange(*token_range) for _ in range(prompt_len)]
         request, _ = engine.make_request({"prompt_token_ids": prompt}, params)
         started = time.perf_counter()
         engine.add_request(request, None)

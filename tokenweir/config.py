@@ -168,7 +168,7 @@ class SchedulerConfig:
     slo_margin_ms: float = _f(
         10.0, "slo policy: how much less slack (ms) the waiter must have than the reference")
     slo_max_preemptions: int = _f(
-        1, "slo policy: a request paused or cut this many times becomes immune")
+        3, "slo policy: a request paused or cut this many times becomes immune")
     slo_mid_step_cut: bool = _f(
         True, "slo policy: a monitor thread may cut a running step at an attention-layer "
         "boundary (off: only between steps)")

@@ -99,3 +99,46 @@ def test_the_config_target_applies_to_requests_without_their_own():
     assert max(doc_chunks(log, beside_chat=True)) < 200
     assert math.isinf(scheduler.policy._tpot_allowance(make_request("x", 4, 4), 0.0))
 
+
+
+def test_without_any_tpot_target_the_guard_returns_at_once(monkeypatch):
+    """No config default and no request's own target: the guard asks for no allowance (the
+    early return), and the run is the one the full guard gives; the probe: with one request's
+    target the allowance is asked for."""
+    asked = []
+    original = SLOPolicy._tpot_allowance
+    monkeypatch.setattr(SLOPolicy, "_tpot_allowance",
+                        lambda self, r, now: asked.append(r.request_id) or original(self, r, now))
+    scheduler = slo_scheduler(max_num_batched_tokens=512)
+    arrivals = tight_decode_and_long_prompt(tpot_ms=None)
+    finished, log = drive(scheduler, FakeRunner(), arrivals)
+    assert asked == []
+    monkeypatch.setattr(SLOPolicy, "_guard_tpot", _full_guard)  # the guard without the return
+    full_finished, full_log = drive(slo_scheduler(max_num_batched_tokens=512), FakeRunner(),
+                                    tight_decode_and_long_prompt(tpot_ms=None))
+    assert (finished, log) == (full_finished, full_log) and asked
+    asked.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(SLOPolicy, "_tpot_allowance",
+                        lambda self, r, now: asked.append(r.request_id) or original(self, r, now))
+    drive(slo_scheduler(max_num_batched_tokens=512), FakeRunner(),
+          tight_decode_and_long_prompt(tpot_ms=100.0))
+    assert "chat" in asked
+
+
+def _full_guard(self, sched, plan):
+    """SLOPolicy._guard_tpot's body past its early return (what it did before it had one)."""
+    from tokenweir.core.sched.policy import is_prefilling
+
+    decodes = [r for r in sched.running
+               if not is_prefilling(r) and r.request_id not in plan.paused]
+    allowance = min((self._tpot_allowance(r, plan.now) for r in decodes), default=math.inf)
+    if allowance == math.inf:
+        return
+    context = next((r.num_computed_tokens for r in sched.running
+                    if is_prefilling(r) and r.request_id not in plan.paused), 0)
+    most = plan.token_budget - len(decodes)
+    chunk = slo.prefill_tokens_within(self.ttft_predictor, allowance, context, len(decodes),
+                                      most)
+    chunk = max(chunk, min(SLOPolicy.MIN_PREFILL_CHUNK, most))
+    plan.token_budget = min(plan.token_budget, len(decodes) + chunk)

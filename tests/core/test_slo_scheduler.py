@@ -92,7 +92,7 @@ def test_between_steps_pause_admits_the_urgent_waiter_and_keeps_the_victims_work
 
 
 def test_a_paused_request_is_immune_to_a_second_pause():
-    scheduler = slo_scheduler()
+    scheduler = slo_scheduler(slo_max_preemptions=1)
     long, urgent = long_and_urgent()
     second = make_request("urgent2", 256, 4, arrival=2.0)
     second.ttft_slo_ms = 300.0

@@ -99,6 +99,22 @@ def test_sampling_turns_a_valid_model_into_params():
         (0, 0, ["\n"])
     assert (parsed.priority, parsed.ttft_slo_ms, parsed.stream, parsed.include_usage,
             parsed.top_logprobs) == (3, 250.0, True, True, 2)
+    assert parsed.tpot_slo_ms is None  # not given: the engine's --slo-tpot-ms applies
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_tpot_slo_ms_is_accepted_as_ttft_slo_ms_is(model):
+    fields = {"ttft_slo_ms": 250, "tpot_slo_ms": 40}
+    raw = completion(**fields) if model is CompletionRequest else json.dumps(
+        {"messages": [{"role": "user", "content": "Hi"}], **fields}).encode()
+    parsed = P.sampling(parse(model, parse_json(raw)), chat=model is ChatCompletionRequest,
+                        vocab_size=VOCAB)
+    assert (parsed.ttft_slo_ms, parsed.tpot_slo_ms) == (250.0, 40.0)
+
+
+@pytest.mark.parametrize("value", [0, -5, "fast", True])
+def test_tpot_slo_ms_must_be_a_positive_number(value):
+    assert refused(CompletionRequest, completion(tpot_slo_ms=value)).param == "tpot_slo_ms"
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -176,3 +192,25 @@ def test_body_limit_413_before_reading_it_all(declared):
     assert read <= 11_000  # refused early, not after the whole body
     ok_status, ok_payload, _ = asyncio.run(_run(app, b"x" * 10_000, declared))
     assert ok_status == 200 and ok_payload == b"10000"  # probe: at the limit it passes
+
+
+def test_submit_hands_tpot_slo_ms_to_the_engine():
+    """The body's tpot_slo_ms reaches AsyncEngine.add (which gives it to make_request)."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenweir.server.settings import ServerSettings
+    from tokenweir.server.state import AppState
+
+    class RecordingEngine:
+        is_running, num_unstarted = True, 0
+
+        async def add(self, *args, **kwargs):
+            self.kwargs = kwargs
+            return "the queue"
+
+    engine = RecordingEngine()
+    state = AppState(engine, ServerSettings(served_model_names=("m",)), CollectorRegistry())
+    parsed = P.sampling(parse(CompletionRequest, parse_json(completion(tpot_slo_ms=40))),
+                        chat=False, vocab_size=VOCAB)
+    assert asyncio.run(state.submit("Hi", parsed, "r1")) == "the queue"
+    assert engine.kwargs["tpot_slo_ms"] == 40.0

@@ -134,7 +134,7 @@ def test_chat_with_vllm_extras(client):
         max_completion_tokens=6, temperature=0.7, top_p=0.9, seed=3, logprobs=True,
         top_logprobs=2, stop=["\n\n"],
         extra_body={"top_k": 20, "min_p": 0.01, "min_tokens": 2, "ignore_eos": True,
-                    "priority": 1, "ttft_slo_ms": 500})
+                    "priority": 1, "ttft_slo_ms": 500, "tpot_slo_ms": 80})
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert r.usage.completion_tokens <= 6

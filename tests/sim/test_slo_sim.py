@@ -213,6 +213,13 @@ def test_goodput_is_the_first_crossing_below_the_goal():
     assert bench.goodput(loads, [0.45, 0.4, 0.3]) == pytest.approx(0.05)  # a floor below
 
 
+def test_reachable_goal_is_what_the_baseline_reaches_at_the_lowest_load():
+    bench = _goodput_bench()
+    assert bench.reachable_goal([0.87, 0.93, 0.81]) == pytest.approx(0.80)
+    assert bench.reachable_goal([0.95, 0.99]) == pytest.approx(0.90)  # never above the goal
+    assert bench.reachable_goal([0.85]) == pytest.approx(0.85)  # a step exactly
+
+
 def test_slo_misses_tell_ttft_from_tpot():
     bench = _goodput_bench()
     item = bench.Item(0, 0.0, 100, 11, False, ttft_s=1.0, tpot_s=0.1)

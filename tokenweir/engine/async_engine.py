@@ -177,7 +177,8 @@ class AsyncEngine:
     # ---- public API (event loop) --------------------------------------------------------
     async def add(self, prompt: PromptType, params: SamplingParams, request_id: str,
                   priority: int = 0, ttft_slo_ms: Optional[float] = None,
-                  reject_hopeless: bool = False) -> asyncio.Queue:
+                  reject_hopeless: bool = False,
+                  tpot_slo_ms: Optional[float] = None) -> asyncio.Queue:
         """Validate and queue a request; ValueError (from make_request) if it is bad,
         HopelessRequestError if `reject_hopeless` and its TTFT target cannot be met even alone.
         Returns the queue its delta RequestOutputs arrive on (an Exception on engine error)."""
@@ -186,7 +187,7 @@ class AsyncEngine:
         self.refuse_oversize(prompt)
         request, text = await self.off_loop(
             self.engine.make_request, prompt, params, request_id=request_id,
-            priority=priority, ttft_slo_ms=ttft_slo_ms)
+            priority=priority, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
         if reject_hopeless and self.engine.ttft_infeasible(request):
             raise HopelessRequestError(
                 f"ttft_slo_ms={ttft_slo_ms:g} cannot be met even with the server idle (a "

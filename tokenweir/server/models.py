@@ -96,6 +96,7 @@ class SamplingFields(GuidedFields):
     include_stop_str_in_output: Optional[StrictBool] = None
     priority: Optional[Int64] = None
     ttft_slo_ms: Optional[Annotated[Float, Field(gt=0)]] = None
+    tpot_slo_ms: Optional[Annotated[Float, Field(gt=0)]] = None
     user: Optional[StrictStr] = None
     # ---- penalties and bias (issue 15): OpenAI's and vLLM's ranges ----
     presence_penalty: Optional[Penalty] = None

@@ -23,6 +23,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     top_logprobs: Optional[int]  # chat: top alternatives per token; completions: logprobs
+    tpot_slo_ms: Optional[float] = None  # mean ms per output token after the first (slo)
 
 
 def sampling(req: Any, chat: bool, vocab_size: int) -> Parsed:
@@ -47,7 +48,7 @@ def sampling(req: Any, chat: bool, vocab_size: int) -> Parsed:
     return Parsed(params=params, priority=req.priority or 0, ttft_slo_ms=req.ttft_slo_ms,
                   stream=bool(req.stream),
                   include_usage=bool(stream_options and stream_options.include_usage),
-                  top_logprobs=params.logprobs)
+                  top_logprobs=params.logprobs, tpot_slo_ms=req.tpot_slo_ms)
 
 
 def logit_bias_of(req: Any, vocab_size: int) -> Optional[dict[int, float]]:

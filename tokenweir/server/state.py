@@ -61,7 +61,8 @@ class AppState:
         try:
             return await self.engine.add(prompt, parsed.params, request_id, parsed.priority,
                                          parsed.ttft_slo_ms,
-                                         reject_hopeless=self.settings.slo_reject_hopeless)
+                                         reject_hopeless=self.settings.slo_reject_hopeless,
+                                         tpot_slo_ms=parsed.tpot_slo_ms)
         except HopelessRequestError as exc:  # shed: a faster replica (or a later try) may serve
             raise APIError(str(exc), 503, "service_unavailable", param="ttft_slo_ms",
                            headers={"Retry-After": "1"}) from exc

@@ -137,7 +137,12 @@ class SLOPolicy(SchedulingPolicy):
         """Cap the step's budget so that its prefill chunk (running or admitted) keeps every
         running decode with a TPOT target on target: the step may take no longer than the
         smallest `slo.tpot_allowance`; a decode with slack to spare does not limit it. The
-        prefill always gets at least MIN_PREFILL_CHUNK tokens, so prefills never starve."""
+        prefill always gets at least MIN_PREFILL_CHUNK tokens, so prefills never starve.
+        Without a TPOT target anywhere (no config default, no running request's own) nothing
+        can limit the budget: it returns at once."""
+        if self.config.slo_tpot_ms is None and \
+                all(r.tpot_slo_ms is None for r in sched.running):
+            return
         decodes = [r for r in sched.running
                    if not is_prefilling(r) and r.request_id not in plan.paused]
         allowance = min((self._tpot_allowance(r, plan.now) for r in decodes), default=math.inf)
