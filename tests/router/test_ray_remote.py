@@ -41,14 +41,18 @@ def _free_port() -> int:
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the head's process group (it drains for up to 30 s), then SIGKILL."""
-    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+    """SIGTERM to the head's process group, 5 s to exit, then SIGKILL (a drain can take 30 s;
+    the head is a throwaway in its own temp dir, so nothing is lost). The
+    leader is reaped as it exits: unreaped, it stays in the group as a zombie, and the group
+    would look alive until the wait ran out (90 s of teardown in CI before this)."""
+    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 30)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
+            proc.poll()  # reap the leader once it has exited
             try:
                 os.killpg(proc.pid, 0)
             except ProcessLookupError:
