@@ -289,6 +289,10 @@
     tooltip.style.left = Math.min(ev.clientX + 14, window.innerWidth - 390) + "px";
     tooltip.style.top = Math.min(ev.clientY + 14, window.innerHeight - 160) + "px";
   }
+  // Every panel to the same row offset at once: the panels' scroll handlers keep them in step,
+  // but a handler still queued from an earlier scroll would otherwise move this panel back to
+  // the offset it saw (a hovered point then lands on another row).
+  function scrollAllTo(top) { panels.forEach((q) => { q.scroller.scrollTop = top; }); }
   function hide() { if (!pinned) { tooltip.hidden = true; if (hoverRow !== -1) { hoverRow = -1; redrawAll(); } } }
 
   // ---- set-up ---------------------------------------------------------------------------------
@@ -396,7 +400,7 @@
       const p = panelOf(i), c = colOfStep(p, step), r = rowIndex.get(rid);
       mode = "step"; p.pxPerCol = px; layout(p);
       p.scroller.scrollLeft = Math.max(0, colX(p, c) - 40);
-      p.scroller.scrollTop = Math.max(0, r * ROW_H - 40);
+      scrollAllTo(Math.max(0, r * ROW_H - 40));
       redraw(p);
       const rect = p.scroller.getBoundingClientRect();
       return { x: rect.left + GUTTER + colX(p, c) - p.scroller.scrollLeft + px / 2,
@@ -405,7 +409,7 @@
     // scrolls a cell's row into view at the current zoom; returns its centre (client px)
     cellCenter(i, rid, step) {
       const p = panelOf(i), c = colOfStep(p, step), r = rowIndex.get(rid);
-      p.scroller.scrollTop = Math.max(0, r * ROW_H - 60);
+      scrollAllTo(Math.max(0, r * ROW_H - 60));
       const x = GUTTER + (colX(p, c) + colEndX(p, c)) / 2;
       if (x - GUTTER < p.scroller.scrollLeft || x > p.scroller.scrollLeft + p.scroller.clientWidth) p.scroller.scrollLeft = Math.max(0, x - 200);
       panels.forEach(redraw);
