@@ -113,7 +113,8 @@ def test_without_any_tpot_target_the_guard_returns_at_once(monkeypatch):
     arrivals = tight_decode_and_long_prompt(tpot_ms=None)
     finished, log = drive(scheduler, FakeRunner(), arrivals)
     assert asked == []
-    monkeypatch.setattr(SLOPolicy, "_guard_tpot", _full_guard)  # the guard without the return
+    monkeypatch.setattr(SLOPolicy, "_guard_tpot",  # the guard without its early return
+                        SLOPolicy._cap_budget_for_tpot)
     full_finished, full_log = drive(slo_scheduler(max_num_batched_tokens=512), FakeRunner(),
                                     tight_decode_and_long_prompt(tpot_ms=None))
     assert (finished, log) == (full_finished, full_log) and asked
@@ -124,21 +125,3 @@ def test_without_any_tpot_target_the_guard_returns_at_once(monkeypatch):
     drive(slo_scheduler(max_num_batched_tokens=512), FakeRunner(),
           tight_decode_and_long_prompt(tpot_ms=100.0))
     assert "chat" in asked
-
-
-def _full_guard(self, sched, plan):
-    """SLOPolicy._guard_tpot's body past its early return (what it did before it had one)."""
-    from tokenweir.core.sched.policy import is_prefilling
-
-    decodes = [r for r in sched.running
-               if not is_prefilling(r) and r.request_id not in plan.paused]
-    allowance = min((self._tpot_allowance(r, plan.now) for r in decodes), default=math.inf)
-    if allowance == math.inf:
-        return
-    context = next((r.num_computed_tokens for r in sched.running
-                    if is_prefilling(r) and r.request_id not in plan.paused), 0)
-    most = plan.token_budget - len(decodes)
-    chunk = slo.prefill_tokens_within(self.ttft_predictor, allowance, context, len(decodes),
-                                      most)
-    chunk = max(chunk, min(SLOPolicy.MIN_PREFILL_CHUNK, most))
-    plan.token_budget = min(plan.token_budget, len(decodes) + chunk)

@@ -248,23 +248,7 @@ class LLMEngine:
                             num_host_blocks=num_host_blocks)
         scheduler = Scheduler(config.scheduler, kv, self.max_model_len)  # refuses a tiny pool
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        tp_size = config.parallel.tensor_parallel_size
-        if tp_size > 1:  # this process is rank 0; workers load the model from its path
-            from tokenweir.parallel.executor import TPExecutor
-            runner = TPExecutor(loaded.model, loaded.path, tp_size, num_blocks,
-                                config.cache.block_size, self.dtype, self.device,
-                                self.eos_token_ids, config.model.seed,
-                                num_host_blocks=num_host_blocks,
-                                timeout_s=config.parallel.distributed_timeout)
-        else:
-            runner = ModelRunner(loaded.model, loaded.arch, num_blocks,
-                                 config.cache.block_size, self.dtype, self.device,
-                                 self.eos_token_ids, config.model.seed,
-                                 num_host_blocks=num_host_blocks)
-        if warm_up_enabled() and isinstance(runner, ModelRunner):
-            tokens, seqs, chunk = warm_up_shape(config, self.device)
-            runner.warm_up(tokens, seqs, chunk)
-            runner.capture_decode_graphs(config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS)
+        runner = self._make_runner(config, loaded, num_blocks, num_host_blocks)
         if needs_measured_costs(config):
             scheduler.costs = runner.measure_preemption_costs()
             logger.info("measured preemption costs: %s", scheduler.costs)
@@ -282,6 +266,26 @@ class LLMEngine:
         logger.info("tokenweir engine: model=%s dtype=%s device=%s max_model_len=%d "
                     "kv blocks=%d x %d tokens", self.model_name, self.dtype, self.device,
                     self.max_model_len, num_blocks, config.cache.block_size)
+
+    def _make_runner(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int,
+                     num_host_blocks: int):
+        """The executor of the steps: tensor-parallel ranks, or one ModelRunner warmed up
+        (and, on CUDA, its decode graphs captured) before the first request."""
+        tp_size = config.parallel.tensor_parallel_size
+        if tp_size > 1:  # this process is rank 0; workers load the model from its path
+            from tokenweir.parallel.executor import TPExecutor
+            return TPExecutor(loaded.model, loaded.path, tp_size, num_blocks,
+                              config.cache.block_size, self.dtype, self.device,
+                              self.eos_token_ids, config.model.seed,
+                              num_host_blocks=num_host_blocks,
+                              timeout_s=config.parallel.distributed_timeout)
+        runner = ModelRunner(loaded.model, loaded.arch, num_blocks, config.cache.block_size,
+                             self.dtype, self.device, self.eos_token_ids, config.model.seed,
+                             num_host_blocks=num_host_blocks)
+        if warm_up_enabled():
+            runner.warm_up(*warm_up_shape(config, self.device))
+            runner.capture_decode_graphs(config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS)
+        return runner
 
     def _start_slo(self, config: EngineConfig, scheduler: Scheduler, runner,
                    num_layers: int) -> None:

@@ -143,6 +143,10 @@ class SLOPolicy(SchedulingPolicy):
         if self.config.slo_tpot_ms is None and \
                 all(r.tpot_slo_ms is None for r in sched.running):
             return
+        self._cap_budget_for_tpot(sched, plan)
+
+    def _cap_budget_for_tpot(self, sched: "Scheduler", plan: "StepPlan") -> None:
+        """_guard_tpot past its early return: the cap itself."""
         decodes = [r for r in sched.running
                    if not is_prefilling(r) and r.request_id not in plan.paused]
         allowance = min((self._tpot_allowance(r, plan.now) for r in decodes), default=math.inf)
