@@ -33,11 +33,13 @@ document prefills, and slo's gain is +39 and +43 points with throughput within 3
 requests per run the queues stay short and the gain's interval reaches zero, at load 2.0 slo's
 cuts cost 4% of throughput.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py            # ~15 minutes, 1 idle core
-    # the same in three parts of under 8 minutes each (a calibration, then one load each):
+    PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py            # ~16 minutes, 1 idle core
+    # the same in three parts (a calibration, then one load each; the real runs' arrival
+    # spans, 45-77 s each, are the cost: the simulations take ~10 s in all):
     PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --seeds 0 --save-calibration C.json
     PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --loads 1.5 --load-calibration C.json
     PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --loads 1.0 --load-calibration C.json
+    # (~1.5, ~6.5 and ~9 minutes on this 2-core EPYC)
     PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --plan C.json --loads 1 1.5 2 3 \
         --plan-requests 24 32 48 --seeds 5 --sim-samples 4      # the simulator alone: ~3 min
     PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --quick --model DIR   # seconds (a test)
