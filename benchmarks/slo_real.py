@@ -26,7 +26,22 @@ simulated at the arrival offsets that run saw, with the same engine configuratio
 predictor (the step in flight predicted by the TTFT line on both sides), --sim-samples draws
 of the machine each.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py            # ~12-15 minutes on 2 cores
+The operating points (loads 1.0 and 1.5, 48 requests per run: about 12 urgent) were picked in
+the simulator first (--plan, on a calibration saved by --save-calibration): there chunked fcfs
+meets 57% (load 1.0) and 37% (1.5) of urgent targets, urgent chat requests stuck behind
+document prefills, and slo's gain is +39 and +43 points with throughput within 3%; at 24-32
+requests per run the queues stay short and the gain's interval reaches zero, at load 2.0 slo's
+cuts cost 4% of throughput.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py            # ~16 minutes, 1 idle core
+    # the same in three parts (a calibration, then one load each; the real runs' arrival
+    # spans, 45-77 s each, are the cost: the simulations take ~10 s in all):
+    PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --seeds 0 --save-calibration C.json
+    PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --loads 1.5 --load-calibration C.json
+    PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --loads 1.0 --load-calibration C.json
+    # (~1.5, ~6.5 and ~9 minutes on this 2-core EPYC)
+    PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --plan C.json --loads 1 1.5 2 3 \
+        --plan-requests 24 32 48 --seeds 5 --sim-samples 4      # the simulator alone: ~3 min
     PYTHONPATH=. .venv/bin/python benchmarks/slo_real.py --quick --model DIR   # seconds (a test)
 
 On a machine shared with other jobs keep --threads 1 (two torch threads stall whenever anything
@@ -393,7 +408,8 @@ def verdict(v: dict) -> str:
 
 # ---- set-up: the model, solo probes, calibration -----------------------------------------------
 def measure_machine(loaded, args, budget: int, max_len: int, blocks: int):
-    """(solo TTFT function, (a, b, c), decode step seconds), measured through an engine."""
+    """(solo TTFTs [(prompt tokens, seconds)], (a, b, c), decode step seconds), measured
+    through an engine."""
     from tokenweir.config import EngineConfig
     from tokenweir.engine.llm_engine import LLMEngine
     from tokenweir.request import SamplingParams
@@ -420,7 +436,7 @@ def measure_machine(loaded, args, budget: int, max_len: int, blocks: int):
           + ", ".join(f"{n} tok {t * 1e3:.0f} ms" for n, t in measured)
           + f"; TTFT predictor a={abc[0] * 1e3:.3f} ms/tok b={abc[1] * 1e6:.4f} us/tok^2 "
           f"c={abc[2] * 1e3:.1f} ms; solo decode step {decode * 1e3:.1f} ms", flush=True)
-    return (lambda n: interpolate(measured, n)), abc, decode
+    return measured, abc, decode
 
 
 def calibrate(loaded, measured: "Measured", args, trace_dir: Path) -> dict:
@@ -451,11 +467,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf or HF folder")
     p.add_argument("--scale", type=float, default=0.125,
                    help="prompt and output lengths and the token budget times this")
-    p.add_argument("--loads", type=float, nargs="+", default=(0.5, 1.0),
+    p.add_argument("--loads", type=float, nargs="+", default=(1.0, 1.5),
                    help="rate as a multiple of 1 / mean solo service time")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="the first seed")
-    p.add_argument("--requests", type=int, default=24, help="requests per run")
+    p.add_argument("--requests", type=int, default=48, help="requests per run")
     p.add_argument("--tpot-x", type=float, default=10.0,
                    help="TPOT target as a multiple of the solo decode step")
     p.add_argument("--solo-repeats", type=int, default=2)
@@ -474,6 +490,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="one seed, requests 8, scale 1/32, loads 0.5 1.0 (a smoke test)")
     p.add_argument("--json", help="write the summaries here")
+    p.add_argument("--save-calibration", metavar="PATH",
+                   help="write the first probe and the fitted profile here (for --plan)")
+    p.add_argument("--load-calibration", metavar="PATH",
+                   help="the simulator's profile from a saved calibration (--save-calibration "
+                        "on this machine, quiet) instead of a calibration run here")
+    p.add_argument("--plan", metavar="PATH",
+                   help="no engine: simulate a saved calibration at --loads and "
+                        "--plan-requests to pick operating points")
+    p.add_argument("--plan-requests", type=int, nargs="+", default=(24, 48, 64))
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.requests, args.scale, args.loads = 1, 8, 1 / 32, (0.5, 1.0)
@@ -495,16 +520,27 @@ def parse_settings(pairs: list[str]) -> dict:
 class Measured:
     """The machine as the solo probes found it: targets, predictor, load scale."""
 
-    solo: Callable[[int], float]
+    points: tuple  # the solo probes: ((prompt tokens, seconds), ...)
     setup: Setup
     service: float  # mean solo service time, seconds
+    decode_s: float  # the solo decode step
+
+    def solo(self, prompt_len: int) -> float:
+        return interpolate(list(self.points), prompt_len)
 
 
 def measure(loaded, args, budget: int, max_len: int, blocks: int) -> Measured:
-    solo, abc, decode = measure_machine(loaded, args, budget, max_len, blocks)
-    setup = Setup(budget, max_len, blocks, abc, args.tpot_x * decode * 1e3,
+    points, abc, decode = measure_machine(loaded, args, budget, max_len, blocks)
+    return measured_from(points, abc, decode, args, budget, max_len, blocks)
+
+
+def measured_from(points, abc, decode: float, args, budget: int, max_len: int,
+                  blocks: int) -> Measured:
+    setup = Setup(budget, max_len, blocks, tuple(abc), args.tpot_x * decode * 1e3,
                   parse_settings(args.slo))
-    return Measured(solo, setup, mean_service_seconds(args.scale, solo, decode))
+    solo = (lambda n: interpolate([tuple(p) for p in points], n))
+    return Measured(tuple(tuple(p) for p in points), setup,
+                    mean_service_seconds(args.scale, solo, decode), decode)
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -513,11 +549,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     from tokenweir.model.loader import load_model
 
     args = parse_args(argv)
+    if args.plan:
+        return plan(args)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
-    budget = max(16, round(BUDGET * args.scale))
-    max_len = scaled(MIX[-1][1], args.scale)[1] + scaled(OUTPUT_RANGE, args.scale)[1] + 16
-    blocks = 4 * max_len * args.requests // 16 + 64  # every request's blocks at once
+    budget, max_len, blocks = engine_shape(args.scale, args.requests)
 
     def probe() -> Measured:
         return measure(loaded, args, budget, max_len, blocks)
@@ -529,11 +565,17 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
           f" (slo_max_preemptions default {SchedulerConfig().slo_max_preemptions}); "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     current = probe if args.reprobe else (lambda: first)
+    if args.reprobe and args.load_calibration:  # no calibration run since the first probe:
+        current = first_then(first, probe)      # the first seed uses it
     summaries = []
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp)
-        profile = None if args.no_sim else calibrate(loaded, first, args, trace_dir)
-        for load in args.loads:
+        profile = None if args.no_sim else (
+            json.loads(Path(args.load_calibration).read_text())["profile"]
+            if args.load_calibration else calibrate(loaded, first, args, trace_dir))
+        if args.save_calibration:
+            save_calibration(Path(args.save_calibration), first, profile, args)
+        for load in args.loads if args.seeds else ():  # --seeds 0: calibrate only
             comparison = compare_at(load, loaded, args, current, profile, trace_dir)
             summary = comparison.summary()
             summaries.append(summary)
@@ -542,6 +584,74 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))
     return summaries
+
+
+def first_then(first: Measured, probe: Callable[[], Measured]) -> Callable[[], Measured]:
+    """A `current()` that returns `first` once, then probes anew on every call."""
+    pending = [first]
+    return lambda: pending.pop() if pending else probe()
+
+
+def engine_shape(scale: float, requests: int) -> tuple[int, int, int]:
+    """(token budget, max model length, KV blocks: every request's at once)."""
+    budget = max(16, round(BUDGET * scale))
+    max_len = scaled(MIX[-1][1], scale)[1] + scaled(OUTPUT_RANGE, scale)[1] + 16
+    return budget, max_len, 4 * max_len * requests // 16 + 64
+
+
+def save_calibration(path: Path, measured: Measured, profile: Optional[dict], args) -> None:
+    """What --plan needs to simulate this machine: the solo probes, the TTFT predictor, the
+    decode step and the trace-fitted profile."""
+    path.write_text(json.dumps({
+        "model": args.model, "scale": args.scale, "threads": args.threads,
+        "points": measured.points, "ttft_abc": measured.setup.ttft_abc,
+        "decode_s": measured.decode_s, "profile": profile}, indent=1))
+    print(f"calibration saved to {path}", flush=True)
+
+
+# ---- --plan: the simulator alone picks the operating points -------------------------------
+def plan(args) -> list[dict]:
+    """The simulator on a saved calibration (--save-calibration), no engine: per request count
+    (--plan-requests) and load, fcfs and slo on the seeds' workloads (arrivals at the load's
+    rate, --sim-samples draws of the machine each), printed as the real comparison is."""
+    saved = json.loads(Path(args.plan).read_text())
+    profile = saved["profile"]
+    out = []
+    for n in args.plan_requests:
+        budget, max_len, blocks = engine_shape(args.scale, n)
+        measured = measured_from(saved["points"], saved["ttft_abc"], saved["decode_s"], args,
+                                 budget, max_len, blocks)
+        for load in args.loads:
+            comparison = Comparison(load)
+            for seed in range(args.seed, args.seed + args.seeds):
+                items = make_items(n, seed, args.scale, measured.solo)
+                rate = load / measured.service
+                arrivals = [(it.unit_arrival - items[0].unit_arrival) / rate for it in items]
+                for policy in POLICIES:
+                    shell = Run(policy, load, seed, arrivals, [], [it.urgent for it in items],
+                                0, 0.0)
+                    draws = simulate(profile, measured.setup, shell, items, args.sim_samples)
+                    comparison.real.setdefault(policy, []).append(mean_run(draws))
+                    comparison.sim.setdefault(policy, []).append(draws)
+            summary = dict(comparison.summary(), requests=n)
+            out.append(summary)
+            print(f"[simulator only, {n} requests per run, "
+                  f"{sum(it.urgent for it in items)} urgent in the last seed]")
+            print(format_comparison(summary, args.seeds) + "\n", flush=True)
+    return out
+
+
+def mean_run(draws: list[Run]) -> Run:
+    """The draws of one simulated run as one Run: a request meets its target when most draws
+    say so; tokens and span averaged (the 'real' column of a --plan table)."""
+    first = draws[0]
+    met = [sum(d.ttft_met[i] for d in draws) * 2 > len(draws)
+           for i in range(len(first.ttft_met))]
+    return Run(first.policy, first.load, first.seed, first.arrivals, met, first.urgent,
+               round(statistics.fmean(d.tokens for d in draws)),
+               statistics.fmean(d.span_s for d in draws),
+               cuts=round(statistics.fmean(d.cuts for d in draws)),
+               pauses=round(statistics.fmean(d.pauses for d in draws)))
 
 
 def compare_at(load: float, loaded, args, current: Callable[[], Measured],

@@ -169,6 +169,10 @@ class SchedulerConfig:
         10.0, "slo policy: how much less slack (ms) the waiter must have than the reference")
     slo_max_preemptions: int = _f(
         3, "slo policy: a request paused or cut this many times becomes immune")
+    slo_max_pauses: Optional[int] = _f(
+        None, "slo policy: a separate cap for pauses between steps (they waste no work): a "
+        "request paused this many times is not paused again, and only cuts count against "
+        "slo_max_preemptions; default: pauses and cuts count together")
     slo_mid_step_cut: bool = _f(
         True, "slo policy: a monitor thread may cut a running step at an attention-layer "
         "boundary (off: only between steps)")
@@ -245,6 +249,8 @@ class SchedulerConfig:
         if not 0 <= self.slo_hopeless_tolerance < 1:
             raise ValueError(f"slo_hopeless_tolerance must be in [0, 1), "
                              f"got {self.slo_hopeless_tolerance}")
+        if self.slo_max_pauses is not None and self.slo_max_pauses < 0:
+            raise ValueError(f"slo_max_pauses must be >= 0, got {self.slo_max_pauses}")
         if self.slo_max_preemptions < 0:
             raise ValueError(f"slo_max_preemptions must be >= 0, got {self.slo_max_preemptions}")
         if not 0 <= self.slo_cut_layer_fraction <= 1:

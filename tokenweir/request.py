@@ -365,6 +365,7 @@ class Request:
     # scheduler config's `slo_tpot_ms`, if any). Read by the "slo" policy's step budget.
     tpot_slo_ms: Optional[float] = None
     num_slo_preemptions: int = 0  # times paused or cut for a more urgent request
+    num_slo_pauses: int = 0  # of those, the pauses between steps (no work lost)
     # Timestamps the engine fills in (seconds, engine clock); policy reads them, never time.time().
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None

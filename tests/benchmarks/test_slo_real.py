@@ -52,7 +52,9 @@ def test_quick_mode_runs_both_policies_and_the_simulator_beside_them(tmp_path, c
 
     make_tiny_model("llama", str(tmp_path), seed=5)
     save_tiny_tokenizer(str(tmp_path), "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    summaries = _bench().main(["--quick", "--model", str(tmp_path), "--reprobe"])
+    saved = tmp_path / "calibration.json"
+    summaries = _bench().main(["--quick", "--model", str(tmp_path), "--reprobe",
+                               "--save-calibration", str(saved)])
     out = capsys.readouterr().out
     assert out.count("solo TTFT (median of 1)") == 1 + 2  # at start, then before each pair
     assert [s["load"] for s in summaries] == [0.5, 1.0]
@@ -67,3 +69,21 @@ def test_quick_mode_runs_both_policies_and_the_simulator_beside_them(tmp_path, c
         assert "sim_gain" in v
     assert "simulator profile: fitted to 1 calibration run(s)" in out
     assert out.count("targets: gain >= 15 points") == 2
+
+    # --plan: the simulator alone on the saved calibration, at each request count and load
+    plans = _bench().main(["--quick", "--plan", str(saved), "--plan-requests", "8", "12"])
+    out = capsys.readouterr().out
+    assert [(p["requests"], p["load"]) for p in plans] == [(8, 0.5), (8, 1.0), (12, 0.5),
+                                                           (12, 1.0)]
+    assert out.count("[simulator only, 12 requests per run") == 2
+    for p in plans:
+        assert p["policies"]["fcfs"]["throughput"][0] > 0 and "vs_fcfs" in p
+
+    # --load-calibration: the saved profile, no calibration run; the first probe serves the
+    # first seed (one probe fewer), every later seed is probed anew
+    again = _bench().main(["--quick", "--model", str(tmp_path), "--reprobe",
+                           "--load-calibration", str(saved)])
+    out = capsys.readouterr().out
+    assert out.count("solo TTFT (median of 1)") == 1 + 1
+    assert "simulator profile: fitted" not in out
+    assert all(s["policies"]["slo"]["sim_urgent_pct"] is not None for s in again)

@@ -109,6 +109,10 @@ NEW_DESTS |= {"ray"}
 for _c in ("generate", "serve", "simulate", "sweep"):
     NEW_SPELLINGS[f"tokenweir {_c}"] |= {"--batch-invariant", "--no-batch-invariant"}
 NEW_DESTS |= {"batch_invariant"}
+# issue 35: a separate cap for the slo policy's pauses between steps (they waste no work)
+for _c in ("generate", "serve", "simulate", "sweep"):
+    NEW_SPELLINGS[f"tokenweir {_c}"] |= {"--slo-max-pauses"}
+NEW_DESTS |= {"slo_max_pauses"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

@@ -91,14 +91,39 @@ def test_between_steps_pause_admits_the_urgent_waiter_and_keeps_the_victims_work
     assert finished == {"long": expected_output(long), "urgent": expected_output(urgent)}
 
 
-def test_a_paused_request_is_immune_to_a_second_pause():
-    scheduler = slo_scheduler(slo_max_preemptions=1)
+def two_urgent_waiters(**config):
+    """The long prefill, the first urgent request (it pauses long at t=1.024), and a second
+    one that arrives at 2.3, seen at the step end 2.304 with 44 ms of slack: rescuable only
+    by pausing long a second time. Returns (pauses, whether the second met its target)."""
+    scheduler = slo_scheduler(**config)
     long, urgent = long_and_urgent()
-    second = make_request("urgent2", 256, 4, arrival=2.0)
+    second = make_request("urgent2", 256, 4, arrival=2.3)
     second.ttft_slo_ms = 300.0
-    drive(scheduler, FakeRunner(), [(0.0, long), (1.0, urgent), (2.0, second)])
-    assert scheduler.stats.preemptions_by_cause[SLO_BETWEEN_STEPS] == 1  # not 2
-    assert second.first_token_time > second.ttft_deadline  # immunity had a price
+    drive(scheduler, FakeRunner(), [(0.0, long), (1.0, urgent), (2.3, second)])
+    assert urgent.first_token_time <= urgent.ttft_deadline
+    return (scheduler.stats.preemptions_by_cause[SLO_BETWEEN_STEPS],
+            second.first_token_time <= second.ttft_deadline)
+
+
+def test_a_paused_request_is_immune_to_a_second_pause():
+    assert two_urgent_waiters(slo_max_preemptions=2) == (2, True)  # probe: the second pause
+    assert two_urgent_waiters(slo_max_preemptions=1) == (1, False)  # immunity had a price
+
+
+def test_pauses_have_their_own_cap_when_one_is_set():
+    """slo_max_pauses: pauses count against it alone (cuts against slo_max_preemptions)."""
+    assert two_urgent_waiters(slo_max_preemptions=1, slo_max_pauses=2) == (2, True)
+    assert two_urgent_waiters(slo_max_preemptions=3, slo_max_pauses=1) == (1, False)
+    scheduler = slo_scheduler(slo_max_pauses=5)
+    request = make_request("r", 512, 4)
+    request.num_slo_preemptions, request.num_slo_pauses = 3, 2  # 2 pauses, 1 cut
+    policy = scheduler.policy
+    assert policy._prefill_view(scheduler, request, pause=True).num_slo_preemptions == 2
+    assert policy._prefill_view(scheduler, request, pause=False).num_slo_preemptions == 1
+    assert (policy._cap(pause=True), policy._cap(pause=False)) == (5, 3)
+    default = slo_scheduler().policy  # without: both count together against one cap
+    assert default._prefill_view(scheduler, request, pause=True).num_slo_preemptions == 3
+    assert (default._cap(pause=True), default._cap(pause=False)) == (3, 3)
 
 
 def test_no_pause_for_a_hopeless_waiter_or_one_that_can_wait():

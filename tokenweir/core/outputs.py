@@ -191,7 +191,7 @@ class PrefillView:
     request_id: str
     deadline: Optional[float]  # None: no TTFT target, or its first token already came
     owed_tokens: int  # still to prefill (before the step in flight, for a snapshot)
-    num_slo_preemptions: int
+    num_slo_preemptions: int  # the count its immunity cap applies to (pauses, cuts or both)
     computed_tokens: int = 0  # already in the cache (the owed tokens attend to them)
 
 

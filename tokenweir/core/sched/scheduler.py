@@ -125,7 +125,9 @@ class Scheduler:
         return output
 
     def _pause(self, pause: Pause, plan: StepPlan) -> None:
-        self.requests[pause.victim_id].num_slo_preemptions += 1
+        victim = self.requests[pause.victim_id]
+        victim.num_slo_preemptions += 1
+        victim.num_slo_pauses += 1
         self.stats.preemptions_by_cause[SLO_BETWEEN_STEPS] += 1
         plan.paused.add(pause.victim_id)
 

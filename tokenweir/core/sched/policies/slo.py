@@ -94,7 +94,7 @@ class SLOPolicy(SchedulingPolicy):
 
     def end_step(self, sched: "Scheduler", output: SchedulerOutput, now: float) -> None:
         counts = output.num_scheduled_tokens
-        prefills = tuple(self._prefill_view(sched, r) for r in sched.running
+        prefills = tuple(self._prefill_view(sched, r, pause=False) for r in sched.running
                          if counts.get(r.request_id, 0) > 1)
         self.slo_snapshot = StepSnapshot(output.step_id, now,
                                          self._predict_step_seconds(sched, output), prefills,
@@ -104,13 +104,22 @@ class SLOPolicy(SchedulingPolicy):
         if waiter_id is not None:
             self._holds[victim_id] = waiter_id
 
-    def slo_decide(self, prefills, waiters, now: float,
-                   wait_seconds: float) -> tuple[slo.GateDecision, Optional[str]]:
-        """The configured gate (also called by the SLO monitor thread: reads config only)."""
+    def slo_decide(self, prefills, waiters, now: float, wait_seconds: float,
+                   pause: bool = False) -> tuple[slo.GateDecision, Optional[str]]:
+        """The configured gate for a cut (the SLO monitor thread calls it: reads config only)
+        or, with `pause`, for a pause between steps; `prefills` carry the count that the
+        matching cap (`_cap`) applies to."""
         c = self.config
         return slo.evaluate(waiters, prefills, now, self.ttft_predictor, wait_seconds,
-                            c.slo_preempt_gate, c.slo_margin_ms / 1000, c.slo_max_preemptions,
+                            c.slo_preempt_gate, c.slo_margin_ms / 1000, self._cap(pause),
                             c.slo_hopeless_tolerance)
+
+    def _cap(self, pause: bool) -> int:
+        """Preemptions that make a request immune: with a separate pause cap, pauses count
+        against it and cuts against slo_max_preemptions; without, both count together."""
+        if pause and self.config.slo_max_pauses is not None:
+            return self.config.slo_max_pauses
+        return self.config.slo_max_preemptions
 
     # ---- predictions -------------------------------------------------------------------
     def predicted_ttft(self, sched: "Scheduler", request: Request) -> float:
@@ -192,7 +201,7 @@ class SLOPolicy(SchedulingPolicy):
     def _between_steps(self, sched: "Scheduler", plan: "StepPlan") -> Optional[Pause]:
         """Pause the running prefill the gate names for this step, so the urgent waiter can be
         admitted in its place; the victim keeps its blocks and computed tokens."""
-        prefills = [self._prefill_view(sched, r) for r in sched.running
+        prefills = [self._prefill_view(sched, r, pause=True) for r in sched.running
                     if is_prefilling(r) and r.request_id not in plan.paused]
         if not prefills or not sched.waiting:
             return None
@@ -200,17 +209,22 @@ class SLOPolicy(SchedulingPolicy):
         backlog = sum(predictor.predict(p.owed_tokens, computed_tokens=p.computed_tokens)
                       - predictor.c for p in prefills)
         decision, waiter_id = self.slo_decide(prefills, self._waiter_views(sched), plan.now,
-                                              backlog)
+                                              backlog, pause=True)
         if not decision.fire:
             return None
         self._holds[decision.victim_id] = waiter_id
         self._pause = Pause(decision.victim_id, waiter_id)
         return self._pause
 
-    def _prefill_view(self, sched: "Scheduler", request: Request) -> PrefillView:
+    def _prefill_view(self, sched: "Scheduler", request: Request, pause: bool) -> PrefillView:
+        """The prefill as the gate for a pause (`pause`) or a cut sees it: its count is the
+        one `_cap(pause)` caps."""
+        count = request.num_slo_preemptions
+        if self.config.slo_max_pauses is not None:
+            count = request.num_slo_pauses if pause else count - request.num_slo_pauses
         return PrefillView(request.request_id, _ttft_deadline(request),
                            request.num_tokens - request.num_computed_tokens,
-                           request.num_slo_preemptions, request.num_computed_tokens)
+                           count, request.num_computed_tokens)
 
     def _waiter_views(self, sched: "Scheduler") -> tuple[WaiterView, ...]:
         views = []
