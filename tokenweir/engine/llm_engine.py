@@ -233,7 +233,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             tune_malloc()  # activations reused, not faulted in again each step: see the module
         if loaded is None:
-            loaded = load_model(config.model.model, self.dtype, self.device)
+            loaded = load_model(config.model.model, self.dtype, self.device,
+                                pack=config.parallel.tensor_parallel_size == 1)  # else: sharded
         set_quantization(loaded.model, config.model.quantization)
         set_batch_invariant(loaded.model, config.model.batch_invariant)
         self.model_name = loaded.name
