@@ -1,5 +1,5 @@
 """The start-up warm-up (ModelRunner.warm_up, TOKENWEIR_WARMUP): it runs when enabled (on CPU
-one dummy request of min(budget, 256) tokens, then its decode with logits; on CUDA the whole
+one dummy request of min(budget, WARM_UP_CPU_TOKENS) tokens, then its decode with logits; on CUDA the whole
 budget in requests of 256), it touches only scratch pool blocks (greedy outputs equal an engine
 built without it), it is skipped when the pool is too small to hold it, and TOKENWEIR_WARMUP=0
 turns it off."""
