@@ -7,6 +7,8 @@ engine's start-up functions to time them and writes one JSON line of phase times
   import       the command's imports, torch included (process start to the command running)
   model read   resolving the model and reading it: the GGUF parse, or the cache entry mapped
   weights      building the model and copying the weights in (dequantized on a cold run)
+  packed       the packed float32 weights mapped from the load cache (packed and written there
+               on a cold run; model/packed_cache.py); without it they are packed in `warm-up`
   kernels      loading (or building) the C++ CPU kernels; it happens inside the first forward,
                so it is also part of `warm-up` (or of the first step when the warm-up is off)
   warm-up      the engine's dummy step(s) before serving
@@ -14,7 +16,19 @@ engine's start-up functions to time them and writes one JSON line of phase times
 The kernels are assumed built (the install step builds them); a run that compiles them says
 so on stderr. Children run with bytecode caching on (PYTHONDONTWRITEBYTECODE dropped), as a
 user's Python does: with it set, every start compiled tokenweir's modules again (~0.7 s of
-`import` on a busy 2-core machine). Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
+`import` on a busy 2-core machine).
+
+Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
+  --warm-only            per command one cold start (printed, to fill the cache), then only warm
+  --cache-dir DIR        every start in DIR, kept (for A/B runs on one filled cache): only warm
+                         starts (the first one fills DIR if it is empty)
+  --commands generate    only these commands (default: generate serve)
+  --patch MOD:ATTR=VAL   in the child, set a module attribute (a Python literal) before starting,
+                         for A/B runs, e.g. tokenweir.engine.llm_engine:WARM_UP_CPU_TOKENS=64
+  --env NAME=VALUE       an environment variable for the child, e.g. TOKENWEIR_PACKED_CACHE=0
+  --preimport MODULE     imported by the child before the command starts (counted in `import`),
+                         e.g. tokenweir.server.serve: serve's server stack up front, not
+                         overlapped with the engine's build
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("import", "model read", "weights", "kernels", "warm-up", "ready")
+PHASES = ("import", "model read", "weights", "packed", "kernels", "warm-up", "ready")
 PROMPTS = ["What is the capital of France?", "Write a haiku about a river."]
 
 
@@ -56,6 +70,7 @@ def _instrument(times: dict) -> None:
     _timed(loader, "open_gguf_cached", "model read", times)
     _timed(loader, "_open_hf_dir", "model read", times)
     _timed(loader, "_build", "weights", times)
+    _timed(loader, "_attach_packed", "packed", times)
     _timed(kernels, "_build", "kernels", times)
     _timed(ModelRunner, "warm_up", "warm-up", times)
 
@@ -67,15 +82,33 @@ def _write(times: dict, started: float, out: str) -> None:
         json.dump(row, f)
 
 
-def child(command: str, model: str, started: float, out: str, port: int) -> int:
+def _apply_patches(patches: list[str]) -> None:
+    """MOD:ATTR=VALUE, VALUE a Python literal: setattr(import_module(MOD), ATTR, VALUE)."""
+    import ast
+    import importlib
+
+    for patch in patches:
+        target, value = patch.split("=", 1)
+        module, attribute = target.split(":")
+        setattr(importlib.import_module(module), attribute, ast.literal_eval(value))
+
+
+def child(command: str, model: str, started: float, out: str, port: int,
+          patches: list[str], preimports: list[str]) -> int:
+    import importlib
+
     times: dict = {}
     import torch  # noqa: F401  (counted in `import`, as the command itself imports it)
 
     from tokenweir.cli import main
     from tokenweir.engine.llm_engine import LLMEngine
 
+    for module in preimports:
+        importlib.import_module(module)
+
     times["import"] = time.time() - started
     _instrument(times)
+    _apply_patches(patches)
     if command == "generate":
         real_step = LLMEngine.step
 
@@ -111,15 +144,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_once(command: str, model: str, cache_dir: str) -> dict:
+def run_once(command: str, model: str, cache_dir: str, patches: list[str],
+             extra_env: list[str], preimports: list[str]) -> dict:
     out = tempfile.mktemp(prefix="tokenweir-startup-", suffix=".json")
     port = _free_port()
     env = {**os.environ, "TOKENWEIR_CACHE_DIR": cache_dir, "PYTHONPATH": ROOT,
-           "NO_PROXY": "127.0.0.1"}
+           "NO_PROXY": "127.0.0.1", **dict(e.split("=", 1) for e in extra_env)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # a user's second start imports cached bytecode
     started = time.time()
     cmd = [sys.executable, os.path.abspath(__file__), "--child", command, "--model", model,
            "--started", repr(started), "--out", out, "--port", str(port)]
+    for patch in patches:
+        cmd += ["--patch", patch]
+    for module in preimports:
+        cmd += ["--preimport", module]
     if command == "generate":
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         with open(out, encoding="utf-8") as f:
@@ -162,21 +200,43 @@ def main() -> None:
     parser.add_argument("--started", type=float)
     parser.add_argument("--out")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--warm-only", action="store_true")
+    parser.add_argument("--commands", nargs="+", choices=("generate", "serve"),
+                        default=["generate", "serve"])
+    parser.add_argument("--patch", action="append", default=[])
+    parser.add_argument("--env", action="append", default=[])
+    parser.add_argument("--preimport", action="append", default=[])
+    parser.add_argument("--cache-dir")
     args = parser.parse_args()
     if args.child:
-        sys.exit(child(args.child, args.model, args.started, args.out, args.port))
+        sys.exit(child(args.child, args.model, args.started, args.out, args.port, args.patch,
+                       args.preimport))
     print(f"{'command':9} {'start':5} {'run':>3}  " + "  ".join(f"{p:>10}" for p in PHASES))
-    for command in ("generate", "serve"):
-        for repeat in range(args.repeats):
-            cache_dir = tempfile.mkdtemp(prefix="tokenweir-startup-cache-")
+    for command in args.commands:
+        numbers = {"cold": 0, "warm": 0}
+        for modes in _schedule(args.repeats, args.warm_only or bool(args.cache_dir)):
+            if args.cache_dir:
+                modes = modes[1:]  # warm starts only, in the kept directory
+            cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="tokenweir-startup-cache-")
             try:
-                for mode in ("cold", "warm"):
-                    row = run_once(command, args.model, cache_dir)
+                for mode in modes:
+                    row = run_once(command, args.model, cache_dir, args.patch, args.env,
+                                   args.preimport)
                     cells = "  ".join(f"{row[p]:>9.2f}s" if p in row else f"{'-':>10}"
                                       for p in PHASES)
-                    print(f"{command:9} {mode:5} {repeat + 1:>3}  {cells}", flush=True)
+                    numbers[mode] += 1
+                    print(f"{command:9} {mode:5} {numbers[mode]:>3}  {cells}", flush=True)
             finally:
-                shutil.rmtree(cache_dir, ignore_errors=True)
+                if not args.cache_dir:
+                    shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _schedule(repeats: int, warm_only: bool) -> list[tuple[str, ...]]:
+    """The modes run in each fresh cache directory: cold then warm, `repeats` times; with
+    warm_only one cold start, then `repeats` warm ones in the same directory."""
+    if warm_only:
+        return [("cold",) + ("warm",) * repeats]
+    return [("cold", "warm")] * repeats
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The start-up warm-up (ModelRunner.warm_up, TOKENWEIR_WARMUP): it runs when enabled (on CPU
-one dummy request of min(budget, 256) tokens, then its decode with logits; on CUDA the whole
+one dummy request of min(budget, WARM_UP_CPU_TOKENS) tokens, then its decode with logits; on CUDA the whole
 budget in requests of 256), it touches only scratch pool blocks (greedy outputs equal an engine
 built without it), it is skipped when the pool is too small to hold it, and TOKENWEIR_WARMUP=0
 turns it off."""
@@ -7,6 +7,7 @@ turns it off."""
 from __future__ import annotations
 
 from tokenweir import LLM, SamplingParams
+from tokenweir.engine.llm_engine import WARM_UP_CPU_TOKENS
 from tokenweir.runner.model_runner import ModelRunner
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 31], [8, 8, 100], list(range(20, 60))]
@@ -40,9 +41,10 @@ def test_warm_up_runs_and_changes_no_output(tiny_llama_path, device, monkeypatch
     assert calls == []  # off: never called
     monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
     warm = _greedy(tiny_llama_path, device, max_num_batched_tokens=1024, max_num_seqs=8)
-    if device == "cpu":  # one request of 256 tokens, not the 1024-token budget
-        assert calls == [(256, 1)]
-        assert forwards == [256, 1]  # probe: the prefill ran, then its decode
+    if device == "cpu":  # one request of WARM_UP_CPU_TOKENS, not the 1024-token budget
+        assert WARM_UP_CPU_TOKENS < 1024
+        assert calls == [(WARM_UP_CPU_TOKENS, 1)]
+        assert forwards == [WARM_UP_CPU_TOKENS, 1]  # probe: the prefill ran, then its decode
     else:
         assert calls == [(1024, 8)]
         assert forwards == [1024, 4]  # probe: 4 requests of 256 prefilled, then their 4 decodes
@@ -54,9 +56,16 @@ def test_a_pool_too_small_skips_the_warm_up(tiny_llama_path, device, monkeypatch
     ran, warm_up = [], ModelRunner.warm_up
     monkeypatch.setattr(ModelRunner, "warm_up",
                         lambda self, *a: ran.append(warm_up(self, *a)) or ran[-1])
-    # 256 tokens (CPU) or 2048 in requests of 256 (CUDA) need 17 blocks of 16 per request (one
-    # slot more for the decode): more than a 12-block pool; the engine still builds and serves
-    out = _greedy(tiny_llama_path, device, max_num_batched_tokens=2048, max_model_len=128,
-                  num_gpu_blocks_override=12)
+    # WARM_UP_CPU_TOKENS (CPU) or 2048 in requests of 256 (CUDA) need ceil((tokens + 1) / 16)
+    # blocks of 16 per request (one slot more for the decode) from block 1 on: a pool of that
+    # many blocks (block 0 is the null block) is one short; the engine still builds and serves
+    # a 64-token context in it (at least 4 usable blocks)
+    pool = max(5, -(-(WARM_UP_CPU_TOKENS + 1) // 16))
+    out = _greedy(tiny_llama_path, device, max_num_batched_tokens=2048, max_model_len=64,
+                  num_gpu_blocks_override=pool)
     assert ran == [False]  # probe: called, and it declined
+    if device == "cpu" and pool == -(-(WARM_UP_CPU_TOKENS + 1) // 16):  # the boundary is exact:
+        _greedy(tiny_llama_path, device, max_num_batched_tokens=2048, max_model_len=64,
+                num_gpu_blocks_override=pool + 1)  # one block more and it runs
+        assert ran == [False, True]
     assert all(len(tokens) == 12 for tokens in out)

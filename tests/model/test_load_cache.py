@@ -16,9 +16,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_gguf import write_tiny_gguf  # noqa: E402
+from tiny_gguf import LAYERS, write_tiny_gguf  # noqa: E402
 
-from tokenweir.model import load_cache, loader  # noqa: E402
+from tokenweir.model import kernels, layers, llama, load_cache, loader  # noqa: E402
 
 TEXTS = ["hello world, hello tokens", "naïve café — 東京 🤗", "<|im_start|>user\nhi<|im_end|>",
          " the  lazy\tdog\n\n", "zzzz qqq 12345"]
@@ -118,8 +118,13 @@ def test_a_hit_maps_whole_float32_weights_without_a_copy(gguf_path, cache, monke
     weights_file = str(the_entry(cache) / "weights.safetensors")
     params = dict(hit.model.named_parameters())
     o_proj = params["model.layers.0.self_attn.o_proj.weight"]
-    assert _mapped_file_of(o_proj) == weights_file  # probe: the parameter IS the mapped entry
-    assert _mapped_file_of(params["model.layers.0.self_attn.qkv_proj.weight"]) != weights_file
+    for name in ("self_attn.o_proj", "self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        weight = params[f"model.layers.0.{name}.weight"]  # the fused ones too: stored fused
+        assert _mapped_file_of(weight) == weights_file, name  # probe: the parameter IS the entry
+    with monkeypatch.context() as m:  # probe of the probe: a copied parameter is not the file
+        m.setattr(llama, "_adoptable", lambda tensor, dest: False)
+        copied = load(gguf_path)
+    assert _mapped_file_of(copied.model.model.layers[0].self_attn.o_proj.weight) != weights_file
     with torch.no_grad():  # the mapping is private: a write to the model stays in the model
         o_proj.add_(1.0)
     again = load(gguf_path)
@@ -131,7 +136,11 @@ def test_entry_is_a_plain_safetensors_file(gguf_path, cache, monkeypatch):
     from safetensors import safe_open
 
     load(gguf_path)
-    reference = dict(loader._open_gguf(gguf_path)[1])
+    unfused = list(loader._open_gguf(gguf_path)[1])
+    reference = dict(llama.fuse_checkpoint(unfused, torch.cat))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in reference  # probe: fused ones there
+    assert "model.layers.1.mlp.gate_up_proj.weight" in reference
+    assert len(reference) == len(unfused) - 3 * LAYERS  # per layer: 3 parts -> 1, 2 -> 1
     with safe_open(str(the_entry(cache) / "weights.safetensors"), "pt") as f:
         assert sorted(f.keys()) == sorted(reference)
         for name in f.keys():
@@ -256,3 +265,186 @@ def test_words_checksum_sees_any_single_flipped_bit():
             flipped[index] ^= 1 << bit
             assert load_cache.words_checksum(flipped) != base, (index, bit)
     assert load_cache.words_checksum(raw[:-1]) != base
+
+
+# ---- packed float32 weights in the entry (tokenweir/model/packed_cache.py) ------------------
+needs_packed_kernel = pytest.mark.skipif(
+    kernels.packed_linear_kernel() is None,
+    reason="needs the C++ packed-linear kernel (not built here, or TOKENWEIR_CPU_KERNELS=0)")
+
+
+@pytest.fixture
+def packs(monkeypatch) -> list[tuple[int, ...]]:
+    """Probe: every weight packed in this process (the work a packed-cache hit skips)."""
+    calls: list[tuple[int, ...]] = []
+    real = kernels.pack_linear_weight
+    monkeypatch.setattr(kernels, "pack_linear_weight",
+                        lambda w, panel: calls.append(tuple(w.shape)) or real(w, panel))
+    return calls
+
+
+def _packed_files(root: Path) -> list[Path]:
+    return sorted(p for p in the_entry(root).iterdir() if p.name.startswith("packed-"))
+
+
+def _greedy_ids(model) -> list[int]:
+    """Greedy token ids of the loaded model through the engine (the packed kernel serves
+    its few-row matmuls: the decode steps and the LM head)."""
+    from tokenweir import LLM, SamplingParams
+    from tokenweir.config import EngineConfig
+    from tokenweir.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(model=model.path, dtype="float32", seed=0)
+    llm = LLM.from_engine(LLMEngine(config, loaded=model))
+    out = llm.generate([{"prompt_token_ids": [5, 17, 99, 3, 42, 7]}],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+_PACK_NOW = kernels.pack_linear_weight  # not the counting one of `packs`
+
+
+def _assert_packed_as_now(model) -> None:
+    """Every installed packed copy equals packing the model's weight now (no stale panel)."""
+    from tokenweir.model import packed_cache
+
+    panel = kernels.packed_linear_kernel().panel
+    for name, owner, weight in packed_cache.targets(model.model):
+        key, packed = owner.__dict__[layers._PACKED_ATTR]
+        assert torch.equal(packed, _PACK_NOW(weight, panel)), name
+        assert key == layers._packed_key(weight, panel), name  # what packed_weight checks
+
+
+@needs_packed_kernel
+def test_packed_weights_written_then_mapped_and_identical(gguf_path, cache, packs, monkeypatch):
+    reference = uncached(gguf_path, monkeypatch)
+    assert reference.packed_cache == "" and packs == []  # no entry: packed lazily, as before
+    first = load(gguf_path)
+    assert first.packed_cache == "written" and len(packs) > 0
+    written = len(packs)
+    second = load(gguf_path)
+    assert second.packed_cache == "hit" and len(packs) == written  # probe: nothing packed
+    files = _packed_files(cache)
+    assert [p.suffix for p in files] == [".json", ".safetensors"]
+    _, owner, _ = packed_cache_targets(second)[0]
+    assert _mapped_file_of(owner.__dict__[layers._PACKED_ATTR][1]) == str(files[1])  # probe
+    _assert_packed_as_now(second)
+    ids = _greedy_ids(second)
+    assert len(packs) == written  # probe: the engine's steps used the mapped panels
+    assert ids == _greedy_ids(reference)
+
+
+def packed_cache_targets(model):
+    from tokenweir.model import packed_cache
+
+    return packed_cache.targets(model.model)
+
+
+@needs_packed_kernel
+def test_a_write_to_a_weight_after_a_packed_hit_repacks_it(gguf_path, cache, monkeypatch):
+    load(gguf_path)
+    hit = load(gguf_path)
+    assert hit.packed_cache == "hit"
+    o_proj = hit.model.model.layers[0].self_attn.o_proj
+    with torch.no_grad():
+        o_proj.weight.add_(0.5)
+    x = torch.randn(3, o_proj.weight.shape[1])
+    assert torch.allclose(o_proj(x), x @ o_proj.weight.T, atol=1e-5)  # not the stale panels
+
+
+@needs_packed_kernel
+def test_packed_weights_of_other_code_are_never_read(gguf_path, cache, packs, monkeypatch):
+    from tokenweir.model import packed_cache
+
+    load(gguf_path)
+    old = _packed_files(cache)
+    real = packed_cache.packing_tag
+    monkeypatch.setattr(packed_cache, "packing_tag", lambda isa, panel: "f" + real(isa, panel))
+    packs.clear()
+    again = load(gguf_path)
+    assert again.packed_cache == "written" and len(packs) > 0  # probe: packed anew
+    assert not any(p.exists() for p in old) and len(_packed_files(cache)) == 2  # old removed
+    _assert_packed_as_now(again)
+
+
+def test_a_changed_packing_module_changes_the_packed_tag(monkeypatch, tmp_path):
+    from tokenweir.model import packed_cache
+
+    before = packed_cache.packing_tag("avx2", 16)
+    assert packed_cache.packing_tag("avx512", 16) != before
+    assert packed_cache.packing_tag("avx2", 32) != before
+    here = Path(packed_cache.__file__).parent
+    fake = tmp_path / "model"
+    shutil.copytree(here, fake, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    (fake / "llama.py").write_text((fake / "llama.py").read_text() + "\n# edited\n")
+    monkeypatch.setattr(packed_cache, "__file__", str(fake / "packed_cache.py"))
+    assert packed_cache.packing_tag("avx2", 16) != before
+
+
+def _garble_json(path: Path) -> None:
+    path.write_text(path.read_text()[:-5])
+
+
+@needs_packed_kernel
+@pytest.mark.parametrize("suffix, damage, said", [
+    (".safetensors", lambda p: _flip_byte(p, 1000), "checksum mismatch"),
+    (".safetensors", _truncate, "truncated"),
+    (".json", _garble_json, "side file unreadable"),
+])
+def test_damaged_packed_weights_are_detected_said_and_rebuilt(gguf_path, cache, packs,
+                                                              monkeypatch, capsys, suffix,
+                                                              damage, said):
+    load(gguf_path)
+    written = len(packs)
+    damage(next(p for p in _packed_files(cache) if p.suffix == suffix))
+    capsys.readouterr()
+    rebuilt = load(gguf_path)
+    err = capsys.readouterr().err
+    assert rebuilt.packed_cache == "rebuilt" and len(packs) == 2 * written, err  # packed again
+    assert "unusable" in err and said in err and "packing them again" in err
+    assert rebuilt.load_cache == "hit"  # only the packed file was damaged
+    _assert_packed_as_now(rebuilt)
+    assert load(gguf_path).packed_cache == "hit"
+
+
+@needs_packed_kernel
+@pytest.mark.parametrize("how", ["bfloat16", "pack_linear_off", "not_asked"])
+def test_packed_weights_only_where_they_apply(gguf_path, cache, packs, monkeypatch, how):
+    if how == "pack_linear_off":
+        monkeypatch.setattr(layers, "PACK_LINEAR", False)
+    model = loader.load_model(gguf_path, torch.bfloat16 if how == "bfloat16" else torch.float32,
+                              torch.device("cpu"), pack=how != "not_asked")
+    assert model.load_cache == "written" and model.packed_cache == ""
+    assert _packed_files(cache) == [] and packs == []  # probe: nothing packed or written
+
+
+def test_fuse_checkpoint_fuses_complete_groups_and_passes_the_rest():
+    from tokenweir.model.llama import fuse_checkpoint
+
+    items = [("model.embed_tokens.weight", "E"),
+             ("model.layers.0.self_attn.k_proj.weight", "k0"),
+             ("model.layers.0.self_attn.q_proj.weight", "q0"),
+             ("model.layers.0.mlp.up_proj.weight", "u0"),
+             ("model.layers.0.self_attn.v_proj.weight", "v0"),
+             ("model.layers.0.mlp.gate_proj.weight", "g0"),
+             ("model.layers.1.self_attn.q_proj.bias", "qb1")]  # its k/v biases never come
+    assert list(fuse_checkpoint(items, "+".join)) == [
+        ("model.embed_tokens.weight", "E"),
+        ("model.layers.0.self_attn.qkv_proj.weight", "q0+k0+v0"),  # shard order, not arrival
+        ("model.layers.0.mlp.gate_up_proj.weight", "g0+u0"),
+        ("model.layers.1.self_attn.q_proj.bias", "qb1")]  # incomplete: unfused, at the end
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_weights_takes_fused_and_unfused_alike(gguf_path, monkeypatch, dtype):
+    unfused = list(loader._open_gguf(gguf_path)[1])
+    arch = loader._open_gguf(gguf_path)[0]
+    a = loader._build(arch, iter(unfused), dtype, torch.device("cpu"))
+    b = loader._build(arch, llama.fuse_checkpoint(unfused, torch.cat), dtype, torch.device("cpu"))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[n], sb[n]) for n in sa)
+    partial = [(n, t) for n, t in llama.fuse_checkpoint(unfused, torch.cat)
+               if n != "model.layers.1.mlp.gate_up_proj.weight"]
+    with pytest.raises(ValueError, match="gate_up_proj"):  # probe: a missing whole is missed
+        loader._build(arch, iter(partial), dtype, torch.device("cpu"))

@@ -153,10 +153,15 @@ def _token_ids(ids: object, what: str) -> list[int]:
 # 1.2-1.9 s; without any warm-up a first request of 4 chat prompts took 5.6 s against 1.7 s
 # for the same request next, and a first 2048-token step was no slower than the next one
 # (10.0 vs 12.4 s, noise): the one-time costs are what the first request needs warmed.
+# 64 tokens, not 256, since the packed weights come from the load cache (model/packed_cache.py):
+# warm `tokenweir generate` to its first token, exclusive lock, load 1.9 (benchmarks/startup.py
+# --cache-dir, 2 runs each): 256 tokens 0.63-0.89 s of warm-up, ready - import 1.69-1.96 s;
+# 64 tokens 0.23-0.25 s, 1.37-1.39 s; no warm-up 1.14-1.19 s (serve: 1.29-1.40 s of warm-up at
+# 256 tokens; /health 3.97-4.45 s without any).
 # On CUDA, where it costs milliseconds, it stays one step of the whole budget in requests of
 # 256 tokens (at most WARM_UP_MAX_SEQS), as vLLM's profile run. TOKENWEIR_WARMUP=0 skips it (the
 # test suite does: it builds hundreds of engines).
-WARM_UP_CPU_TOKENS = 256
+WARM_UP_CPU_TOKENS = 64
 WARM_UP_MAX_SEQS = 64
 
 
@@ -233,7 +238,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             tune_malloc()  # activations reused, not faulted in again each step: see the module
         if loaded is None:
-            loaded = load_model(config.model.model, self.dtype, self.device)
+            loaded = load_model(config.model.model, self.dtype, self.device,
+                                pack=config.parallel.tensor_parallel_size == 1)  # else: sharded
         set_quantization(loaded.model, config.model.quantization)
         set_batch_invariant(loaded.model, config.model.batch_invariant)
         self.model_name = loaded.name

@@ -66,13 +66,26 @@ def packed_weight(owner: object, weight: torch.Tensor, kind: object,
     layout). The cache is rebuilt when the weight's storage, shape or version, or the kind,
     changed; writes through `.data` bump no version, so whoever writes weights that way calls
     drop_packed_weights."""
-    version = None if weight.is_inference() else weight._version  # inference: untracked
-    key = (weight.data_ptr(), version, tuple(weight.shape), kind)
+    key = _packed_key(weight, kind)
     cached = getattr(owner, slot, None)
     if cached is None or cached[0] != key:
         cached = (key, pack(weight.detach()))
         object.__setattr__(owner, slot, cached)
     return cached[1]
+
+
+def _packed_key(weight: torch.Tensor, kind: object) -> tuple:
+    """What a packed copy was made from: the weight's storage, version, shape, and the kind."""
+    version = None if weight.is_inference() else weight._version  # inference: untracked
+    return (weight.data_ptr(), version, tuple(weight.shape), kind)
+
+
+def install_packed_weight(owner: object, weight: torch.Tensor, kind: object,
+                          packed: Any) -> None:
+    """Hand `owner` a packed copy of `weight` made elsewhere (model/packed_cache.py reads them
+    from the load cache), as if packed_weight had packed it now: the caller vouches that
+    `packed` is pack(weight) for `kind`. A later write to the weight repacks as usual."""
+    object.__setattr__(owner, _PACKED_ATTR, (_packed_key(weight, kind), packed))
 
 
 def drop_packed_weights(module: nn.Module) -> None:

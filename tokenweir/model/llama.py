@@ -6,13 +6,14 @@ rows the runner wants to sample into float32 logits.
 
 Weights: q/k/v are fused into `qkv_proj`, gate/up into `gate_up_proj`. `load_weights` takes
 Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`, ...) and copies each
-tensor into its slice of the fused parameter.
+tensor into its slice of the fused parameter, or a fused parameter's own name with the whole
+(`fuse_checkpoint` makes those: the load cache stores them).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -133,6 +134,33 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_FUSED_PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
+
+
+def fuse_checkpoint(items: Iterable[tuple[str, Any]],
+                    combine: Callable[[list[Any]], Any]) -> Iterator[tuple[str, Any]]:
+    """(HF name, value) pairs with each layer's q/k/v and gate/up parts replaced by one pair
+    under our fused parameter's name (`model.layers.3.self_attn.qkv_proj.weight`), whose value
+    is combine(parts in shard order), yielded where its last part was; every other pair as it
+    comes. Parts of an incomplete group are yielded unfused at the end, in arrival order.
+    `load_weights` takes both forms; the load cache stores the fused one, which a float32 load
+    adopts without a copy. The order depends only on the names, so the same stream of shapes
+    and of tensors fuse alike."""
+    pending: dict[str, list[Optional[tuple[str, Any]]]] = {}
+    for name, value in items:
+        m = _LAYER_RE.match(name)
+        fused, shard = _FUSED.get(m.group(2), (None, None)) if m else (None, None)
+        if fused is None:
+            yield name, value
+            continue
+        key = f"model.layers.{m.group(1)}.{fused}.{m.group(3)}"
+        parts = pending.setdefault(key, [None] * _FUSED_PARTS[fused])
+        parts[shard] = (name, value)
+        if all(part is not None for part in parts):
+            del pending[key]
+            yield key, combine([part[1] for part in parts])
+    for parts in pending.values():
+        yield from (part for part in parts if part is not None)
 
 
 class CausalLM(nn.Module):
@@ -253,7 +281,8 @@ class CausalLM(nn.Module):
                 continue
             n = 3 if shards[0].endswith("qkv_proj") else 2
             expected.update(f"{name}@{self._shard_rows(shards[0], i)[0]}" for i in range(n))
-        missing = sorted(expected - loaded)
+        missing = sorted(name for name in expected - loaded  # a fused parameter written whole
+                         if name.split("@")[0] not in loaded)  # holds all of its shards
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
 

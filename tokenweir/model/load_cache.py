@@ -8,7 +8,10 @@ writes an entry and later loads read it:
     <root>/gguf/<source sha256[:20]>-<derivation[:12]>/
         manifest.json          what the entry holds, for which source, by which code, checksums
         weights.safetensors    every tensor as the loader yields it (HF name, float32, Q/K
-                               already un-permuted), in the order the GGUF lists them
+                               already un-permuted), in the order the GGUF lists them, except
+                               each layer's q/k/v and gate/up stored fused under the model's
+                               name (llama.py, fuse_checkpoint), so that a float32 load adopts
+                               them without a copy
         tokenizer.json         the Rust tokenizer (`tokenizers.Tokenizer.to_str()`)
 
 Contracts:
@@ -18,7 +21,7 @@ Contracts:
   (size, mtime_ns, ctime_ns, inode): any write to the file changes its ctime (which user space
   cannot set back), and a replaced file has a new inode, so a stale digest is never trusted.
   The derivation tag hashes CACHE_FORMAT, the source text of every module that shapes an
-  entry's content (this one, loader.py, tokenizer.py, arch.py) and the versions of gguf,
+  entry's content (this one, loader.py, tokenizer.py, arch.py, llama.py) and the versions of gguf,
   tokenizers and numpy: an entry written by other code is a different directory, never read.
 * **Checked on every read.** A manifest that does not parse or names another source or
   derivation, a payload file whose size differs from the manifest (truncated), or whose checksum
@@ -51,9 +54,9 @@ import torch
 
 from tokenweir.model.arch import ArchConfig
 
-CACHE_FORMAT = 1  # bump when an entry's layout or meaning changes
+CACHE_FORMAT = 2  # bump when an entry's layout or meaning changes
 _WEIGHTS, _TOKENIZER, _MANIFEST = "weights.safetensors", "tokenizer.json", "manifest.json"
-_DERIVING_MODULES = ("load_cache.py", "loader.py", "tokenizer.py", "arch.py")
+_DERIVING_MODULES = ("load_cache.py", "loader.py", "tokenizer.py", "arch.py", "llama.py")
 _DERIVING_PACKAGES = ("gguf", "tokenizers", "numpy")
 _DATA_ALIGN = 64  # the tensor data starts at a multiple of this (float32 views need 4)
 
@@ -123,7 +126,7 @@ def source_digest(path: str, root: str) -> str:
     sha = file_sha256(path)
     if _stat_key(path) == key:  # unchanged while we read it: safe to remember
         index[path] = {"stat": key, "sha256": sha}
-        _write_json_atomic(index_path, index)
+        write_json_atomic(index_path, index)
     return sha
 
 
@@ -289,7 +292,7 @@ def write_entry(directory: str, source: str, source_sha: str, derivation: str, a
         manifest = {"format": CACHE_FORMAT, "source_sha256": source_sha,
                     "derivation": derivation, "source_path": source,
                     "arch": arch_to_json(arch), "tokenizer": tokenizer_fields, "files": files}
-        _write_json_atomic(os.path.join(staging, _MANIFEST), manifest)
+        write_json_atomic(os.path.join(staging, _MANIFEST), manifest)
         _replace_dir(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -340,7 +343,7 @@ def _read_json_or_empty(path: str) -> dict:
         return {}
 
 
-def _write_json_atomic(path: str, data: Any) -> None:
+def write_json_atomic(path: str, data: Any) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     staging = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with open(staging, "w", encoding="utf-8") as f:

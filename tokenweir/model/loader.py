@@ -23,7 +23,7 @@ import torch
 
 from tokenweir.model import load_cache
 from tokenweir.model.arch import ArchConfig
-from tokenweir.model.llama import CausalLM
+from tokenweir.model.llama import CausalLM, fuse_checkpoint
 from tokenweir.model.paths import ALIASES, _alias_path, resolve_model_path  # noqa: F401
 from tokenweir.model.tokenizer import Tokenizer
 
@@ -47,6 +47,9 @@ class LoadedModel:
     # converted the GGUF and wrote one), "rebuilt" (an entry failed its checks: rewritten),
     # "disabled" (TOKENWEIR_LOAD_CACHE=0 or the cache directory unusable), "" (not a GGUF).
     load_cache: str = ""
+    # What model/packed_cache.py did with the packed float32 weights: "hit", "written",
+    # "rebuilt", or "" (not asked for, no cache entry, or not CPU float32 with the kernel).
+    packed_cache: str = ""
 
 
 def preferred_dtype(device: torch.device | str) -> torch.dtype:
@@ -95,20 +98,36 @@ def _cpu_capability() -> str:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LoadedModel:
-    """Load `model` (alias, .gguf path or HF directory) onto `device` in `dtype`."""
+               device: torch.device | str = "cpu", pack: bool = True) -> LoadedModel:
+    """Load `model` (alias, .gguf path or HF directory) onto `device` in `dtype`. `pack`: when
+    the load cache served the weights, also install their packed float32 copies from it
+    (model/packed_cache.py), writing them there on the first such load; False for a caller
+    that reshapes the weights before running them (a tensor-parallel shard)."""
     device = torch.device(device)
     path = resolve_model_path(model)
-    cache_status = ""
+    cache_status, entry = "", ""
     if path.endswith(".gguf"):
-        arch, weights, tokenizer, cache_status = open_gguf_cached(path)
+        arch, weights, tokenizer, cache_status, entry = open_gguf_cached(path)
     else:
         arch, weights, tokenizer = _open_hf_dir(path)
     net = _build(arch, weights, dtype, device)
+    packed_status = _attach_packed(net, entry) if pack and entry else ""
     name = model if model in ALIASES else os.path.basename(path.rstrip(os.sep))
     return LoadedModel(model=net, arch=arch, tokenizer=tokenizer,
                        max_model_len=arch.max_position_embeddings, name=name, path=path,
-                       load_cache=cache_status)
+                       load_cache=cache_status, packed_cache=packed_status)
+
+
+def _attach_packed(net: CausalLM, entry: str) -> str:
+    """packed_cache.attach, or "" with one line when the entry directory cannot take it (the
+    weights are then packed lazily at their first matmul, as without the cache)."""
+    from tokenweir.model import packed_cache
+
+    try:
+        return packed_cache.attach(net, entry)
+    except (OSError, load_cache.CacheCorrupt) as exc:
+        load_cache.notice(f"packed weights not cached ({exc}); packing them at first use")
+        return ""
 
 
 def _build(arch: ArchConfig, weights: Iterator[tuple[str, torch.Tensor]],
@@ -252,26 +271,27 @@ def read_gguf_source(path: str) -> "load_cache.GGUFSource":
                                  tokenizer)
 
 
-def open_gguf_cached(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenizer], str]:
+def open_gguf_cached(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenizer], str, str]:
     """_open_gguf through the load cache (model/load_cache.py), plus what the cache did
-    (LoadedModel.load_cache). Any failure to use the cache directory falls back to the direct
-    read, with one line saying so."""
+    (LoadedModel.load_cache) and the entry's directory ("" when none served). Any failure to
+    use the cache directory falls back to the direct read, with one line saying so."""
     if not load_cache.cache_enabled():
-        return (*_open_gguf(path), "disabled")
+        return (*_open_gguf(path), "disabled", "")
     try:
-        cached, status = _cache_entry_for(path, load_cache.cache_root())
+        cached, status, directory = _cache_entry_for(path, load_cache.cache_root())
     except (OSError, load_cache.CacheCorrupt) as exc:
         load_cache.notice(f"load cache not used ({exc}); reading {path} directly")
-        return (*_open_gguf(path), "disabled")
+        return (*_open_gguf(path), "disabled", "")
     tokenizer = None
     if cached.tokenizer_json is not None:
         tokenizer = Tokenizer.from_cache(cached.tokenizer_json, cached.tokenizer_fields)
-    return cached.arch, iter(cached.weights), tokenizer, status
+    return cached.arch, iter(cached.weights), tokenizer, status, directory
 
 
-def _cache_entry_for(path: str, root: str) -> tuple["load_cache.CachedLoad", str]:
-    """The sound entry for the GGUF at `path`: read as it is ("hit"), or written first from
-    the GGUF ("written"; "rebuilt" when the one there failed its checks, which is said)."""
+def _cache_entry_for(path: str, root: str) -> tuple["load_cache.CachedLoad", str, str]:
+    """The sound entry for the GGUF at `path` and its directory: read as it is ("hit"), or
+    written first from the GGUF ("written"; "rebuilt" when the one there failed its checks,
+    which is said)."""
     sha = load_cache.source_digest(path, root)
     derivation = load_cache.derivation_tag()
     directory = load_cache.entry_dir(root, sha, derivation)
@@ -279,7 +299,7 @@ def _cache_entry_for(path: str, root: str) -> tuple["load_cache.CachedLoad", str
     try:
         cached = load_cache.read_entry(directory, sha, derivation)
         if cached is not None:
-            return cached, "hit"
+            return cached, "hit", directory
     except load_cache.CacheCorrupt as exc:
         load_cache.notice(f"load cache entry {directory} is unusable ({exc}); rebuilding it")
         load_cache.remove_entry(directory)
@@ -288,7 +308,7 @@ def _cache_entry_for(path: str, root: str) -> tuple["load_cache.CachedLoad", str
     cached = load_cache.read_entry(directory, sha, derivation)  # checked like any other read
     if cached is None:
         raise load_cache.CacheCorrupt(f"the entry {directory} vanished right after writing")
-    return cached, status
+    return cached, status, directory
 
 
 def _convert_into_cache(path: str, directory: str, sha: str, derivation: str) -> None:
@@ -303,8 +323,15 @@ def _convert_into_cache(path: str, directory: str, sha: str, derivation: str) ->
                disable=None)  # None: a bar on a terminal only
     tokenizer_json, tokenizer_fields = (None, None) if source.tokenizer is None else \
         source.tokenizer.to_cache()
-    load_cache.write_entry(directory, path, sha, derivation, source.arch, source.specs, bar,
+    specs = list(fuse_checkpoint(source.specs, _stacked_shape))
+    tensors = fuse_checkpoint(bar, lambda parts: torch.cat(parts).contiguous())
+    load_cache.write_entry(directory, path, sha, derivation, source.arch, specs, tensors,
                            tokenizer_json, tokenizer_fields)
+
+
+def _stacked_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of torch.cat(parts) for parts of `shapes` (fuse_checkpoint on specs)."""
+    return (sum(shape[0] for shape in shapes), *shapes[0][1:])
 
 
 def _iter_gguf_tensors(reader: Any, arch: ArchConfig,

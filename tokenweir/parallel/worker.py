@@ -84,7 +84,7 @@ def build_runner(spec: WorkerSpec, rank: int):
     from tokenweir.parallel.tp_runner import TPModelRunner
 
     device = rank_device(spec.device_type, rank)
-    loaded = load_model(spec.model_path, _DTYPES[spec.dtype], device)
+    loaded = load_model(spec.model_path, _DTYPES[spec.dtype], device, pack=False)  # sharded next
     model = shard_model(loaded.model, rank, spec.tp_size)
     return TPModelRunner(model, model.arch, spec.num_blocks, spec.block_size,
                          _DTYPES[spec.dtype], device, spec.eos_token_ids, spec.seed,
