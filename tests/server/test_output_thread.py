@@ -170,11 +170,46 @@ def test_stop_string_ends_the_request_and_frees_its_blocks(tiny_path):
     _assert_idle(engine)
 
 
+def _hold_steps_until_aborted(request_id: str, timeout: float = 30):
+    """A `before` hook for _serve: once `request_id` has a token, the engine thread waits
+    (once, before its next step) until the client's abort for it was asked (AsyncEngine.abort),
+    which then reaches the scheduler at the engine thread's next turn.
+    Without it the abort races the engine: the client breaks after its first chunk, but the
+    abort is sent only when asyncio finalizes the abandoned stream a few loop turns later, and
+    on a loaded machine the engine thread had meanwhile run the request's 13 remaining steps
+    to `length` (the abort then found nothing to abort: counted 0). Returns (hook, asked)."""
+    asked, produced, waited = threading.Event(), threading.Event(), threading.Event()
+
+    async def hook(async_engine: AsyncEngine) -> None:
+        abort, core = async_engine.abort, async_engine.engine.core
+        step = core.step
+
+        def abort_and_tell(rid: str) -> None:
+            abort(rid)
+            if rid == request_id:
+                asked.set()
+
+        def held_step():
+            if produced.is_set() and not waited.is_set():
+                asked.wait(timeout)
+                waited.set()
+            outputs = step()
+            if any(o.request.request_id == request_id and o.new_token_ids for o in outputs):
+                produced.set()
+            return outputs
+        async_engine.abort = abort_and_tell
+        core.step = held_step
+    return hook, asked
+
+
 def test_abort_mid_stream_frees_its_blocks(tiny_path):
-    engine, got = _serve(tiny_path, _params(), abort=2)
+    hold, asked = _hold_steps_until_aborted("r2")
+    engine, got = _serve(tiny_path, _params(), abort=2, before=hold)
+    assert asked.is_set(), "the client's abort never reached AsyncEngine.abort"
     assert not got[2]["finished"] and got[2]["chunks"] == 1  # the probe: it left early
     assert all(g["finish"] == "length" for i, g in enumerate(got) if i != 2)
     assert engine.stats.finished["abort"] == 1
+    assert engine.stats.finished["length"] == NUM_PROMPTS - 1  # r2 did not run to its end
     _assert_idle(engine)
 
 
