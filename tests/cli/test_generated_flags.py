@@ -142,3 +142,15 @@ def test_the_default_model_is_written_once():
             if isinstance(node, ast.Constant) and node.value == DEFAULT_MODEL:
                 found.add(str(path.relative_to(PACKAGE)))
     assert "config.py" in found and found <= allowed, found
+
+
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_the_simulator_refuses_batch_invariant(command, capsys):
+    """--batch-invariant picks kernels; the simulator runs none, so its commands refuse the
+    flag instead of ignoring it. Probe: the engine's commands do take it."""
+    assert build_parser().parse_args(["generate", "--batch-invariant"]).batch_invariant is True
+    argv = _minimal_argv(next(c for c in COMMANDS if c.path == (command,)))
+    build_parser().parse_args(argv)  # parses without the flag
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv + ["--batch-invariant"])
+    assert "--batch-invariant" in capsys.readouterr().err

@@ -105,8 +105,9 @@ CHANGES[("tokenweir simulate", "--router")] = {
 for _c in ("sweep", "study frontier", "study pool", "study policies"):
     NEW_SPELLINGS[f"tokenweir {_c}"] = NEW_SPELLINGS.get(f"tokenweir {_c}", set()) | {"--ray"}
 NEW_DESTS |= {"ray"}
-# issue 38: batch-invariant kernels, an engine flag like --quantization
-for _c in ("generate", "serve", "simulate", "sweep"):
+# issue 38: batch-invariant kernels, an engine flag like --quantization (not in simulate or
+# sweep: the simulator runs no kernels; tokenweir/cli/commands.py, _SIM_EXCLUDE)
+for _c in ("generate", "serve"):
     NEW_SPELLINGS[f"tokenweir {_c}"] |= {"--batch-invariant", "--no-batch-invariant"}
 NEW_DESTS |= {"batch_invariant"}
 # issue 35: a separate cap for the slo policy's pauses between steps (they waste no work)

@@ -84,18 +84,20 @@ def _samples(output) -> list[tuple[list[int], list[float]]]:
             for c in sorted(output.outputs, key=lambda c: c.index)]
 
 
-_LOADED: dict[tuple[str, str], Any] = {}
+_LOADED: dict[tuple[str, str, str], Any] = {}
 
 
 def _loaded(path: str, dtype: str):
     """The model at path in dtype, loaded once per process and shared by every engine (each
     engine sets its own batch_invariant on it when built, and is used before the next)."""
-    if (path, dtype) not in _LOADED:
+    device = ROOMY["device"]  # cpu; a test may set cuda
+    if (path, dtype, device) not in _LOADED:
         import torch
 
         from tokenweir.model.loader import load_model
-        _LOADED[(path, dtype)] = load_model(path, getattr(torch, dtype), torch.device("cpu"))
-    return _LOADED[(path, dtype)]
+        _LOADED[(path, dtype, device)] = load_model(path, getattr(torch, dtype),
+                                                    torch.device(device))
+    return _LOADED[(path, dtype, device)]
 
 
 def _engine(path: str, dtype: str, invariant: bool, **overrides) -> tuple[LLM, StepLog]:

@@ -6,6 +6,7 @@ without the flag the schedule does move the outputs (so these tests can fail).""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tokenweir.model import kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import invariance_scenarios as S  # noqa: E402
+from tiny_models import make_tiny_model, save_tiny_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     kernels.paged_attention_kernel() is None or kernels.packed_linear_kernel() is None,
@@ -78,6 +80,77 @@ def test_sample_i_of_n8_is_alone_with_seed_plus_i(wide_path, dtype):
     assert together.samples == [o.samples[0] for o in lone]
 
 
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory) -> str:
+    """A tiny Qwen3 (q/k RMSNorm per head: the torch RMSNorm path, and no direct path)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = str(tmp_path_factory.mktemp("tiny-qwen3"))
+    make_tiny_model("qwen3", path, seed=3)
+    save_tiny_tokenizer(path, S.TEMPLATE)
+    yield path
+    torch.set_num_threads(threads)
+
+
+# the scenarios whose rows meet other rows in a norm, a matmul or an attention call
+PATH_SCENARIOS = (S.in_batch_of_64, S.chunked(16), S.behind_cached_prefix,
+                  S.preempted("recompute"))
+
+
+def _direct_stacks_seen(monkeypatch) -> list:
+    """Every direct_stack answer of the engines built from now on (None: the module path)."""
+    from tokenweir.model import llama
+    seen, real = [], llama.direct_stack
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+    monkeypatch.setattr(llama, "direct_stack", spy)
+    return seen
+
+
+def _every_scenario_gives_alone(path: str, dtype: str) -> None:
+    cache: dict = {}
+    alone = S.alone(path, dtype, True, S.GREEDY)
+    for scenario in PATH_SCENARIOS:
+        got = scenario(path, dtype, True, S.GREEDY)
+        _check_probe(scenario.__name__, got.probe)
+        ref = S.reference_for(scenario, got, path, dtype, True, S.GREEDY, cache)
+        assert got.samples == ref.samples, (scenario.__name__, S._verdict(got, ref))
+        if "prompt" not in got.probe:
+            assert ref.samples == alone.samples
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_qk_norms_keep_every_schedule_the_bits_of_alone(qwen3_path, dtype, monkeypatch):
+    seen = _direct_stacks_seen(monkeypatch)
+    _every_scenario_gives_alone(qwen3_path, dtype)
+    model = S._loaded(qwen3_path, dtype).model
+    assert all(layer.self_attn.qk_norm for layer in model.model.layers)  # probe: q/k norms
+    assert seen and not any(seen)  # probe: the module path (the direct one refuses q/k norms)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_the_direct_path_every_schedule_gives_the_bits_of_alone(wide_path, dtype,
+                                                                          monkeypatch):
+    """TOKENWEIR_DIRECT_FORWARD=0: the model's own modules run every step."""
+    from tokenweir.model import direct
+    monkeypatch.setattr(direct, "ENABLED", False)
+    seen = _direct_stacks_seen(monkeypatch)
+    _every_scenario_gives_alone(wide_path, dtype)
+    assert seen and not any(seen)  # probe: no step took the direct path
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_every_schedule_gives_the_bits_of_alone(wide_path, dtype, monkeypatch):
+    """For a session with a GPU: the opted-in Triton kernels (backends/triton_matmul.py, the
+    triton attention backend's fixed tiles) under the engine. Never run yet."""
+    monkeypatch.setenv("TOKENWEIR_BATCH_INVARIANT_CUDA", "1")
+    monkeypatch.setitem(S.ROOMY, "device", "cuda")
+    _every_scenario_gives_alone(wide_path, dtype)
+
+
 def test_without_the_flag_the_schedule_moves_bfloat16_outputs(wide_path):
     """The probe that makes the tests above meaningful: in bfloat16, flag off, at least one
     schedule changes the target's tokens or logprobs. On the AVX2 machine measured, chunking
@@ -101,9 +174,17 @@ def test_the_flag_is_refused_where_it_cannot_hold(wide_path, monkeypatch):
     from tokenweir.config import EngineConfig
     from tokenweir.engine.llm_engine import check_batch_invariant
     on_cuda = EngineConfig.from_kwargs(model=wide_path, batch_invariant=True)
-    with pytest.raises(ValueError, match="batch_invariant: it runs on CPU only"):
+    monkeypatch.delenv("TOKENWEIR_BATCH_INVARIANT_CUDA", raising=False)
+    with pytest.raises(ValueError, match="TOKENWEIR_BATCH_INVARIANT_CUDA=1"):
         check_batch_invariant(on_cuda, torch.device("cuda"))  # refused before any CUDA call
     check_batch_invariant(EngineConfig.from_kwargs(model=wide_path), torch.device("cuda"))
+    if importlib.util.find_spec("triton") is not None:  # opted in: the triton backend runs it
+        monkeypatch.setenv("TOKENWEIR_BATCH_INVARIANT_CUDA", "1")
+        check_batch_invariant(on_cuda, torch.device("cuda"))
+        monkeypatch.setenv("TOKENWEIR_ATTENTION_BACKEND", "reference")
+        with pytest.raises(ValueError, match="needs the triton attention backend"):
+            check_batch_invariant(on_cuda, torch.device("cuda"))
+        monkeypatch.delenv("TOKENWEIR_BATCH_INVARIANT_CUDA")
     monkeypatch.setenv("TOKENWEIR_ATTENTION_BACKEND", "reference")
     with pytest.raises(ValueError, match="batch_invariant: it needs the cpu attention backend"):
         LLM(wide_path, dtype="float32", device="cpu", batch_invariant=True)

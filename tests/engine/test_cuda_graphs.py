@@ -168,3 +168,22 @@ def test_a_failed_start_up_capture_turns_graphs_off(caplog):
     assert calls == [8] and runner.graphs is None
     assert "CUDA graph capture failed" in caplog.text
     assert runner.capture_decode_graphs(8) == 0  # graphs off: nothing to capture
+
+
+def test_batch_invariant_graph_metadata_takes_the_plan_of_every_invariant_step():
+    """In batch-invariant mode a captured decode step must run the tile shape that
+    triton_paged.plan_step gives every step in that mode (a decode-only plan would put the
+    rows in 16-row tiles, another compiled kernel)."""
+    from tokenweir.model.backends import triton_paged
+    from tokenweir.model.attention import build_attention_metadata
+    buffers = StaticDecodeBuffers(8, 6, 4, torch.device("cpu"), group=3)
+    backend = type("Triton", (), {"name": "triton"})()
+    invariant = buffers.metadata(4, [5, 6], backend, invariant=True)
+    eager = build_attention_metadata([1] * 4, [4, 5, 0, 0], [[1, 2]] * 4, 4, "cpu",
+                                     batch_invariant=True)
+    planned = triton_paged.plan_step(eager, 3, torch.device("cpu"))
+    assert invariant.batch_invariant
+    plan = invariant.backend_plan
+    assert (plan.block_m, plan.block_q) == (planned.block_m, planned.block_q)
+    default = buffers.metadata(4, [5, 6], backend).backend_plan
+    assert (default.block_m, default.block_q) != (plan.block_m, plan.block_q)  # probe

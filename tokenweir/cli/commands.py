@@ -40,8 +40,10 @@ _SIM_RUN = "tokenweir.sim.cli:run"
 # --trace is its workload file.
 _SIM_TP = ("tensor_parallel_size", "step_trace")
 # The simulator prices a model shape, never loads weights: its --model picks a shipped config
-# (SimTargetConfig.model_name), so the engine's --model is left out.
-_SIM_EXCLUDE = _SIM_TP + ("model",)
+# (SimTargetConfig.model_name), so the engine's --model is left out. --batch-invariant picks
+# kernels, which the simulator never runs (its step times come from a roofline or a fitted
+# --profile): left out too, so `simulate --batch-invariant` is refused by the parser.
+_SIM_EXCLUDE = _SIM_TP + ("model", "batch_invariant")
 
 GROUPS: tuple[CommandGroup, ...] = (
     CommandGroup("bench", "benchmarks", dest="bench_command"),

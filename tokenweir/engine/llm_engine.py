@@ -191,27 +191,47 @@ def check_quantization(config: EngineConfig, device: torch.device, dtype: torch.
                          "tensor_parallel_size must be 1")
 
 
+# CUDA runs batch-invariant mode on Triton kernels (backends/triton_matmul.py; the triton
+# attention backend's fixed tiles, triton_paged.plan_step) that only Triton's interpreter has
+# run so far (tests/model/test_triton_batch_invariant.py; its `cuda` tests are for a GPU): until
+# a GPU session has run those, the mode asks for this opt-in there.
+BATCH_INVARIANT_CUDA_ENV = "TOKENWEIR_BATCH_INVARIANT_CUDA"
+
+
 def check_batch_invariant(config: EngineConfig, device: torch.device) -> None:
     """--batch-invariant runs where every op has a batch-invariant form (model/layers.py,
-    invariant_matmul; model/attention.py, one-row items): the C++ CPU kernels, one process,
-    the CPU attention path, no int8 (whose kernel applies by row count). Refused otherwise,
-    with the reason, before the weights load."""
+    invariant_matmul; model/attention.py, fixed-order items): one process, no int8 (whose
+    kernel applies by row count), and on CPU the C++ kernels and the CPU attention path, on
+    CUDA (opted in, see above) the triton attention backend. Refused otherwise, with the
+    reason, before the weights load."""
     if not config.model.batch_invariant:
         return
     why = None
-    if device.type != "cpu":
-        why = (f"it runs on CPU only (device is {device.type}: cuBLAS and the Triton attention "
-               "kernel pick their reduction splits by batch shape)")
+    if device.type not in ("cpu", "cuda"):
+        why = f"it runs on CPU or CUDA (device is {device.type})"
     elif config.parallel.tensor_parallel_size > 1:
         why = "it runs in one process: tensor_parallel_size must be 1"
     elif config.model.quantization is not None:
         why = f"quantization={config.model.quantization!r} picks its kernel by row count"
+    elif device.type == "cuda":
+        why = _cuda_refusal(device)
     elif select_backend(device) is not None:
         why = "it needs the cpu attention backend (unset TOKENWEIR_ATTENTION_BACKEND)"
     elif kernels.paged_attention_kernel() is None or kernels.packed_linear_kernel() is None:
         why = "it needs the C++ CPU kernels (unavailable here, or TOKENWEIR_CPU_KERNELS=0)"
     if why is not None:
         raise ValueError(f"batch_invariant: {why}")
+
+
+def _cuda_refusal(device: torch.device) -> Optional[str]:
+    if os.environ.get(BATCH_INVARIANT_CUDA_ENV) != "1":
+        return (f"on CUDA its Triton kernels have run only in Triton's interpreter so far: "
+                f"set {BATCH_INVARIANT_CUDA_ENV}=1 to use them (the `cuda` tests of "
+                f"tests/model/test_triton_batch_invariant.py check them on a GPU)")
+    backend = select_backend(device)
+    if getattr(backend, "name", None) != "triton":
+        return "on CUDA it needs the triton attention backend (triton installed)"
+    return None
 
 
 def warm_up_enabled() -> bool:

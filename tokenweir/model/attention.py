@@ -32,10 +32,12 @@ The per-step plan (index tensors, masks) is built once, at the first layer, and 
 `AttentionMetadata` object, so the other layers only do tensor work and never sync.
 
 Batch-invariant mode (`AttentionMetadata.batch_invariant`, set by the runner under
-`--batch-invariant`): every query row of the step, decode or prefill, any chunk length, is
-attended alone by the C++ kernel's decode code (`one_row_items`), so row r of a request reads
-keys [0, ctx + r] and reduces them in one order whatever its chunk, its step's other rows, a
-cached prefix or a recompute after preemption. It needs the kernel (RuntimeError without it).
+`--batch-invariant`): every query row of the step, decode or prefill, any chunk length, goes to
+the C++ kernel with `fixed_order`, so row r of a request reads keys [0, ctx + r] and reduces
+them in one order (the one a decode at its position uses) whatever its chunk, its step's other
+rows, a cached prefix or a recompute after preemption. Prefill rows still share work items of
+16 rows (each K/V block read once per item); what keeps their sums fixed is in
+paged_attention_impl.h ("Fixed order"). It needs the kernel (RuntimeError without it).
 """
 
 from __future__ import annotations
@@ -140,8 +142,8 @@ class _StepPlan:
     decode_order: Optional[torch.Tensor] = None  # decodes sorted by length (None: already are)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     prefills: list[_PrefillPlan] = field(default_factory=list)
-    # batch-invariant mode: every request's rows, each row its own kernel work item
-    one_row_reqs: Optional[torch.Tensor] = None
+    # batch-invariant mode: every request's rows, to the kernel in fixed order
+    fixed_order_reqs: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -192,11 +194,13 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens_before: Seq
     context_lens_before[i] .. context_lens_before[i] + query_lens[i] - 1, using the blocks
     block_tables_lists[i] (which must cover all of them). Requests with query_len == 1 must come
     first (the leading run of them is counted as decodes). `backend` runs the step's attention
-    (see AttentionMetadata); `batch_invariant` asks for the batch-invariant path (no backend).
+    (see AttentionMetadata); `batch_invariant` asks for the batch-invariant path (no backend,
+    or the triton one: backends/triton_paged.py, plan_step).
     On CUDA the tables travel in one pinned, non-blocking copy."""
-    if batch_invariant and backend is not None:
-        raise ValueError(f"batch-invariant attention runs on the CPU kernels' path, not on the "
-                         f"{getattr(backend, 'name', backend)!r} backend")
+    if batch_invariant and backend is not None and getattr(backend, "name", None) != "triton":
+        raise ValueError(f"batch-invariant attention runs on the CPU kernels' path or the "
+                         f"triton backend, not on the {getattr(backend, 'name', backend)!r} "
+                         f"backend")
     query_lens, ctx = list(query_lens), list(context_lens_before)
     if not (len(query_lens) == len(ctx) == len(block_tables_lists)):
         raise ValueError("query_lens, context_lens_before and block tables differ in length")
@@ -258,7 +262,7 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     nd = meta.num_decodes
     plan.kernel = paged_kernel_for(kv_cache)
     if meta.batch_invariant:
-        return _one_row_plan(plan, meta, tables)
+        return _fixed_order_plan(plan, meta, tables)
     if plan.kernel is not None:
         plan.tables = tables.contiguous()
         plan.query_start_loc = meta.query_start_loc.to(torch.long).contiguous()
@@ -288,16 +292,16 @@ def _build_plan(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     return plan
 
 
-def _one_row_plan(plan: _StepPlan, meta: AttentionMetadata,
-                  tables: torch.Tensor) -> _StepPlan:
-    """The batch-invariant plan: every request's rows to the kernel, one row per work item."""
+def _fixed_order_plan(plan: _StepPlan, meta: AttentionMetadata,
+                      tables: torch.Tensor) -> _StepPlan:
+    """The batch-invariant plan: every request's rows to the kernel, in fixed order."""
     if plan.kernel is None:
         raise RuntimeError("batch-invariant attention needs the C++ CPU kernels (CPU, float32 or "
                            "bfloat16, head_dim a multiple of the vector width)")
     plan.tables = tables.contiguous()
     plan.query_start_loc = meta.query_start_loc.to(torch.long).contiguous()
     plan.seq_lens = meta.seq_lens.to(torch.long).contiguous()
-    plan.one_row_reqs = torch.arange(len(meta.query_lens_cpu), dtype=torch.long,
+    plan.fixed_order_reqs = torch.arange(len(meta.query_lens_cpu), dtype=torch.long,
                                      device=meta.slot_mapping.device)
     return plan
 
@@ -438,9 +442,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if plan.kernel is not None:
         q = q.contiguous()
     out = torch.empty_like(q)
-    if plan.one_row_reqs is not None:
+    if plan.fixed_order_reqs is not None:
         plan.kernel(q, kv_cache, plan.tables, plan.query_start_loc, plan.seq_lens,
-                    plan.one_row_reqs, scale, out, one_row_items=True)
+                    plan.fixed_order_reqs, scale, out, fixed_order=True)
         return out
     _decode_attention(q, kv_cache, plan, scale, out)
     if plan.in_place_prefill_reqs is not None:

@@ -167,9 +167,13 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, owner: object,
     """x [M, K] @ weight.T with every row's sums in one order whatever M (see above), in
     `out_dtype` (default: x's dtype). RuntimeError where the packed kernel cannot run it (off
     CPU, kernels unavailable, a dtype other than float32 / bfloat16): batch-invariant mode is
-    refused before the model runs there (engine/llm_engine.py), never silently weakened."""
+    refused before the model runs there (engine/llm_engine.py), never silently weakened.
+    On CUDA: the Triton kernel of backends/triton_matmul.py (one tiling for every row count)."""
+    if x.device.type == "cuda" and x.dim() == 2:
+        from tokenweir.model.backends.triton_matmul import invariant_matmul as on_cuda
+        return on_cuda(x, weight, out_dtype or x.dtype)
     if x.device.type != "cpu" or x.dim() != 2:
-        raise RuntimeError(f"batch-invariant matmuls take a CPU 2-D input (got "
+        raise RuntimeError(f"batch-invariant matmuls take a CPU or CUDA 2-D input (got "
                            f"{tuple(x.shape)} on {x.device.type})")
     return invariant_matmul_op(weight, owner, out_dtype or x.dtype)(x)
 

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from tokenweir.model.attention import AttentionMetadata
+from tokenweir.model.layers import batch_invariant
 
 logger = logging.getLogger("tokenweir")
 
@@ -94,19 +95,22 @@ class StaticDecodeBuffers:
                                                  non_blocking=cuda)
         return seq_lens
 
-    def metadata(self, bucket: int, seq_lens_cpu: list[int], backend) -> AttentionMetadata:
+    def metadata(self, bucket: int, seq_lens_cpu: list[int], backend,
+                 invariant: bool = False) -> AttentionMetadata:
         """The bucket's metadata over the static buffers. `seq_lens_cpu`: the live rows' (the
-        padding rows' are 1); only eager paths read the host lists, a graph never does."""
+        padding rows' are 1); only eager paths read the host lists, a graph never does.
+        `invariant` (batch-invariant mode): the prefill tile shape, as triton_paged.plan_step
+        gives every step in that mode."""
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=self.seq_lens[:bucket],
             block_tables=self.block_tables[:bucket], slot_mapping=self.slot_mapping[:bucket],
             query_lens_cpu=[1] * bucket,
             seq_lens_cpu=list(seq_lens_cpu) + [1] * (bucket - len(seq_lens_cpu)),
-            num_decodes=bucket, backend=backend)
+            num_decodes=bucket, backend=backend, batch_invariant=invariant)
         if getattr(backend, "name", None) == "triton":
             from tokenweir.model.backends.triton_paged import TritonPlan, launch_sizes
             meta.backend_plan = TritonPlan(self.tile_seq[:bucket], self.tile_start[:bucket],
-                                           *launch_sizes(self.group, decode_only=True))
+                                           *launch_sizes(self.group, decode_only=not invariant))
         return meta
 
 
@@ -157,7 +161,7 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, seq_lens: list[int]) -> tuple:
         b = self.buffers
-        meta = b.metadata(bucket, seq_lens, self.backend)
+        meta = b.metadata(bucket, seq_lens, self.backend, invariant=batch_invariant(self.model))
 
         def forward() -> torch.Tensor:
             return self.model(b.input_ids[:bucket], b.positions[:bucket], meta, self.kv_caches)

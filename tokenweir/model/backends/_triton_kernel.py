@@ -1,8 +1,17 @@
-"""The Triton source of the paged attention kernel (see triton_paged.py for its contract).
-Imported only when the triton backend is used; jitted there, lazily, in the mode that
-TRITON_INTERPRET names at first use."""
+"""The Triton sources of the paged attention kernel (see triton_paged.py for its contract) and
+of the batch-invariant matmul (triton_matmul.py). Imported only when they are used; jitted
+there, lazily, in the mode that TRITON_INTERPRET names at first use."""
 
 import triton.language as tl
+
+
+def sum_dot(a, b):
+    """a [M, K] @ b [K, N] as products summed over K (the interpreter's dot, SUM_DOT): each
+    output element by the same numpy reduction whatever its row. The interpreter's tl.dot is
+    numpy's BLAS matmul, whose bits for a row depend on its place in the tile (row 8 of 16
+    differed from row 0 in float32, measured), which a GPU's dot does not do to
+    batch-invariant mode's tests; kept off CUDA, where tl.dot runs."""
+    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
 
 
 def paged_attention_kernel(
@@ -11,7 +20,8 @@ def paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr):
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+        SUM_DOT: tl.constexpr = False):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -45,7 +55,9 @@ def paged_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if F32_DOT:
+        if SUM_DOT:
+            s = sum_dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        elif F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
@@ -56,7 +68,9 @@ def paged_attention_kernel(
         p = tl.exp(s - m_use[:, None])
         alpha = tl.exp(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if F32_DOT:
+        if SUM_DOT:
+            acc = acc * alpha[:, None] + sum_dot(p, v.to(tl.float32))
+        elif F32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -65,3 +79,32 @@ def paged_attention_kernel(
     o_offs = (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def invariant_matmul_kernel(
+        x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        F32_DOT: tl.constexpr, SUM_DOT: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K]^T: one output tile per program, K in order from 0, one
+    float32 accumulator (see triton_matmul.py for why every row's order is fixed)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < K
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_wn + kk[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if SUM_DOT:
+            acc += sum_dot(x.to(tl.float32), w.to(tl.float32))
+        elif F32_DOT:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -67,6 +67,7 @@ class TritonPlan:
     tile_start: torch.Tensor  # int32 [tiles]
     block_m: int
     block_q: int
+    sum_dot: bool = False  # batch-invariant mode off CUDA: the interpreter's exact-order dots
 
 
 def tile_table(query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
@@ -90,7 +91,13 @@ def launch_sizes(group: int, decode_only: bool) -> tuple[int, int]:
 
 
 def plan_step(meta, group: int, device: torch.device) -> TritonPlan:
-    decode_only = meta.num_decodes == len(meta.query_lens_cpu)
+    """Batch-invariant mode (`meta.batch_invariant`): every step takes the prefill launch
+    sizes, decode-only steps too, so every row runs in a tile of one shape (one compiled
+    kernel): its dots are the same instructions, its keys walked in the same BLOCK_N chunks
+    from key 0, and the chunks past its own position (a longer row of its tile) add exact
+    zeros (p = 0, alpha = 1). A row's result is then its decode's whatever its tile."""
+    decode_only = (meta.num_decodes == len(meta.query_lens_cpu)
+                   and not getattr(meta, "batch_invariant", False))
     block_m, block_q = launch_sizes(group, decode_only)
     seqs, starts = tile_table(meta.query_lens_cpu, block_q)
     both = torch.tensor([seqs, starts], dtype=torch.int32)
@@ -98,7 +105,9 @@ def plan_step(meta, group: int, device: torch.device) -> TritonPlan:
         both = both.pin_memory().to(device, non_blocking=True)
     else:
         both = both.to(device)
-    return TritonPlan(both[0], both[1], block_m, block_q)
+    invariant = getattr(meta, "batch_invariant", False)
+    return TritonPlan(both[0], both[1], block_m, block_q,
+                      sum_dot=invariant and device.type != "cuda")
 
 
 class TritonBackend:
@@ -142,4 +151,5 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
         KV_HEADS=kv_heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim,
         D_PAD=max(16, _next_pow2(head_dim)), BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=BLOCK_N,
-        F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda")
+        F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda",
+        SUM_DOT=plan.sum_dot)

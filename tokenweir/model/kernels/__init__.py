@@ -61,18 +61,18 @@ def vector_floats(isa: str) -> int:
 
 def paged_attention_kernel() -> Optional[Any]:
     """`f(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale, out,
-    one_row_items=False)`: the in-place paged attention of the listed requests on this CPU's
-    widest variant, or None. `one_row_items`: every query row attended alone, by the decode's
-    code (batch-invariant mode; cpu_kernels.cpp, work_items)."""
+    fixed_order=False)`: the in-place paged attention of the listed requests on this CPU's
+    widest variant, or None. `fixed_order`: every query row's result the bits a decode at its
+    position gets, whatever its chunk or step (batch-invariant mode; paged_attention_impl.h)."""
     isa = cpu_isa()
     if not isa:
         return None
     run = _module().paged_attention
 
     def paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale,
-                        out, one_row_items: bool = False) -> None:
+                        out, fixed_order: bool = False) -> None:
         run(q, kv_cache, block_tables, query_start_loc, seq_lens, req_ids, scale, out, isa,
-            one_row_items)
+            fixed_order)
 
     paged_attention.isa = isa  # type: ignore[attr-defined]
     return paged_attention

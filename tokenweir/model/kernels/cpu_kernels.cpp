@@ -379,9 +379,8 @@ struct WorkItem {
 constexpr int64_t kPrefillRowsPerItem = 16;
 
 // Runs of query rows of every listed request: decodes are one item each; a prefill chunk is cut
-// into runs of `rows` rows. With rows == 1 (batch-invariant mode) every query row is an item of
-// its own and takes the decode's code path: row r of a chunk attends keys [0, ctx + r] exactly
-// as a decode at that position would, whatever the chunk or the step.
+// into runs of `rows` rows. (Batch-invariant mode cuts them the same way: its fixed-order items
+// give each row the decode's result whatever run it is in; paged_attention_impl.h.)
 std::vector<WorkItem> work_items(const int64_t* reqs, int64_t n_reqs, const int64_t* starts,
                                  int64_t rows) {
   std::vector<WorkItem> items;
@@ -449,9 +448,10 @@ void run_paged(const G& g, const T* q, T* out, torch::Tensor& block_tables,
     const T* k_base = reinterpret_cast<const T*>(kv_cache.data_ptr());                         \
     NS::Paged<T> g{k_base, k_base + nb * bs * kvh * d, bs, q.size(1), kvh, d,                  \
                    static_cast<float>(scale)};                                                 \
+    g.fixed_order = fixed_order;                                                               \
     const int64_t* starts = query_start_loc.data_ptr<int64_t>();                               \
     const auto items = work_items(req_ids.data_ptr<int64_t>(), req_ids.numel(), starts,       \
-                                  rows_per_item);                                              \
+                                  kPrefillRowsPerItem);                                        \
     run_paged<NS::Scratch>(g, reinterpret_cast<const T*>(q.data_ptr()),                        \
                            reinterpret_cast<T*>(out.data_ptr()), block_tables, starts,         \
                            seq_lens.data_ptr<int64_t>(), items, &NS::attend_item<T>);          \
@@ -465,12 +465,12 @@ void run_paged(const G& g, const T* q, T* out, torch::Tensor& block_tables,
 // on AVX-512); block_tables int64 [B, max_blocks]; query_start_loc int64 [B + 1]; seq_lens int64
 // [B] (context after this step); req_ids int64 [n], the requests to attend. Rows of other
 // requests in out are left untouched. `isa` is cpu_isa()'s answer (or a narrower one).
-// `one_row_items` (batch-invariant mode): every query row is a work item of its own (see
-// work_items), so its result does not depend on its chunk, its step or its neighbours.
+// `fixed_order` (batch-invariant mode): every query row's result is the same bits whatever its
+// chunk, its step, its neighbours or its work item: row r of a chunk gets exactly what a decode
+// at that position gets (paged_attention_impl.h, "Fixed order").
 void paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor req_ids,
-                     double scale, torch::Tensor out, std::string isa, bool one_row_items) {
-  const int64_t rows_per_item = one_row_items ? 1 : kPrefillRowsPerItem;
+                     double scale, torch::Tensor out, std::string isa, bool fixed_order) {
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "paged_attention: float32 or bfloat16");
   TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
@@ -504,7 +504,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention over a block-paged KV cache, read in place (float32/bfloat16, CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("req_ids"), py::arg("scale"), py::arg("out"),
-        py::arg("isa"), py::arg("one_row_items") = false);
+        py::arg("isa"), py::arg("fixed_order") = false);
   m.def("skinny_linear", &skinny_linear, "x @ w.T for few rows of x (float32, CPU)");
   m.def("linear_panel_width", &linear_panel_width, "output columns per packed panel for an isa");
   m.def("packed_linear", &packed_linear, "x @ w.T from a panel-packed w (float32, CPU)",

@@ -55,6 +55,9 @@ struct Paged {
   const T* v_base;  // cache[1]
   int64_t block_size, num_heads, kv_heads, head_dim;
   float scale;
+  // Batch-invariant mode (see "Fixed order" below): every query vector's result is the same
+  // bits whatever the item (rows, chunk, step) it arrives in.
+  bool fixed_order = false;
   int64_t row() const { return kv_heads * head_dim; }  // elements per token in a block
 };
 
@@ -168,6 +171,50 @@ void score_block(const T* k_blk, int64_t nt, int64_t row, int64_t d, const float
   }
 }
 
+// Fixed order (batch-invariant mode, Paged::fixed_order): a query vector's result must not
+// depend on the item it is in (one decode row, or a run of prefill rows whose last row sets how
+// many keys the item's last block holds). So in this mode (a) tiles never mix rows (plan_item):
+// a vector always sits in a tile of its row's GQA group, the size a decode's tile has; (b) every
+// group of up to TW_W keys of a block, the last partial one included, goes through ONE
+// out-of-line function (score_group), zeros in the missing lanes, so a key's score is the same
+// machine code whatever the block's length in this item (score_block finishes a partial group
+// by hsum instead, a different order); (c) score rows start 64-byte aligned, their stride a
+// multiple of 16 floats, so the softmax loop runs the same way on every row of a given length
+// (plan_item); (d) no bf16 dot-product or one-pass path (attend_item). Keys past a row's length
+// get probability 0 and add exact zeros to its output.
+
+// scores[n, j + u] = q_n . k_{j+u} for u < cnt (cnt <= TW_W) of one block: the fixed-order
+// group (see above); noinline so every group of every item runs the same instructions.
+template <int N, typename T>
+__attribute__((noinline)) void score_group(const T* k_blk, int64_t j, int64_t cnt, int64_t row,
+                                           int64_t d, const float* q, float* scores,
+                                           int64_t stride, Trickle& pf) {
+  vf parked[N][TW_W];
+  for (int u = 0; u < TW_W; ++u) {
+    vf acc[N] = {};
+    if (u < cnt) {
+      pf.step();
+      const T* k = k_blk + (j + u) * row;
+      for (int64_t i = 0; i < d; i += TW_W) {
+        const vf kv = load_vec(k + i);
+        for (int n = 0; n < N; ++n) acc[n] += load_vec(q + n * d + i) * kv;
+      }
+    }
+    for (int n = 0; n < N; ++n) parked[n][u] = acc[n];
+  }
+  for (int n = 0; n < N; ++n) {
+    const vf sums = transpose_sum(parked[n]);
+    for (int64_t u = 0; u < cnt; ++u) scores[n * stride + j + u] = sums[u];
+  }
+}
+
+template <int N, typename T>
+void score_block_fixed(const T* k_blk, int64_t nt, int64_t row, int64_t d, const float* q,
+                       float* scores, int64_t stride, Trickle& pf) {
+  for (int64_t j = 0; j < nt; j += TW_W)
+    score_group<N>(k_blk, j, std::min<int64_t>(TW_W, nt - j), row, d, q, scores, stride, pf);
+}
+
 // out[n, :] += sum_j p[n, j] * v_j over one block, CH vectors of head_dim at a time.
 template <int N, int CH, typename T>
 void value_block(const T* v_blk, int64_t nt, int64_t row, int64_t d, const float* p,
@@ -209,8 +256,12 @@ inline void masked_softmax(float* s, int64_t len, int64_t max_len) {
 template <int N, typename T>
 void tile_scores(const Paged<T>& g, const T* k_blk, int64_t nt, const Tile& tile, int64_t stride,
                  Trickle& pf) {
-  score_block<N>(k_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.q,
-                 tile.scores, stride, pf);
+  if (g.fixed_order)
+    score_block_fixed<N>(k_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.q,
+                         tile.scores, stride, pf);
+  else
+    score_block<N>(k_blk + tile.kv_head * g.head_dim, nt, g.row(), g.head_dim, tile.q,
+                   tile.scores, stride, pf);
 }
 
 template <int N, typename T>
@@ -703,6 +754,7 @@ struct DotPasses {
 // Scratch of one thread: the item's scaled queries, scores and float32 outputs.
 struct Scratch {
   std::vector<float> q, scores, out;
+  float* scores0 = nullptr;  // row 0 of the scores in `scores` (64-byte aligned: fixed order)
   std::vector<uint16_t> qh;  // TW_BF16_DOT: the bf16 queries as they came (Tile::qh)
   std::vector<uint16_t> ph;  // TW_BF16_DOT: the probabilities as bf16 (Tile::ph)
   std::vector<uint32_t> packed;  // TW_BF16_DOT: one chunk of keys or values (block_dp)
@@ -727,7 +779,14 @@ void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64
   if (dot.scores) s.qh.resize(nv * d);
   if (dot.values) s.ph.resize(nv * pstride);
   s.out.assign(nv * d, 0.f);
-  s.scores.resize(nv * stride);
+  // fixed order: rows 64-byte aligned (the caller makes stride a multiple of 16 floats)
+  const int64_t pad = g.fixed_order ? 16 : 0;
+  s.scores.resize(nv * stride + pad);
+  s.scores0 = s.scores.data();
+  if (pad) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(s.scores0);
+    s.scores0 += ((64 - addr % 64) % 64) / sizeof(float);
+  }
   s.lens.resize(nv);
   s.dest.resize(nv);
   s.tiles.clear();
@@ -742,12 +801,15 @@ void plan_item(const Paged<T>& g, const T* q_req, int64_t ctx, int64_t r0, int64
         for (int64_t i = 0; i < d; ++i) s.q[v * d + i] = to_float(q_req[s.dest[v] + i]) * g.scale;
         if (dot.scores) std::memcpy(s.qh.data() + v * d, q_req + s.dest[v], d * sizeof(T));
       }
-    for (int64_t t = first; t < v; t += kMaxTile) {
-      s.tiles.push_back({kh, s.q.data() + t * d, s.out.data() + t * d, s.scores.data() + t * stride,
-                         dot.scores ? s.qh.data() + t * d : nullptr,
-                         dot.values ? s.ph.data() + t * pstride : nullptr});
-      s.sizes.push_back(int(std::min<int64_t>(kMaxTile, v - t)));
-    }
+    // tiles of <= kMaxTile vectors; fixed order: never across a row (see "Fixed order")
+    const int64_t run = g.fixed_order ? group : v - first;
+    for (int64_t r = first; r < v; r += run)
+      for (int64_t t = r; t < std::min(v, r + run); t += kMaxTile) {
+        s.tiles.push_back({kh, s.q.data() + t * d, s.out.data() + t * d, s.scores0 + t * stride,
+                           dot.scores ? s.qh.data() + t * d : nullptr,
+                           dot.values ? s.ph.data() + t * pstride : nullptr});
+        s.sizes.push_back(int(std::min<int64_t>(kMaxTile, std::min(v, r + run) - t)));
+      }
   }
 }
 
@@ -787,8 +849,8 @@ void block_dp(const Paged<uint16_t>& g, const uint16_t* blk, int64_t t0, int64_t
 // item's blocks in order; while block b is worked on, the next one (`after`: the block that
 // follows the pass, or null) trickles in. `dot`: this pass by block_dp.
 template <typename T, bool kScores>
-void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, int64_t pstride,
-                      const T* base, const T* after, bool dot, Scratch& s) {
+void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, int64_t stride,
+                      int64_t pstride, const T* base, const T* after, bool dot, Scratch& s) {
   const int64_t bs = g.block_size, row = g.row(), elem = int64_t(sizeof(T));
   const size_t n_tiles = s.tiles.size();
   const int64_t steps_per_key = dot ? g.kv_heads : int64_t(n_tiles);
@@ -802,7 +864,7 @@ void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, 
 #ifdef TW_BF16_DOT
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (dot) {
-        block_dp<kScores>(g, blk, t0, nt, max_len, pstride, pf, s);
+        block_dp<kScores>(g, blk, t0, nt, stride, pstride, pf, s);
         pf.finish();
         continue;
       }
@@ -811,7 +873,7 @@ void pass_over_blocks(const Paged<T>& g, const int64_t* table, int64_t max_len, 
     for (size_t i = 0; i < n_tiles; ++i) {
       Tile tile = s.tiles[i];
       tile.scores += t0;
-      tile_pass<T, kScores>(g, blk, nt, tile, s.sizes[i], max_len, pf);
+      tile_pass<T, kScores>(g, blk, nt, tile, s.sizes[i], stride, pf);
     }
     pf.finish();
   }
@@ -825,7 +887,7 @@ template <typename T>
 DotPasses bf16_dot_passes(const Paged<T>& g, int64_t rows) {
   DotPasses dot;
 #ifdef TW_BF16_DOT
-  dot.scores = std::is_same_v<T, uint16_t> && rows > 1;
+  dot.scores = std::is_same_v<T, uint16_t> && rows > 1 && !g.fixed_order;
   dot.values = dot.scores && g.head_dim % 64 == 0 && g.block_size % 2 == 0;
 #else
   (void)g;
@@ -841,27 +903,29 @@ void attend_item(const Paged<T>& g, const int64_t* table, const T* q_req, T* out
                  int64_t ctx, int64_t r0, int64_t r1, Scratch& s) {
 #ifdef TW_BF16_DOT
   if constexpr (std::is_same_v<T, uint16_t>) {
-    if (r1 - r0 > 1 && g.head_dim % 64 == 0) {
+    if (r1 - r0 > 1 && g.head_dim % 64 == 0 && !g.fixed_order) {
       attend_item_flash(g, table, q_req, out_req, ctx, r0, r1, s.flash);
       return;
     }
   }
 #endif
   const int64_t max_len = ctx + r1, bs = g.block_size, row = g.row();
+  // score rows: max_len apart; fixed order: a multiple of 16 floats (see "Fixed order")
+  const int64_t stride = g.fixed_order ? (max_len + 15) / 16 * 16 : max_len;
   const int64_t pstride = max_len + (max_len & 1);  // bf16 probability rows: whole pairs
   const DotPasses dot = bf16_dot_passes(g, r1 - r0);
-  plan_item(g, q_req, ctx, r0, r1, max_len, pstride, dot, s);
-  pass_over_blocks<T, true>(g, table, max_len, pstride, g.k_base,
+  plan_item(g, q_req, ctx, r0, r1, stride, pstride, dot, s);
+  pass_over_blocks<T, true>(g, table, max_len, stride, pstride, g.k_base,
                             g.v_base + table[0] * bs * row, dot.scores, s);
   for (size_t v = 0; v < s.lens.size(); ++v)
-    masked_softmax(s.scores.data() + v * max_len, s.lens[v], max_len);
+    masked_softmax(s.scores0 + v * stride, s.lens[v], max_len);
 #ifdef TW_BF16_DOT
   if (dot.values)
     for (size_t v = 0; v < s.lens.size(); ++v)
-      probabilities_to_bf16(s.scores.data() + v * max_len, max_len, pstride,
-                            s.ph.data() + v * pstride);
+      probabilities_to_bf16(s.scores0 + v * stride, max_len, pstride, s.ph.data() + v * pstride);
 #endif
-  pass_over_blocks<T, false>(g, table, max_len, pstride, g.v_base, nullptr, dot.values, s);
+  pass_over_blocks<T, false>(g, table, max_len, stride, pstride, g.v_base, nullptr, dot.values,
+                             s);
   const int64_t d = g.head_dim;
   for (size_t v = 0; v < s.dest.size(); ++v)
     for (int64_t i = 0; i < d; ++i) store_elem(out_req + s.dest[v] + i, s.out[v * d + i]);
