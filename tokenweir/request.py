@@ -350,7 +350,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    max_computed_tokens: int = 0  # high-water mark of num_computed_tokens (survives preemption)
+    # High-water mark of num_computed_tokens, kept from the first preemption on: exact for a
+    # request that was ever preempted (preemption.py sets it, the update raises it); for one
+    # never preempted it may lag (it is num_computed_tokens then: it only grew).
+    max_computed_tokens: int = 0
     num_preemptions: int = 0
     # The length below which the scheduler's decode fast path appends a token without the stop
     # rules (core/sched/stop.py: fast_length_cap); set when the scheduler takes the request.

@@ -236,3 +236,27 @@ def test_runner_decoding_fast_path_gives_what_the_per_row_path_gives():
             [dataclasses.asdict(r) for r in want.requests]
         assert got.steps == want.steps and got.stats == want.stats
         assert list(got.itl) == list(want.itl)
+
+
+def test_the_hot_decode_run_schedules_what_the_general_loop_schedules(monkeypatch):
+    """StepPlan.add_hot_decodes (the scheduler's runs of decodes that need no new block)
+    against the general loop alone, on the cramped small cluster (preemptions) with prefix
+    caching."""
+    from tokenweir.core.sched.step_plan import StepPlan
+    from test_sim_scale import _small_cluster_digest
+
+    hot_run = StepPlan.add_hot_decodes
+    taken = []
+
+    def counting(self, running, i, block_size):
+        end = hot_run(self, running, i, block_size)
+        taken.append(end - i)
+        return end
+
+    monkeypatch.setattr(StepPlan, "add_hot_decodes", counting)
+    fast, fast_preemptions = _small_cluster_digest()
+    monkeypatch.setattr(StepPlan, "add_hot_decodes", lambda self, running, i, block_size: i)
+    plain, plain_preemptions = _small_cluster_digest()
+    assert fast == plain and fast_preemptions == plain_preemptions > 0
+    # the probe: the hot run scheduled most decodes, in runs of several
+    assert sum(taken) > 50_000 and sum(taken) > 3 * len(taken)

@@ -66,6 +66,11 @@ class Preemption:
                 count_cause: bool = True) -> None:
         """Send a running request back to the waiting queue."""
         stats = self.sched.stats
+        if not request.num_preemptions and \
+                request.num_computed_tokens > request.num_cached_tokens:
+            # The update skips the high-water mark of a request never preempted: once a step
+            # has computed its tokens (beyond its admission's hits) it is num_computed_tokens.
+            request.max_computed_tokens = request.num_computed_tokens
         self.sched.running.remove(request)
         # A fork that copied a block this step is recomputed: its copy is dropped with it.
         copied = request.request_id in plan.copies

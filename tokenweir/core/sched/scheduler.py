@@ -141,22 +141,25 @@ class Scheduler:
         cached_req_ids, cached_num_computed = plan.cached_req_ids, plan.cached_num_computed
         scheduled_reqs = plan.scheduled
         # The hot case: a decode (1 token, the budget is > 0) whose computed tokens end inside a
-        # block, which has room for its next one. `plain`: no set can exclude a decode this pass.
+        # block, which has room for its next one. `plain`: no set can exclude a decode this pass,
+        # so runs of hot decodes take StepPlan.add_hot_decodes.
         plain = decodes and not (check_scheduled or paused or fresh_forks)
         while i < len(running) and plan.token_budget > 0:
+            if plain:
+                i = plan.add_hot_decodes(running, i, block_size)
+                if i >= len(running) or plan.token_budget <= 0:
+                    break
             request = running[i]
             computed = request.num_computed_tokens
             owed = len(request.all_token_ids) - computed
             rid = request.request_id
-            hot = owed == 1 and computed % block_size
-            if not (plain and hot):
-                if not (prefills if owed > 1 else decodes) \
-                        or (check_scheduled and rid in scheduled) or (paused and rid in paused) \
-                        or (owed > 1 and plan.prefills_closed):
-                    i += 1  # owed > 1: policy.is_prefilling
-                    continue
-                hot = hot and not (fresh_forks and rid in fresh_forks)
-            if hot:  # plan.add, inlined: no chunk, no preemption, no new blocks (none listed)
+            if not (prefills if owed > 1 else decodes) \
+                    or (check_scheduled and rid in scheduled) or (paused and rid in paused) \
+                    or (owed > 1 and plan.prefills_closed):
+                i += 1  # owed > 1: policy.is_prefilling
+                continue
+            if owed == 1 and computed % block_size and not (fresh_forks and rid in fresh_forks):
+                # plan.add, inlined: no chunk, no preemption, no new blocks (none listed)
                 scheduled[rid] = 1
                 scheduled_reqs.append(request)
                 cached_req_ids.append(rid)
@@ -218,10 +221,8 @@ class Scheduler:
             request_id = request.request_id
             try:  # the per-request guard: free (zero-cost) unless it raises
                 computed = request.num_computed_tokens + num_tokens
-                if request.num_preemptions:  # the recompute tax; the high-water mark
+                if request.num_preemptions:  # the recompute tax; the mark (else preemption.py's)
                     count.count_recomputed_tokens(self.stats, request, num_tokens)
-                else:
-                    request.max_computed_tokens = computed  # never preempted: it only grew
                 request.num_computed_tokens = computed
                 if register is not None and (lagging or computed % block_size < num_tokens):
                     register(request)

@@ -5,6 +5,7 @@ admission, undone for a request preempted later in the same step, and becomes th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Optional
 
 from tokenweir.core.kv_cache_manager import KVCacheManager
@@ -13,7 +14,7 @@ from tokenweir.core.sched.policy import is_prefilling
 from tokenweir.request import Request
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class StepPlan:
     """What one schedule() call has decided so far.
 
@@ -21,6 +22,8 @@ class StepPlan:
     policies/base.py): a paused running request gets no tokens, and a paused waiting request at
     the head of the queue stops admission; with prefills closed, no further prefill (running or
     waiting) joins the step. A policy may lower `token_budget` before the running pass.
+    Made once per step of every instance: `__init__` is written out (empty containers as
+    literals), a third of the opcodes of the generated one with its default factories.
     """
 
     token_budget: int
@@ -41,6 +44,13 @@ class StepPlan:
     paused: set[str] = field(default_factory=set)
     prefills_closed: bool = False
 
+    def __init__(self, token_budget: int, now: float = 0.0) -> None:
+        self.token_budget, self.now = token_budget, now
+        self.num_scheduled, self.scheduled, self.new_reqs = {}, [], []
+        self.cached_req_ids, self.cached_num_computed, self.new_block_ids = [], [], {}
+        self.num_chunked, self.preempted, self.swap_in, self.swap_out = 0, [], [], []
+        self.copies, self.paused, self.prefills_closed = {}, set(), False
+
     def add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
         rid = request.request_id
         self.num_scheduled[rid] = num_tokens
@@ -54,6 +64,28 @@ class StepPlan:
         if stops_short_of_prompt(request, num_tokens):
             self.num_chunked += 1
         self.token_budget -= num_tokens
+
+    def add_hot_decodes(self, running: list[Request], i: int, block_size: int) -> int:
+        """The scheduler's running pass, hot case, where no set can exclude a decode: from
+        `running[i]` on, each decode (owes 1 token; the budget is > 0) whose computed tokens
+        end inside a block (room for its next one) is added as `add` would add it, with no
+        new blocks listed. Returns the index of the first request that is not such a decode
+        (or len(running)). The run goes into `scheduled` and `num_scheduled` at once, in
+        order (nothing else adds meanwhile)."""
+        ids, computeds = self.cached_req_ids, self.cached_num_computed
+        before = len(ids)
+        for request in islice(running, i, i + self.token_budget):
+            computed = request.num_computed_tokens
+            if len(request.all_token_ids) - computed != 1 or not computed % block_size:
+                break
+            ids.append(request.request_id)
+            computeds.append(computed)
+        n = len(ids) - before
+        if n:
+            self.scheduled.extend(running[i:i + n])
+            self.num_scheduled.update(dict.fromkeys(ids[before:], 1))
+            self.token_budget -= n
+        return i + n
 
     def to_output(self, kv: KVCacheManager, total_tokens: int, step_id: int,
                   preempted_ids: set[str], finished_ids: set[str]) -> SchedulerOutput:
