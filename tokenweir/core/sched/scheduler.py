@@ -54,8 +54,7 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self.stats = SchedulerStats()
         self.admission, self.preemption = admission.Admission(self), Preemption(self)
-        self.forks = Forks(self)
-        self.watermark_blocks = self.admission.watermark_blocks
+        self.forks, self.watermark_blocks = Forks(self), self.admission.watermark_blocks
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,9 +139,8 @@ class Scheduler:
         fresh_forks = self.kv.fresh_forks()  # parallel sampling: new to the runner, may copy
         cached_req_ids, cached_num_computed = plan.cached_req_ids, plan.cached_num_computed
         scheduled_reqs = plan.scheduled
-        # The hot case: a decode (1 token, the budget is > 0) whose computed tokens end inside a
-        # block, which has room for its next one. `plain`: no set can exclude a decode this pass,
-        # so runs of hot decodes take StepPlan.add_hot_decodes.
+        # Hot: a decode whose computed tokens end inside a block with room for its next one.
+        # `plain`: no set excludes a decode this pass; runs of hot ones go in add_hot_decodes.
         plain = decodes and not (check_scheduled or paused or fresh_forks)
         while i < len(running) and plan.token_budget > 0:
             if plain:
