@@ -108,11 +108,14 @@ class Item:
     output_len: int
     urgent: bool
     ttft_s: float
-    tpot_s: float
+    tpot_s: Optional[float]  # None: the run has one engine-wide target (slo_real.py)
 
 
 def make_items(mix: Mix, n: int, seed: int, solo: Callable[[int], float],
-               tpot_s: float) -> list[Item]:
+               tpot_s: Optional[float], output_range: tuple[int, int] = OUTPUT_RANGE
+               ) -> list[Item]:
+    """n requests: the arrival gaps first, then per request its class, prompt length, urgency
+    and output length (in `output_range`); TTFT targets are the tier's factor x solo TTFT."""
     rng = random.Random(seed)
     times = arrival_times(rng, n, 1.0, mix.arrival, mix.cv)
     shares = [share for share, _ in mix.classes]
@@ -122,7 +125,7 @@ def make_items(mix: Mix, n: int, seed: int, solo: Callable[[int], float],
         prompt_len = rng.randint(lo, hi)
         urgent = rng.random() < URGENT_SHARE
         factor = URGENT_TTFT_X if urgent else GENEROUS_TTFT_X
-        items.append(Item(i, t, prompt_len, rng.randint(*OUTPUT_RANGE), urgent,
+        items.append(Item(i, t, prompt_len, rng.randint(*output_range), urgent,
                           factor * solo(prompt_len), tpot_s))
     return items
 

@@ -68,52 +68,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._workload import FIRST_TEXT_TOKEN_ID  # noqa: E402
 from benchmarks.slo_attainment import (fit_ttft_from_chunks, interpolate,  # noqa: E402
                                        measure_decode_seconds, measure_solo_ttfts)
-from benchmarks.slo_goodput import (GENEROUS, GENEROUS_TTFT_X, URGENT, URGENT_SHARE,  # noqa: E402
-                                    URGENT_TTFT_X, mean_interval)
+from benchmarks.slo_goodput import (GENEROUS, OUTPUT_RANGE, URGENT, WORKLOADS,  # noqa: E402
+                                    Item, Mix, make_items as make_mix_items, mean_interval)
 from tokenweir.config import SchedulerConfig  # noqa: E402
-from tokenweir.sim.workload import RequestSpec, arrival_times  # noqa: E402
+from tokenweir.sim.workload import RequestSpec  # noqa: E402
 
 POLICIES = ("fcfs", "slo")
-# The unscaled mixed workload (slo_goodput.py): (share, prompt range), outputs, budget.
-MIX = ((0.8, (128, 1024)), (0.2, (2048, 6144)))
-OUTPUT_RANGE = (16, 128)
+# The unscaled mixed workload of slo_goodput.py (its outputs: OUTPUT_RANGE) and its budget.
+MIX = WORKLOADS["mixed"].classes
 BUDGET = 2048
 BOOTSTRAP_RESAMPLES = 2000
 
 
 # ---- the workload -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Item:
-    """One request; `unit_arrival` is its arrival at rate 1 (divided by the run's rate)."""
-
-    index: int
-    unit_arrival: float
-    prompt_len: int
-    output_len: int
-    urgent: bool
-    ttft_s: float
-
-
 def scaled(lo_hi: tuple[int, int], scale: float) -> tuple[int, int]:
     return max(1, round(lo_hi[0] * scale)), max(2, round(lo_hi[1] * scale))
 
 
 def make_items(n: int, seed: int, scale: float, solo: Callable[[int], float]) -> list[Item]:
-    """n requests of the scaled mixed workload (same draws as slo_goodput's make_items: the
-    arrival gaps first, then per request class, length, urgency, output length)."""
-    rng = random.Random(seed)
-    times = arrival_times(rng, n, 1.0)
-    classes = [(share, scaled(r, scale)) for share, r in MIX]
-    outputs = scaled(OUTPUT_RANGE, scale)
-    items = []
-    for i, t in enumerate(times):
-        _, (lo, hi) = rng.choices(classes, [share for share, _ in classes])[0]
-        prompt_len = rng.randint(lo, hi)
-        urgent = rng.random() < URGENT_SHARE
-        factor = URGENT_TTFT_X if urgent else GENEROUS_TTFT_X
-        items.append(Item(i, t, prompt_len, rng.randint(*outputs), urgent,
-                          factor * solo(prompt_len)))
-    return items
+    """n requests of the mixed workload, lengths scaled: slo_goodput's make_items (the same draws)
+    on the scaled classes and outputs; no per-item TPOT (Setup.tpot_ms is the engine's)."""
+    mix = Mix("mixed", tuple((share, scaled(lo_hi, scale)) for share, lo_hi in MIX))
+    return make_mix_items(mix, n, seed, solo, None, scaled(OUTPUT_RANGE, scale))
 
 
 def mean_service_seconds(scale: float, solo: Callable[[int], float], decode_s: float) -> float:

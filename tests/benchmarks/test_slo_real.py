@@ -4,6 +4,7 @@ simulator's prediction beside them)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import sys
 from pathlib import Path
@@ -33,6 +34,23 @@ def test_items_scale_the_mixed_workload_and_set_targets_from_solo_ttfts():
     assert all(2 <= it.output_len <= 16 for it in items)
     assert [it.unit_arrival for it in items] == sorted(it.unit_arrival for it in items)
     assert items == bench.make_items(400, seed=3, scale=0.125, solo=lambda n: n / 1000)
+
+
+# Recorded from slo_real's own make_items before it took slo_goodput's draws (the refactor's
+# before/after comparison): sha256 of every item's fields, solo TTFT 2 ms + n / 3000 s.
+RECORDED_ITEMS = {(0, 0.125): "911f1d48972331950af124d2c262a98e46f25987461a21acec0f1854350fcd58",
+                  (3, 0.125): "c105fda08b28e4f3814c8195a5247536ed64d9b675079d921bfcf6cc569248ea",
+                  (1, 1 / 32): "408fb29056ef430122d6b5af56d066120e8d46c6331934d23a1eedfd40275483",
+                  (2, 1.0): "aeaddc4544a87e0be5615401b1567732fddb713ae26a793e06695f8ea0a3da70"}
+
+
+def test_items_are_the_recorded_draws():
+    bench = _bench()
+    for (seed, scale), recorded in RECORDED_ITEMS.items():
+        items = bench.make_items(48, seed, scale, lambda n: 0.002 + n / 3000)
+        rows = [(it.index, repr(it.unit_arrival), it.prompt_len, it.output_len, it.urgent,
+                 repr(it.ttft_s)) for it in items]
+        assert hashlib.sha256(repr(rows).encode()).hexdigest() == recorded, (seed, scale)
 
 
 def test_paired_bootstrap_gain_keeps_pairs_and_bounds_the_gain():
