@@ -7,7 +7,8 @@
 #
 # Steps, each under its own timeout, all within 9.5 minutes (a device command may run 10):
 #   1. the wheels into $TMPDIR/site (gpu-check's installer: nothing newer is shadowed; 60 s)
-#   2. the CUDA-marked tests and the device-parametrised ones (-m cuda; 150 s)
+#   2. the CUDA-marked tests and the device-parametrised ones (-m cuda; 150 s), the batch-
+#      invariant Triton ones included: if they pass, drop TOKENWEIR_BATCH_INVARIANT_CUDA's opt-in
 #   3. benchmarks/gpu_throughput.py (tokenweir vs transformers, roofline, GPU busy;
 #      $BUDGET_S (300) s budget, killed 60 s later: what it printed by then stays)
 #   4. benchmarks/gpu_step_profile.py (host vs device time of a decode step; $PROFILE_S, 90)
@@ -39,6 +40,7 @@ if [[ "$STEPS" == *tests* ]]; then
 timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m cuda -p no:cacheprovider -n 4 -rfE \
   tests/model/test_attention_backends.py tests/model/test_triton_ops.py tests/model/test_cuda_parity.py tests/model/test_transfer.py tests/engine/test_host_swap.py \
   tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py tests/engine/test_warm_up.py \
+  tests/model/test_triton_batch_invariant.py tests/engine/test_batch_invariance.py \
   > "$OUT/cuda_tests.txt" 2>&1
 echo "cuda tests rc=$?" >> "$OUT/cuda_tests.txt"
 fi

@@ -84,9 +84,11 @@ class ModelConfig:
         choices=QUANTIZATIONS)
     seed: int = _f(0, "seed for requests that do not set their own")
     batch_invariant: bool = _f(
-        False, "batch-invariant kernels (CPU): a request's tokens and logprobs are the same "
+        False, "batch-invariant kernels: a request's tokens and logprobs are the same "
         "bits whatever shares its step, however its prompt is chunked, cached or recomputed "
-        "(matmuls and attention reduce each row in one fixed order; slower)")
+        "(matmuls and attention reduce each row in one fixed order; slower). CPU: the C++ "
+        "kernels; CUDA: Triton kernels, opt-in with TOKENWEIR_BATCH_INVARIANT_CUDA=1 until "
+        "checked on a GPU")
     step_trace: Optional[str] = _f(
         None, "write every engine step (its requests, prefill and decode tokens, phase times, "
         "preemptions, swaps, cuts, KV usage) to FILE as step-record JSON lines, and "
