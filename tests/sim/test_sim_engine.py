@@ -131,15 +131,13 @@ def test_sim_runner_samples_eos_at_the_target_and_non_eos_before():
     spec = RequestSpec("x", 0.0, 20, 5)
     sim = build_simulation({"num_gpu_blocks_override": 100, "max_model_len": 256}, [spec], SMALL, "h100", check=True)
     tokens = []
-    original = sim.runner.execute  # every step's samples (plain decode steps skip the
-    # scheduler's update_from_output: decode_pass.py)
+    original = sim.scheduler.update_from_output
 
-    def spy(out):
-        runner_out = original(out)
+    def spy(out, runner_out, now=0.0):
         tokens.extend(runner_out.sampled_token_ids.get("x", []))
-        return runner_out
+        return original(out, runner_out, now)
 
-    sim.runner.execute = spy
+    sim.scheduler.update_from_output = spy
     sim.run()
     assert len(tokens) == 5 and tokens[-1] == DEFAULT_EOS
     assert DEFAULT_EOS not in tokens[:-1]

@@ -243,12 +243,8 @@ def test_the_hot_decode_run_schedules_what_the_general_loop_schedules(monkeypatc
     against the general loop alone, on the cramped small cluster (preemptions) with prefix
     caching."""
     from tokenweir.core.sched.step_plan import StepPlan
-    from tokenweir.sim import sim_engine
     from test_sim_scale import _small_cluster_digest
 
-    # every step through schedule(): the plain-decode plan pass (decode_pass.py, tested in
-    # test_decode_pass.py) would otherwise take most of the runs this test is about
-    monkeypatch.setattr(sim_engine, "plan_plain_decodes", lambda sched, now: None)
     hot_run = StepPlan.add_hot_decodes
     taken = []
 

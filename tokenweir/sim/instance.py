@@ -170,7 +170,7 @@ class Instance(SimEngine):
 
     def _schedule_around_in_flight(self, now: float) -> Optional[SchedulerOutput]:
         if not self.in_flight:
-            return self._plan(now)
+            return self.scheduler.schedule(now)
         busy = {rid for b in self.in_flight for rid in b.out.num_scheduled_tokens}
         scheduler = self.scheduler
         before, config = scheduler.running, scheduler.config

@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import gc
 from functools import lru_cache
-from itertools import repeat
-from operator import sub
 
 from array import array
 from collections import Counter
@@ -28,7 +26,6 @@ from typing import Optional, Union
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.outputs import EngineCoreOutput
-from tokenweir.core.sched.decode_pass import plan_plain_decodes, update_plain_decodes
 from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.request import Request, SamplingParams
 from tokenweir.sim.sim_runner import DEFAULT_EOS, SimRunner
@@ -121,9 +118,6 @@ class SimEngine:
         self.max_model_len = setup.max_model_len
         self.record_steps, self.record_itl = recording.record_steps, recording.record_itl
         self.check = recording.check
-        # Steps of plain decodes planned and updated in one pass (core/sched/decode_pass.py);
-        # tests turn it off to compare with the general paths.
-        self.plain_decode_pass = True
         self.records: dict[str, RequestRecord] = {}
         self.steps: list[StepRecord] = []
         # Every inter-token gap (seconds): in order, or as exact value -> count.
@@ -150,15 +144,6 @@ class SimEngine:
     # ---- a step ----------------------------------------------------------------------------
     def _schedule(self, now: float) -> Optional[SchedulerOutput]:
         """The next step's plan, or None when none can be planned (hook for pipelining)."""
-        return self._plan(now)
-
-    def _plan(self, now: float) -> SchedulerOutput:
-        """`scheduler.schedule(now)`; a step of plain decodes planned in one pass
-        (decode_pass.py) when `plain_decode_pass` is on."""
-        if self.plain_decode_pass:
-            out = plan_plain_decodes(self.scheduler, now)
-            if out is not None:
-                return out
         return self.scheduler.schedule(now)
 
     def start_step(self, now: float) -> Optional[tuple[SchedulerOutput, ModelRunnerOutput]]:
@@ -198,8 +183,7 @@ class SimEngine:
                       now: float) -> list[EngineCoreOutput]:
         """The step planned as `out` ended at `now`: update the scheduler (or roll back a step
         cut mid-way) and the records. Returns the scheduler's outputs: every first token and
-        every finish is among them; plain decodes are too unless gaps are kept as counts or the
-        step was all plain decodes (updated in one pass: decode_pass.py)."""
+        every finish is among them; plain decodes are too unless gaps are kept as counts."""
         scheduler = self.scheduler
         if runner_out.cut is not None:
             cut = runner_out.cut
@@ -208,17 +192,12 @@ class SimEngine:
             if self.check:
                 scheduler.check_integrity()
             return []
-        decoded: list[str] = []  # one more token each, neither the request's first nor last
-        if self.plain_decode_pass and update_plain_decodes(scheduler, out, runner_out, decoded):
-            outputs: list[EngineCoreOutput] = []  # a step of plain decodes (decode_pass.py)
-        elif self.record_itl and not isinstance(self.itl, ValueCounts):  # gaps in order
+        if self.record_itl and not isinstance(self.itl, ValueCounts):  # gaps in order
             outputs = scheduler.update_from_output(out, runner_out, now)
-        else:
-            outputs = scheduler.update_from_output(out, runner_out, now, decoded)
-        if self.record_itl and not isinstance(self.itl, ValueCounts):
-            self._record_decoded_in_order(decoded, now)
             self._record_outputs_in_order(outputs, now)
         else:
+            decoded: list[str] = []  # one more token each, neither the request's first nor last
+            outputs = scheduler.update_from_output(out, runner_out, now, decoded)
             self._record_outputs_as_counts(decoded, outputs, now)
         if self.check:
             scheduler.check_integrity()
@@ -240,18 +219,6 @@ class SimEngine:
             last_token[rid] = now
             if eco.finish_reason is not None:
                 self._finished(eco, now)
-
-    def _record_decoded_in_order(self, decoded: list[str], now: float) -> None:
-        """The gaps of `decoded` (a step taken in one pass: each had a token before), in order,
-        as `_record_outputs_in_order` records them: now - the previous token's time."""
-        if not decoded:
-            return
-        last_token = self._last_token
-        self.itl.extend(map(sub, repeat(now), map(last_token.__getitem__, decoded)))
-        if self.itl_times is not None:
-            self.itl_times.extend(repeat(now, len(decoded)))
-            self.itl_ids.extend(decoded)
-        last_token.update(dict.fromkeys(decoded, now))
 
     def _record_outputs_as_counts(self, decoded: list[str], outputs: list[EngineCoreOutput],
                                   now: float) -> None:

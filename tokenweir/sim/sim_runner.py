@@ -22,8 +22,6 @@ per-row path (`_Tracked`).
 from __future__ import annotations
 
 from functools import lru_cache
-from itertools import repeat
-from operator import add, mod, mul, sub
 from typing import Mapping, Optional
 
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
@@ -237,19 +235,8 @@ class SimRunner:
         # Each decoding request computes its one owed token (context c) and samples position
         # c + 1: EOS when no regular sample is left, else its regular token.
         regular, eos, span = self._regular_samples, self._eos_sample, len(self._regular_samples)
-        ids, contexts = out.cached_req_ids, out.cached_num_computed_tokens
-        lefts = list(map(left_of.get, ids))
-        if None not in lefts and (not lefts or min(lefts) > 0):
-            # The same in C-level passes: every cached request decodes on the fast path and
-            # none samples EOS. ((c + 1) * STRIDE + len(rid)) % span, as below.
-            sampled.update(zip(ids, map(regular.__getitem__, map(
-                mod, map(add, map(mul, contexts, repeat(_TOKEN_STRIDE)),
-                         map(add, map(len, ids), repeat(_TOKEN_STRIDE))), repeat(span)))))
-            left_of.update(zip(ids, map(sub, lefts, repeat(1))))
-            sums = self._advance_rows(rows.items(), sampled, True) if rows else _NO_ROWS
-            return sampled, self._totals(len(scheduled), sum(contexts), sums)
         row_context = 0  # of the cached requests not on the fast path
-        for rid, c in zip(ids, contexts):
+        for rid, c in zip(out.cached_req_ids, out.cached_num_computed_tokens):
             left = left_of.get(rid)
             if left is None:
                 row_context += c
