@@ -37,22 +37,32 @@ def test_generate_text_and_fields(make_llm):
     assert out.metrics.num_preemptions == 0
 
 
+CRAMPED = dict(max_num_batched_tokens=64, long_prefill_token_threshold=48, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def roomy_tokens(make_llm):
+    """The reference both cramped runs compare with: the same prompts in a roomy pool (fcfs;
+    greedy float32 tokens do not depend on the schedule: tests/engine/test_batch_invariance.py).
+    One run for both policies."""
+    roomy = make_llm(num_gpu_blocks_override=200, scheduling_policy="fcfs", **CRAMPED)
+    expected = roomy.generate(_prompts(6, seed=1), GREEDY, use_tqdm=False)
+    assert _metric(roomy, "num_preemptions") == 0
+    return _tokens(expected)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_cramped_pool_gives_identical_tokens(make_llm, policy):
+def test_cramped_pool_gives_identical_tokens(make_llm, roomy_tokens, policy):
     """Memory pressure costs time, never correctness."""
     prompts = _prompts(6, seed=1)
     priority = [i % 3 for i in range(len(prompts))] if policy == "priority" else None
-    kwargs = dict(scheduling_policy=policy, max_num_batched_tokens=64,
-                  long_prefill_token_threshold=48, max_model_len=256)
-    roomy = make_llm(num_gpu_blocks_override=200, **kwargs)
-    cramped = make_llm(num_gpu_blocks_override=17, scheduler_reserve_full_isl=False, **kwargs)
-    expected = roomy.generate(prompts, GREEDY, priority=priority, use_tqdm=False)
+    cramped = make_llm(num_gpu_blocks_override=17, scheduler_reserve_full_isl=False,
+                       scheduling_policy=policy, **CRAMPED)
     got = cramped.generate(prompts, GREEDY, priority=priority, use_tqdm=False)
-    assert _metric(roomy, "num_preemptions") == 0
     assert _metric(cramped, "num_preemptions") > 0, "the cramped pool never preempted"
     assert _metric(cramped, "num_chunked_prefills") > 0, "no prompt was chunked"
     assert sum(o.metrics.num_preemptions for o in got) > 0
-    assert _tokens(got) == _tokens(expected)
+    assert _tokens(got) == roomy_tokens
 
 
 def test_chunked_and_unchunked_prefill_agree(make_llm):

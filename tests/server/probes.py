@@ -106,12 +106,20 @@ def read_stream(base: str, body: dict, on_first=None) -> dict:
     return result
 
 
+def _complete(out: dict) -> bool:
+    """A neighbour's result is complete: finish_reason length, NEIGHBOUR_TOKENS chunks, [DONE]."""
+    return (out.get("finish_reason") == "length" and out.get("done") is True
+            and out.get("chunks") == NEIGHBOUR_TOKENS and not out.get("errors"))
+
+
 @contextmanager
 def neighbour(base: str) -> Iterator[dict]:
     """A streamed completion in flight around the block; afterwards the dict says whether it
-    completed in full (`ok`: finish_reason length, NEIGHBOUR_TOKENS chunks, [DONE])."""
+    completed in full (`ok`: finish_reason length, NEIGHBOUR_TOKENS chunks, [DONE]). Inside
+    the block, `out["ended"]` (an Event) is set once its stream has ended."""
     out: dict = {}
     started = threading.Event()
+    ended = out["ended"] = threading.Event()
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": NEIGHBOUR_TOKENS,
             "ignore_eos": True, "stream": True}
 
@@ -121,6 +129,7 @@ def neighbour(base: str) -> Iterator[dict]:
         except Exception as exc:  # noqa: BLE001 - reported in the result
             out["errors"] = [repr(exc)]
         started.set()
+        ended.set()
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -129,8 +138,7 @@ def neighbour(base: str) -> Iterator[dict]:
         yield out
     finally:
         thread.join(120)
-        out["ok"] = (out.get("finish_reason") == "length" and out.get("done") is True
-                     and out.get("chunks") == NEIGHBOUR_TOKENS and not out.get("errors"))
+        out["ok"] = _complete(out)
 
 
 def _error(resp: httpx.Response) -> dict:
@@ -140,17 +148,46 @@ def _error(resp: httpx.Response) -> dict:
         return {"message": resp.text[:200]}
 
 
+def _answer(base: str, path: str, body: Any, raw: Optional[bytes]) -> dict:
+    t0 = time.monotonic()
+    resp = post(base, path, body, raw)
+    elapsed = time.monotonic() - t0
+    err = _error(resp) if resp.status_code >= 400 else {}
+    return {"status": resp.status_code, "param": err.get("param"),
+            "message": (err.get("message") or "")[:120], "seconds": round(elapsed, 2)}
+
+
 def probe_request(base: str, path: str, body: Any = None, raw: Optional[bytes] = None
                   ) -> dict:
     """One bad request beside a neighbour: its status, error param, time and the neighbour."""
     with neighbour(base) as n:
-        t0 = time.monotonic()
-        resp = post(base, path, body, raw)
-        elapsed = time.monotonic() - t0
-    err = _error(resp) if resp.status_code >= 400 else {}
-    return {"status": resp.status_code, "param": err.get("param"),
-            "message": (err.get("message") or "")[:120], "seconds": round(elapsed, 2),
-            "neighbour_ok": n["ok"]}
+        result = _answer(base, path, body, raw)
+    return {**result, "neighbour_ok": n["ok"]}
+
+
+def probe_requests(base: str, requests: dict[str, tuple[str, Any, Optional[bytes]]]
+                   ) -> dict[str, dict]:
+    """probe_request for each named (path, body, raw), several beside one neighbour: each is
+    answered while its neighbour still streams, and its `neighbour_ok` says whether that
+    neighbour then completed in full. A request answered after its neighbour had completed
+    in full is sent again beside the next one (a neighbour that ended otherwise fails every
+    request it was beside: none is retried, so a request that breaks streams cannot hide)."""
+    results: dict[str, dict] = {}
+    pending = list(requests)
+    while pending:
+        beside: list[str] = []
+        with neighbour(base) as n:
+            while pending:
+                result = _answer(base, *requests[pending[0]])
+                if n["ended"].is_set() and _complete(n) and beside:
+                    break  # answered after the neighbour: again beside the next one
+                results[pending[0]] = result
+                beside.append(pending.pop(0))
+                if n["ended"].is_set():
+                    break
+        for name in beside:
+            results[name]["neighbour_ok"] = n["ok"]
+    return results
 
 
 def nested(depth: int, leaf: str = "1") -> bytes:

@@ -47,14 +47,20 @@ def server():
         probes.stop_server(proc)
 
 
+@pytest.fixture(scope="module")
+def bad_answers(server):
+    """Every probe of probes.BAD_REQUESTS answered while a neighbouring stream is in flight,
+    several beside one neighbour (one each took ~1.5 s of decoding per probe)."""
+    return probes.probe_requests(server["base"], probes.BAD_REQUESTS)
+
+
 def test_every_reproduction_has_an_expectation():
     assert set(EXPECTED) == set(probes.BAD_REQUESTS)
 
 
 @pytest.mark.parametrize("name", list(probes.BAD_REQUESTS))
-def test_bad_request_is_refused_by_name_and_neighbour_completes(server, name):
-    path, body, raw = probes.BAD_REQUESTS[name]
-    result = probes.probe_request(server["base"], path, body, raw)
+def test_bad_request_is_refused_by_name_and_neighbour_completes(bad_answers, name):
+    result = bad_answers[name]
     status, param = EXPECTED[name]
     assert (result["status"], result["param"]) == (status, param), result
     assert result["neighbour_ok"], result  # the request beside it streamed in full
@@ -120,3 +126,44 @@ def test_drain_timeout_ends_open_streams_with_abort_and_done():
     assert result["finish_reason"] == "abort" and result["done"] is True, result
     assert result["exit"] == 0 and not result["cancelled_error_in_log"], result
     assert time.monotonic() - started < 180
+
+
+# ---- probes.probe_requests itself (no server) -----------------------------------------------
+def test_probe_requests_resends_a_late_answer_and_fails_all_beside_a_broken_neighbour(
+        monkeypatch):
+    import contextlib
+    import threading
+
+    # neighbours ending after 2 answers complete, after 2 broken, and one that outlives the rest
+    lives = iter([(2, True), (2, False), (5, True)])
+    seen: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def neighbour(base):
+        answers, complete = next(lives)
+        out = {"ended": threading.Event(), "left": answers, "errors": [],
+               "finish_reason": "length" if complete else None, "done": complete,
+               "chunks": probes.NEIGHBOUR_TOKENS if complete else 3}
+        seen.append([])
+        state["n"] = out
+        yield out
+        out["ok"] = probes._complete(out)
+
+    def answer(base, path, body, raw):
+        n = state["n"]
+        seen[-1].append(body)
+        n["left"] -= 1
+        if n["left"] <= 0:
+            n["ended"].set()
+        return {"status": 400, "param": body}
+
+    state: dict = {}
+    monkeypatch.setattr(probes, "neighbour", neighbour)
+    monkeypatch.setattr(probes, "_answer", answer)
+    requests = {name: ("/p", name, None) for name in ("a", "b", "c", "d")}
+    results = probes.probe_requests("http://x", requests)
+    # "b" was answered as the first neighbour completed: sent again beside the second, which
+    # broke: both requests beside it fail, neither is retried; "d" gets a third neighbour
+    assert seen == [["a", "b"], ["b", "c"], ["d"]]
+    assert [results[k]["neighbour_ok"] for k in "abcd"] == [True, False, False, True]
+    assert [results[k]["param"] for k in "abcd"] == list("abcd")
