@@ -33,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
         check_before_load(EngineConfig.from_kwargs(**kwargs))
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return refuse("generate", exc, _FLAG_FIELDS)
+    from tokenweir.model import prefetch
+    prefetch.start_for_model(kwargs["model"])  # the load cache checked while torch imports
     from tokenweir.engine.llm import LLM
     from tokenweir.engine.llm_engine import LLMEngine
 
