@@ -3,8 +3,11 @@ answering 200), cold (the load cache empty) and warm (the cache written by the r
 each phase timed, each case run `--repeats` times (default 2).
 
 Every run is a fresh interpreter started by this script (`--child` mode), which wraps the
-engine's start-up functions to time them and writes one JSON line of phase times:
-  import       the command's imports, torch included (process start to the command running)
+engine's start-up functions as their modules are imported (the command imports them in its own
+order: the CLI's preflight and the load cache's prefetch thread run before torch is imported)
+and writes one JSON line of phase times:
+  import       process start to the end of the engine's imports (torch included); the
+               prefetch thread (model/prefetch.py) checks the load cache meanwhile
   model read   resolving the model and reading it: the GGUF parse, or the cache entry mapped
   weights      building the model and copying the weights in (dequantized on a cold run)
   packed       the packed float32 weights mapped from the load cache (packed and written there
@@ -63,16 +66,49 @@ def _timed(owner, attribute: str, phase: str, times: dict) -> None:
     setattr(owner, attribute, wrapper)
 
 
-def _instrument(times: dict) -> None:
-    from tokenweir.model import kernels, loader
-    from tokenweir.runner.model_runner import ModelRunner
-
+def _instrument_loader(loader, times: dict) -> None:
     _timed(loader, "open_gguf_cached", "model read", times)
     _timed(loader, "_open_hf_dir", "model read", times)
     _timed(loader, "_build", "weights", times)
     _timed(loader, "_attach_packed", "packed", times)
-    _timed(kernels, "_build", "kernels", times)
-    _timed(ModelRunner, "warm_up", "warm-up", times)
+
+
+def _on_import(hooks: dict) -> None:
+    """Call hooks[name](module) right after the module `name` is first imported (a finder
+    ahead of the others that wraps the found loader's exec_module)."""
+    import importlib.abc
+    import importlib.machinery
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name not in hooks:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None:
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                hooks.pop(name)(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _instrument(times: dict, started: float, on_engine) -> None:
+    def engine_imported(module):
+        times["import"] = time.time() - started
+        on_engine(module.LLMEngine)
+
+    _on_import({
+        "tokenweir.model.loader": lambda m: _instrument_loader(m, times),
+        "tokenweir.model.kernels": lambda m: _timed(m, "_build", "kernels", times),
+        "tokenweir.runner.model_runner": lambda m: _timed(m.ModelRunner, "warm_up", "warm-up",
+                                                         times),
+        "tokenweir.engine.llm_engine": engine_imported})
 
 
 def _write(times: dict, started: float, out: str) -> None:
@@ -98,19 +134,11 @@ def child(command: str, model: str, started: float, out: str, port: int,
     import importlib
 
     times: dict = {}
-    import torch  # noqa: F401  (counted in `import`, as the command itself imports it)
 
-    from tokenweir.cli import main
-    from tokenweir.engine.llm_engine import LLMEngine
-
-    for module in preimports:
-        importlib.import_module(module)
-
-    times["import"] = time.time() - started
-    _instrument(times)
-    _apply_patches(patches)
-    if command == "generate":
-        real_step = LLMEngine.step
+    def on_engine(engine_class) -> None:
+        if command != "generate":
+            return
+        real_step = engine_class.step
 
         def step(self, *args, **kwargs):
             outputs = real_step(self, *args, **kwargs)
@@ -120,7 +148,15 @@ def child(command: str, model: str, started: float, out: str, port: int,
                 _write(times, started, out)
             return outputs
 
-        LLMEngine.step = step
+        engine_class.step = step
+
+    _instrument(times, started, on_engine)
+    from tokenweir.cli import main
+
+    for module in preimports:
+        importlib.import_module(module)
+    _apply_patches(patches)
+    if command == "generate":
         args = ["generate", "--model", model, "--max-tokens", "4"]
         for prompt in PROMPTS:
             args += ["--prompt", prompt]

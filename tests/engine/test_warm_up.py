@@ -69,3 +69,27 @@ def test_a_pool_too_small_skips_the_warm_up(tiny_llama_path, device, monkeypatch
                 num_gpu_blocks_override=pool + 1)  # one block more and it runs
         assert ran == [False, True]
     assert all(len(tokens) == 12 for tokens in out)
+
+
+def test_generate_skips_the_cpu_warm_up_with_the_same_tokens(tiny_llama_path, monkeypatch):
+    """`tokenweir generate` builds its engine with cpu_warm_up=False (its one batch is the
+    first request: a warm-up would only move the one-time costs before it): no warm-up even
+    with TOKENWEIR_WARMUP=1, and the same token ids as an engine that warmed up."""
+    from tokenweir.cli import main
+    from tokenweir.engine.llm import LLM as EngineLLM
+
+    monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
+    calls, outputs, run, warm_up = [], [], EngineLLM._run, ModelRunner.warm_up
+    monkeypatch.setattr(ModelRunner, "warm_up",
+                        lambda self, *a: calls.append(a) or warm_up(self, *a))
+    monkeypatch.setattr(EngineLLM, "_run", lambda self, *a: outputs.append(run(self, *a))
+                        or outputs[-1])
+    prompts = ["The river", "A cat sat on"]
+    assert main(["generate", "--model", tiny_llama_path, "--dtype", "float32", "--no-chat",
+                 "--max-tokens", "10", "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
+    assert calls == []  # the CLI's engine did not warm up
+    warm = LLM(model=tiny_llama_path, dtype="float32").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+    assert len(calls) == 1  # probe: an engine built the usual way did
+    assert [list(o.outputs[0].token_ids) for o in outputs[0]] == \
+        [list(o.outputs[0].token_ids) for o in warm]

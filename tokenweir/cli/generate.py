@@ -33,11 +33,14 @@ def run(args: argparse.Namespace) -> int:
         check_before_load(EngineConfig.from_kwargs(**kwargs))
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return refuse("generate", exc, _FLAG_FIELDS)
-    from tokenweir import LLM
+    from tokenweir.model import prefetch
+    prefetch.start_for_model(kwargs["model"])  # the load cache checked while torch imports
+    from tokenweir.engine.llm import LLM
+    from tokenweir.engine.llm_engine import LLMEngine
 
     started = time.perf_counter()
-    try:
-        llm = LLM(**kwargs)
+    try:  # no CPU warm-up: this one batch is the first request, it would pay the same once
+        llm = LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(**kwargs), cpu_warm_up=False))
     except ValueError as exc:  # what only the load can tell (e.g. a --kv-cache-space pool)
         return refuse("generate", exc, _FLAG_FIELDS)
     load_seconds = time.perf_counter() - started

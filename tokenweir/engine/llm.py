@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
-from tqdm import tqdm
-
 from tokenweir.config import DEFAULT_MODEL, EngineConfig
 from tokenweir.engine.llm_engine import LLMEngine, PromptType
 from tokenweir.outputs import RequestOutput
@@ -86,8 +84,7 @@ class LLM:
         engine = self.llm_engine
         pending = set(request_ids)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = _progress_bar(len(request_ids)) if use_tqdm else _NoBar()
         try:
             while pending:
                 for output in engine.step(final_only=True):
@@ -101,6 +98,22 @@ class LLM:
         finally:
             bar.close()
         return [done[r] for r in request_ids]
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm  # imported only when shown (~0.07 s of a start)
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+class _NoBar:
+    """What `_run` calls on a progress bar, doing nothing (use_tqdm=False)."""
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _name_errors(name: str, make: Callable[[], T]) -> T:

@@ -238,15 +238,26 @@ def warm_up_enabled() -> bool:
     return os.environ.get("TOKENWEIR_WARMUP", "1") != "0"
 
 
+def warms_up(device: torch.device, cpu_warm_up: Optional[bool]) -> bool:
+    """Whether an engine on `device` runs the start-up warm-up (LLMEngine's `cpu_warm_up`)."""
+    if device.type == "cpu" and cpu_warm_up is not None:
+        return cpu_warm_up
+    return warm_up_enabled()
+
+
 def needs_measured_costs(config: EngineConfig) -> bool:
     return (config.scheduler.preemption_mode == "auto"
             or config.scheduler.victim_policy == "cost")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None,
+                 cpu_warm_up: Optional[bool] = None) -> None:
         """`loaded` lets callers (tests, sweeps) share one set of weights between engines;
-        it must match the config's model, dtype and device."""
+        it must match the config's model, dtype and device. `cpu_warm_up`: on CPU, whether to
+        run the start-up warm-up (see WARM_UP_CPU_TOKENS); None follows TOKENWEIR_WARMUP
+        (default on). On CUDA the warm-up (milliseconds, and the decode graphs' capture)
+        always follows TOKENWEIR_WARMUP."""
         config.validate()
         self.config = config
         self.device = resolve_device(config.model.device)
@@ -274,7 +285,8 @@ class LLMEngine:
                             num_host_blocks=num_host_blocks)
         scheduler = Scheduler(config.scheduler, kv, self.max_model_len)  # refuses a tiny pool
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        runner = self._make_runner(config, loaded, num_blocks, num_host_blocks)
+        runner = self._make_runner(config, loaded, num_blocks, num_host_blocks,
+                                   warms_up(self.device, cpu_warm_up))
         if needs_measured_costs(config):
             scheduler.costs = runner.measure_preemption_costs()
             logger.info("measured preemption costs: %s", scheduler.costs)
@@ -294,9 +306,9 @@ class LLMEngine:
                     self.max_model_len, num_blocks, config.cache.block_size)
 
     def _make_runner(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int,
-                     num_host_blocks: int):
+                     num_host_blocks: int, warm_up: bool):
         """The executor of the steps: tensor-parallel ranks, or one ModelRunner warmed up
-        (and, on CUDA, its decode graphs captured) before the first request."""
+        (and, on CUDA, its decode graphs captured) before the first request when `warm_up`."""
         tp_size = config.parallel.tensor_parallel_size
         if tp_size > 1:  # this process is rank 0; workers load the model from its path
             from tokenweir.parallel.executor import TPExecutor
@@ -308,7 +320,7 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, loaded.arch, num_blocks, config.cache.block_size,
                              self.dtype, self.device, self.eos_token_ids, config.model.seed,
                              num_host_blocks=num_host_blocks)
-        if warm_up_enabled():
+        if warm_up:
             runner.warm_up(*warm_up_shape(config, self.device))
             runner.capture_decode_graphs(config.scheduler.max_num_seqs or WARM_UP_MAX_SEQS)
         return runner

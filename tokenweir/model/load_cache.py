@@ -44,15 +44,25 @@ import json
 import os
 import shutil
 import sys
+import threading
 import uuid
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from tokenweir.model.arch import ArchConfig
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: model/prefetch.py imports this
+    import torch  # module on a thread while the main thread imports torch
+
+# realpath -> Future of (stat key, words checksum) or None: files model/prefetch.py checks
+_PRECHECKED: dict[str, Future] = {}
+_PRECHECKED_LOCK = threading.Lock()
 
 CACHE_FORMAT = 2  # bump when an entry's layout or meaning changes
 _WEIGHTS, _TOKENIZER, _MANIFEST = "weights.safetensors", "tokenizer.json", "manifest.json"
@@ -100,9 +110,12 @@ def derivation_tag() -> str:
     return digest.hexdigest()
 
 
-def _stat_key(path: str) -> list[int]:
+def stat_key(path: str) -> list[int]:
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+_stat_key = stat_key
 
 
 def file_sha256(path: str) -> str:
@@ -116,18 +129,28 @@ def file_sha256(path: str) -> str:
 def source_digest(path: str, root: str) -> str:
     """SHA-256 of the file at `path`, remembered in <root>/sources.json against its stat key
     (see the module contract) so a warm start hashes nothing."""
+    known = known_digest(path, root)
+    if known is not None:
+        return known
     path = os.path.realpath(path)
-    index_path = os.path.join(root, "sources.json")
-    index = _read_json_or_empty(index_path)
     key = _stat_key(path)
-    known = index.get(path)
-    if isinstance(known, dict) and known.get("stat") == key and isinstance(known.get("sha256"), str):
-        return known["sha256"]
     sha = file_sha256(path)
     if _stat_key(path) == key:  # unchanged while we read it: safe to remember
+        index_path = os.path.join(root, "sources.json")
+        index = _read_json_or_empty(index_path)
         index[path] = {"stat": key, "sha256": sha}
         write_json_atomic(index_path, index)
     return sha
+
+
+def known_digest(path: str, root: str) -> Optional[str]:
+    """The digest remembered for the file at `path` as it is now, or None (hashes nothing)."""
+    path = os.path.realpath(path)
+    known = _read_json_or_empty(os.path.join(root, "sources.json")).get(path)
+    if isinstance(known, dict) and known.get("stat") == _stat_key(path) and \
+            isinstance(known.get("sha256"), str):
+        return known["sha256"]
+    return None
 
 
 def entry_dir(root: str, source_sha: str, derivation: str) -> str:
@@ -177,7 +200,8 @@ def write_weights(path: str, specs: list[tuple[str, tuple[int, ...]]],
     with open(path, "wb") as f:
         f.write(_safetensors_header(specs))
         for (name, shape), (got, tensor) in zip(specs, tensors, strict=True):
-            if got != name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.float32:
+            if got != name or tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != \
+                    "torch.float32":
                 raise ValueError(f"load cache: tensor {got!r} {tuple(tensor.shape)} "
                                  f"{tensor.dtype} does not match the header's {name!r} {shape}")
             f.write(memoryview(tensor.contiguous().numpy()).cast("B"))
@@ -185,12 +209,16 @@ def write_weights(path: str, specs: list[tuple[str, tuple[int, ...]]],
 
 def _map_file(path: str) -> torch.Tensor:
     """The whole file as a uint8 tensor over a MAP_PRIVATE mapping (writes stay private)."""
+    import torch
+
     return torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
 
 
 def read_weights(buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(name, float32 view) for every tensor of a mapped safetensors file written by
     write_weights; CacheCorrupt when the header does not describe the buffer exactly."""
+    import torch
+
     raw = buffer.numpy()
     if raw.size < 8:
         raise CacheCorrupt("weights file shorter than its header length")
@@ -229,6 +257,38 @@ def words_checksum(raw: np.ndarray) -> list[int]:
     return [total, xor ^ int(tail_word)]
 
 
+def mapped_words(path: str, buffer: "torch.Tensor") -> list[int]:
+    """words_checksum of the file at `path`, mapped as `buffer`: model/prefetch.py's result
+    when its thread checked this file unchanged, else computed over `buffer` now."""
+    words = prechecked_words(path)
+    return words if words is not None else words_checksum(buffer.numpy())
+
+
+def claim_check(path: str) -> Future:
+    """A slot for the words checksum of `path`, to be set to (stat key taken before the
+    checksum, words) or None by the checker (model/prefetch.py)."""
+    future: Future = Future()
+    with _PRECHECKED_LOCK:
+        _PRECHECKED[os.path.realpath(path)] = future
+    return future
+
+
+def prechecked_words(path: str) -> Optional[list[int]]:
+    """The checksum a prefetch computed for `path` (waiting for it if under way), used once;
+    None when there is none for the file as it is now (same stat key: any write changes the
+    ctime, a replaced file has a new inode)."""
+    with _PRECHECKED_LOCK:
+        future = _PRECHECKED.pop(os.path.realpath(path), None)
+    result = None if future is None else future.result()
+    if result is None:
+        return None
+    key, words = result
+    try:
+        return words if stat_key(path) == key else None
+    except OSError:
+        return None
+
+
 # ---- reading ----------------------------------------------------------------------------------
 def read_entry(directory: str, source_sha: str, derivation: str) -> Optional[CachedLoad]:
     """The entry at `directory`, None when there is none; CacheCorrupt when one is there but
@@ -248,7 +308,7 @@ def read_entry(directory: str, source_sha: str, derivation: str) -> Optional[Cac
     files = manifest["files"]
     _check_size(directory, _WEIGHTS, files[_WEIGHTS]["size"])
     buffer = _map_file(os.path.join(directory, _WEIGHTS))
-    if words_checksum(buffer.numpy()) != files[_WEIGHTS]["words"]:
+    if mapped_words(os.path.join(directory, _WEIGHTS), buffer) != files[_WEIGHTS]["words"]:
         raise CacheCorrupt(f"{_WEIGHTS} checksum mismatch")
     weights = read_weights(buffer)
     tokenizer_json = None

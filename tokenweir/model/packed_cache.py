@@ -135,7 +135,7 @@ def _read(stem: str, wanted, panel: int) -> Optional[list[torch.Tensor]]:
         raise CacheCorrupt(f"the file holds {actual} bytes, its side file says {size} "
                            "(truncated?)")
     buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-    if load_cache.words_checksum(buffer.numpy()) != words:
+    if load_cache.mapped_words(path, buffer) != words:
         raise CacheCorrupt("checksum mismatch")
     tensors = load_cache.read_weights(buffer)
     expected = [(name, _shape(weight, panel)) for name, _, weight in wanted]

@@ -25,6 +25,8 @@ def run_serve(args: argparse.Namespace) -> int:
         check_before_load(config)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return refuse("serve", exc)
+    from tokenweir.model import prefetch
+    prefetch.start_for_model(kwargs["model"])  # the load cache checked while torch imports
     from tokenweir.engine.engine_thread import EngineThread, wants_output_thread
     from tokenweir.engine.llm_engine import LLMEngine
 
