@@ -214,7 +214,7 @@ def run_real(loaded, model: str, setup: Setup, policy: str, load: float, seed: i
     finally:
         engine.shutdown()
     return make_run(policy, load, seed, items, requests, stats,
-                    len(stalled_steps(trace_path, args.threads)))
+                    len(stalled_steps(trace_path)))
 
 
 def make_run(policy, load, seed, items, requests, stats, stalls: int) -> Run:
