@@ -26,7 +26,7 @@ run: $(STAMP)
 # Bytecode caching is on for the tests (PYTHONDONTWRITEBYTECODE dropped, as a user's shell
 # has it): otherwise every worker and every `tokenweir serve`/benchmark the tests start
 # compiles the same sources again (collection alone: ~20 -> ~12 CPU-s per worker).
-PYTEST_PARALLEL := -n auto --maxprocesses 4 --dist worksteal
+PYTEST_PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
 test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
