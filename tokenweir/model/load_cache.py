@@ -49,9 +49,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import Any, Callable, Iterable, Iterator, Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -65,7 +63,7 @@ _PRECHECKED: dict[str, Future] = {}
 _PRECHECKED_LOCK = threading.Lock()
 
 CACHE_FORMAT = 2  # bump when an entry's layout or meaning changes
-_WEIGHTS, _TOKENIZER, _MANIFEST = "weights.safetensors", "tokenizer.json", "manifest.json"
+WEIGHTS_FILE, _TOKENIZER, _MANIFEST = "weights.safetensors", "tokenizer.json", "manifest.json"
 _DERIVING_MODULES = ("load_cache.py", "loader.py", "tokenizer.py", "arch.py", "llama.py")
 _DERIVING_PACKAGES = ("gguf", "tokenizers", "numpy")
 _DATA_ALIGN = 64  # the tensor data starts at a multiple of this (float32 views need 4)
@@ -115,9 +113,6 @@ def stat_key(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-_stat_key = stat_key
-
-
 def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -133,9 +128,9 @@ def source_digest(path: str, root: str) -> str:
     if known is not None:
         return known
     path = os.path.realpath(path)
-    key = _stat_key(path)
+    key = stat_key(path)
     sha = file_sha256(path)
-    if _stat_key(path) == key:  # unchanged while we read it: safe to remember
+    if stat_key(path) == key:  # unchanged while we read it: safe to remember
         index_path = os.path.join(root, "sources.json")
         index = _read_json_or_empty(index_path)
         index[path] = {"stat": key, "sha256": sha}
@@ -147,7 +142,7 @@ def known_digest(path: str, root: str) -> Optional[str]:
     """The digest remembered for the file at `path` as it is now, or None (hashes nothing)."""
     path = os.path.realpath(path)
     known = _read_json_or_empty(os.path.join(root, "sources.json")).get(path)
-    if isinstance(known, dict) and known.get("stat") == _stat_key(path) and \
+    if isinstance(known, dict) and known.get("stat") == stat_key(path) and \
             isinstance(known.get("sha256"), str):
         return known["sha256"]
     return None
@@ -306,10 +301,11 @@ def read_entry(directory: str, source_sha: str, derivation: str) -> Optional[Cac
         if not isinstance(manifest, dict) or manifest.get(key) != value:
             raise CacheCorrupt(f"manifest {key} does not match")
     files = manifest["files"]
-    _check_size(directory, _WEIGHTS, files[_WEIGHTS]["size"])
-    buffer = _map_file(os.path.join(directory, _WEIGHTS))
-    if mapped_words(os.path.join(directory, _WEIGHTS), buffer) != files[_WEIGHTS]["words"]:
-        raise CacheCorrupt(f"{_WEIGHTS} checksum mismatch")
+    _check_size(directory, WEIGHTS_FILE, files[WEIGHTS_FILE]["size"])
+    weights_path = os.path.join(directory, WEIGHTS_FILE)
+    buffer = _map_file(weights_path)
+    if mapped_words(weights_path, buffer) != files[WEIGHTS_FILE]["words"]:
+        raise CacheCorrupt(f"{WEIGHTS_FILE} checksum mismatch")
     weights = read_weights(buffer)
     tokenizer_json = None
     if manifest.get("tokenizer") is not None:
@@ -360,11 +356,11 @@ def write_entry(directory: str, source: str, source_sha: str, derivation: str, a
 
 
 def _write_payload(staging: str, specs, tensors, tokenizer_json: Optional[str]) -> dict:
-    weights_path = os.path.join(staging, _WEIGHTS)
+    weights_path = os.path.join(staging, WEIGHTS_FILE)
     write_weights(weights_path, specs, tensors)
-    files: dict[str, Any] = {_WEIGHTS: {"size": os.path.getsize(weights_path),
-                                        "words": words_checksum(np.fromfile(weights_path,
-                                                                            dtype=np.uint8))}}
+    words = words_checksum(np.fromfile(weights_path, dtype=np.uint8))
+    files: dict[str, Any] = {WEIGHTS_FILE: {"size": os.path.getsize(weights_path),
+                                            "words": words}}
     if tokenizer_json is not None:
         data = tokenizer_json.encode("utf-8")
         with open(os.path.join(staging, _TOKENIZER), "wb") as f:

@@ -58,7 +58,7 @@ def _check_entry(model_path: str) -> None:
         if sha is None:  # never converted (or changed since): the loader hashes it
             return
         directory = load_cache.entry_dir(root, sha, load_cache.derivation_tag())
-        files = [os.path.join(directory, "weights.safetensors"),
+        files = [os.path.join(directory, load_cache.WEIGHTS_FILE),
                  *sorted(glob.glob(os.path.join(directory, "packed-*.safetensors")))]
         futures = [load_cache.claim_check(path) for path in files]
         for path, future in zip(files, futures):
