@@ -423,7 +423,8 @@ def calibrate(loaded, measured: "Measured", args, trace_dir: Path) -> dict:
     paths = []
     for k in range(args.calibration_runs):
         seed = 1000 + k
-        items = make_items(args.requests, seed, args.scale, measured.solo)
+        items = make_items(args.calibration_requests or args.requests, seed, args.scale,
+                           measured.solo)
         path = trace_dir / f"calibration-{seed}.jsonl"
         run_real(loaded, args.model, measured.setup, "fcfs", max(args.loads), seed, items,
                  max(args.loads) / measured.service, args, path)
@@ -455,6 +456,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="a run stops this long after its last arrival (unfinished: misses)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--calibration-runs", type=int, default=1)
+    p.add_argument("--calibration-requests", type=int, default=None, metavar="N",
+                   help="requests per calibration run (default: --requests); the fit needs "
+                        "more steps than its features, and a busy machine batches a short "
+                        "run into fewer steps")
     p.add_argument("--sim-samples", type=int, default=8,
                    help="simulations per real run (draws of the calibrated machine)")
     p.add_argument("--slo", action="append", default=[], metavar="KEY=VALUE",
@@ -464,7 +469,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="measure the solo TTFTs again before every seed's pair of runs "
                         "(default: on, off with --quick)")
     p.add_argument("--quick", action="store_true",
-                   help="one seed, requests 8, scale 1/32, loads 0.5 1.0 (a smoke test)")
+                   help="one seed, requests 8 (calibration 24), scale 1/32, loads 0.5 1.0 "
+                        "(a smoke test)")
     p.add_argument("--json", help="write the summaries here")
     p.add_argument("--save-calibration", metavar="PATH",
                    help="write the first probe and the fitted profile here (for --plan)")
@@ -478,6 +484,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.requests, args.scale, args.loads = 1, 8, 1 / 32, (0.5, 1.0)
+        args.calibration_requests = args.calibration_requests or 24
         args.solo_repeats, args.drain_seconds, args.sim_samples = 1, 10.0, 2
     if args.reprobe is None:
         args.reprobe = not args.quick
