@@ -35,8 +35,9 @@ from typing import Optional
 from tokenweir.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.outputs import EngineCoreOutput
 from tokenweir.request import Request
+from tokenweir.sim.decode_stretch import StretchDriver, stands
 from tokenweir.sim.setup import EngineSetup, Recording
-from tokenweir.sim.sim_engine import SimEngine, make_request  # noqa: F401 (re-exported)
+from tokenweir.sim.sim_engine import SimEngine, StepRecord, make_request  # noqa: F401
 from tokenweir.sim.slo_cuts import setup_slo
 
 ROLES = ("mixed", "prefill", "decode")
@@ -85,6 +86,9 @@ class Instance(SimEngine):
         self._imports: dict[str, KVImport] = {}
         self._import_reserve = 0  # blocks promised to imported requests not yet admitted
         self._num_holds = 0
+        # Pure-decode steps touching only the rows with an event (decode_stretch.py); None
+        # where its standing conditions fail. Set it to None to take the general path always.
+        self.stretch: Optional[StretchDriver] = StretchDriver(self) if stands(self) else None
 
     # ---- requests ------------------------------------------------------------------------
     @property
@@ -106,6 +110,10 @@ class Instance(SimEngine):
     def start_batch(self, now: float) -> Optional[Batch]:
         """Plan and launch one batch; returns it (its `end`: when it completes), or None if
         nothing runs (`step_again` then tells whether the empty step preempted)."""
+        if self.stretch is not None:
+            batch = self._start_stretch_step(now)
+            if batch is not None:
+                return batch
         step = self.start_step(now)
         if step is None:
             return None
@@ -119,6 +127,22 @@ class Instance(SimEngine):
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         if self.cutter is not None:
             self.cutter.step_started(now, seconds, out)
+        return batch
+
+    def _start_stretch_step(self, now: float) -> Optional[Batch]:
+        """The next step as a decode-stretch step (a Batch without a SchedulerOutput), or None."""
+        seconds = self.stretch.start(now)
+        if seconds is None:
+            return None
+        self.step_again, self._empty_steps = False, 0
+        end = self._through_pipeline(now, seconds)
+        if self.record_steps:
+            n, scheduler = self.stretch.core.n, self.scheduler
+            self.steps.append(StepRecord(now, seconds, n, n, n, self.kv.usage(),
+                                         scheduler.num_running, scheduler.num_waiting))
+        batch = Batch(None, None, now, end)
+        self.in_flight.append(batch)
+        self.max_in_flight = max(self.max_in_flight, 1)
         return batch
 
     def cut_if_ordered(self, request: Request, now: float) -> Optional[Batch]:
@@ -207,6 +231,8 @@ class Instance(SimEngine):
     def finish_batch(self, now: float) -> list[EngineCoreOutput]:
         """Complete the oldest in-flight batch at `now`; returns the scheduler's outputs."""
         batch = self.in_flight.popleft()
+        if batch.out is None:
+            return self.stretch.complete(now)
         if self.cutter is not None:
             self.cutter.step_ended()
         return self.complete_step(batch.out, batch.runner_out, now)

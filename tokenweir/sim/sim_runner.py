@@ -187,6 +187,35 @@ class SimRunner:
                 del left[rid]
             self.num_blocks.pop(rid, None)
 
+    # ---- decode stretches (sim/decode_stretch.py) --------------------------------------------
+    def forget(self, request_ids) -> None:
+        """Drop finished or preempted requests, as `execute` does with an output's ids."""
+        self._forget(request_ids)
+
+    def decoding_left(self, rid: str) -> Optional[int]:
+        """Regular samples `rid` has left before EOS on the fast path (<= 0: its next sample is
+        EOS), or None when it is not on the fast path."""
+        return self._left.get(rid)
+
+    def advance_decoding(self, rid: str, num_steps: int) -> None:
+        """`rid`, on the fast path, decoded `num_steps` steps that `execute` did not see (a
+        stretch advanced them): as if it had."""
+        self._left[rid] -= num_steps
+
+    def regular_token_ids(self, request, computed: int, count: int) -> list[int]:
+        """The tokens `count` decode steps sample for `request` from `computed` computed tokens
+        on, none of them EOS (the caller knows): the shared int objects `_advance` samples."""
+        regular, span, k = self._regular_samples, len(self._regular_samples), \
+            len(request.request_id)
+        return [regular[((c + 1) * _TOKEN_STRIDE + k) % span][0]
+                for c in range(computed, computed + count)]
+
+    def fast_path_possible(self) -> bool:
+        """Whether a step may ever take the decoding fast path (`_fast_path_for`'s standing
+        conditions)."""
+        return (not self.check and not self.keep_undo and self._window == _NEVER
+                and getattr(self.latency_model, "predict_totals", None) is not None)
+
     # ---- the decoding fast path --------------------------------------------------------------
     def _fast_path_for(self, out: SchedulerOutput, predict_totals) -> bool:
         """Whether a step may take the fast path: nothing needs per-row state (checks, cut

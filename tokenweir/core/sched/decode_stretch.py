@@ -1,0 +1,191 @@
+"""A decode stretch: consecutive steps of one Scheduler that provably schedule every running
+request for exactly one decode token and nothing else, advanced by touching only the requests
+that have something to do in a step. The simulator's fast path (sim/decode_stretch.py drives
+it); torch-free, the KV manager through its public API only.
+
+Entry (`DecodeStretch.enter`, when `eligible_rows` returns the running list): nothing waits;
+the running requests fit the token budget; every running request owes exactly one token and has
+sampled its first (a decode), has a fast length cap (no stop token ids), is no parallel-sampling
+sample, and if ever preempted is at its high-water mark (it recomputes nothing more); no
+registration lags (no swap-out behind); no fresh fork; prefills are not prioritized and the
+policy's per-step hooks are the base (fcfs) no-ops.
+
+Contract. While `can_continue()` holds, step j (0-based from entry) of the stretch does exactly
+what `schedule()` then `update_from_output()` do for such a step, in their order:
+  plan (`plan_step`): the ids finished since the last step are handed over (returned); each
+    running request whose computed tokens end on a block boundary gets
+    `allocate_slots(request, 1)`, in running order; the step is counted (`count_step`).
+  update (`update_step`): in running order, each request whose token fills a block is published
+    (`register_computed_blocks`), and each request whose token leaves the decode fast path
+    (its EOS, or the length cap) takes the stop rules (`_append_tokens`), which finish it
+    (freed, removed from `running`); every other request's token is counted and its appending
+    deferred.
+A request is caught up (`_sync`: computed tokens, output tokens, high-water mark) when it has an
+event, and every request when the stretch ends (`leave`). Between steps, what others read of the
+scheduler (requests, running membership and order, the KV pool, stats) is exactly the per-step
+path's; a running request's own counters lag until `leave`: nobody may read them before.
+`can_continue()` fails, and the caller must `leave()` and take the general path, when a request
+waits, a slow-path token did not finish its request, or the pool might not hold one block for
+every request on a boundary this step (an allocation could then preempt).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from tokenweir.core.outputs import EngineCoreOutput
+from tokenweir.core.sched import stats as count
+from tokenweir.core.sched.policies.base import SchedulingPolicy
+from tokenweir.request import Request
+
+# (request, computed, count) -> the output token ids sampled by `count` decode steps from
+# `computed` computed tokens on (the runner's rule; none of them an EOS token id)
+TokenRule = Callable[[Request, int, int], list[int]]
+_HOOKS = ("begin_step", "on_scheduled", "victim_to_free", "end_step")
+
+
+def policy_allows(policy: SchedulingPolicy) -> bool:
+    """The policy's per-step hooks are the base class's no-ops (fcfs, priority)."""
+    return all(getattr(type(policy), h) is getattr(SchedulingPolicy, h) for h in _HOOKS)
+
+
+def eligible_rows(sched) -> Optional[list[Request]]:
+    """The running requests if a stretch may start now (the entry conditions above), else
+    None. The caller checks `policy_allows` once."""
+    running, config, kv = sched.running, sched.config, sched.kv
+    if sched.waiting or not running or len(running) > config.max_num_batched_tokens \
+            or config.prioritize_prefill or kv.has_lagging_registrations() or kv.fresh_forks():
+        return None
+    for r in running:
+        computed = r.num_computed_tokens
+        if len(r.all_token_ids) - computed != 1 or not r.fast_length_cap \
+                or r.group is not None \
+                or (r.num_preemptions and r.max_computed_tokens > computed):
+            return None
+    return running
+
+
+class DecodeStretch:
+    """One scheduler's stretch state (see the module docstring); `num_steps` is a probe."""
+
+    def __init__(self, sched, tokens: TokenRule, eos_token_id: int) -> None:
+        self.sched, self._tokens, self._eos = sched, tokens, eos_token_id
+        self.active = False
+        self.num_steps = 0  # steps advanced in stretches (probe)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.rows: list[Request] = []
+        self._synced: list[int] = []  # steps applied to each row's counters
+        self._alive: list[bool] = []
+        self._eos_step: list[int] = []
+        self._buckets: list[list[int]] = []  # residue -> rows on a boundary at steps j = it
+        self._slow_at: dict[int, list[int]] = {}  # step -> rows leaving the fast path then
+        self.j = 0  # steps completed
+        self.n = 0  # rows alive (scheduled this step)
+        self.context = 0  # sum of the alive rows' computed tokens before this step
+        self._broken = False
+
+    def enter(self, rows: list[Request], eos_steps: list[int]) -> None:
+        """Start a stretch over `rows` (`eligible_rows`), row i sampling EOS at stretch step
+        `eos_steps[i]`."""
+        self._clear()
+        bs = self.sched.kv.block_size
+        self.rows, self._eos_step = list(rows), eos_steps
+        n = len(rows)
+        self._synced, self._alive, self.n = [0] * n, [True] * n, n
+        buckets: list[list[int]] = [[] for _ in range(bs)]
+        slow_at = self._slow_at
+        context = 0
+        for i, r in enumerate(rows):
+            c = r.num_computed_tokens
+            context += c
+            buckets[-c % bs].append(i)
+            cap_step = max(0, r.fast_length_cap - len(r.all_token_ids) - 1)
+            slow_at.setdefault(min(eos_steps[i], cap_step), []).append(i)
+        self._buckets, self.context, self.active = buckets, context, True
+
+    def can_continue(self) -> bool:
+        sched = self.sched
+        return (not self._broken and not sched.waiting and self.n > 0
+                and len(sched.running) == self.n
+                and sched.kv.num_free_blocks >= len(self._buckets[self.j % len(self._buckets)]))
+
+    def plan_step(self) -> set[str]:
+        """Step j's plan (caller checked `can_continue`); returns the ids finished since the
+        last step (for the runner to forget)."""
+        sched, j, alive = self.sched, self.j, self._alive
+        allocate = sched.kv.allocate_slots
+        for i in self._buckets[j % len(self._buckets)]:
+            if alive[i]:
+                self._sync(i, j)
+                assert allocate(self.rows[i], 1) is not None, "can_continue checked the pool"
+        count.count_step(sched.stats, 0, self.n)
+        finished, sched._finished_since_last_step = sched._finished_since_last_step, set()
+        self.num_steps += 1
+        return finished
+
+    def update_step(self, now: float) -> list[tuple[int, EngineCoreOutput]]:
+        """Step j's update at `now`; returns (row, output) of each row that took the stop
+        rules, in running order."""
+        sched, j, alive, rows = self.sched, self.j, self._alive, self.rows
+        kv, stats = sched.kv, sched.stats
+        bs = len(self._buckets)
+        slow = self._slow_at.pop(j, None)
+        touched = [i for i in self._buckets[(j + 1) % bs] if alive[i]] \
+            if kv.enable_prefix_caching else []
+        if slow:
+            touched = sorted(set(touched).union(slow))
+        n_before = self.n
+        outputs = []
+        for i in touched:
+            r = rows[i]
+            self._sync(i, j)
+            c = r.num_computed_tokens
+            if r.num_preemptions:
+                count.count_recomputed_tokens(stats, r, 1)
+            r.num_computed_tokens = c + 1
+            if (c + 1) % bs == 0:
+                kv.register_computed_blocks(r)
+            self._synced[i] = j + 1
+            if slow is None or i not in slow:
+                r.all_token_ids.extend(self._tokens(r, c, 1))
+                continue
+            token = self._eos if j >= self._eos_step[i] else self._tokens(r, c, 1)[0]
+            out = sched._append_tokens(r, [token], now)
+            outputs.append((i, out))
+            if out.finish_reason is None:
+                self._broken = True  # not on the fast path any more: leave before the next
+            else:
+                alive[i] = False
+                self.n -= 1
+                self.context -= c + 1
+        stats.generation_tokens += n_before - (len(slow) if slow else 0)
+        self.context += n_before
+        self.j = j + 1
+        return outputs
+
+    def _sync(self, i: int, k: int) -> None:
+        """Row i's counters as after k stretch steps (tokens appended by the runner's rule)."""
+        d = k - self._synced[i]
+        if d <= 0:
+            return
+        r = self.rows[i]
+        c = r.num_computed_tokens
+        r.all_token_ids.extend(self._tokens(r, c, d))
+        r.num_computed_tokens = c + d
+        if r.num_preemptions and r.max_computed_tokens < c + d:
+            r.max_computed_tokens = c + d
+        self._synced[i] = k
+
+    def leave(self) -> list[Request]:
+        """End the stretch: every row still running caught up; returns those rows (each
+        advanced `self.j` steps in the stretch, read before the next `enter`)."""
+        alive, rows = self._alive, self.rows
+        kept = []
+        for i in range(len(rows)):
+            if alive[i]:
+                self._sync(i, self.j)
+                kept.append(rows[i])
+        self.active = False
+        return kept

@@ -1,0 +1,119 @@
+"""The simulator's side of a decode stretch (core/sched/decode_stretch.py): an instance whose
+steps are provably pure decode of the same running set runs them touching only the requests
+with an event in each step (a block boundary, a block filled, a finish), each step still one
+event of the simulator's loop at the time the general path would end it.
+
+Per step, what the general path does and the stretch does instead:
+  SimRunner.execute: the finished ids are forgotten; the step time is the latency model's
+    `predict_totals` of the same StepTotals (n decode rows, context = the sum of their computed
+    tokens, kept incrementally as integers); each row's regular samples left (`_left`) are
+    caught up when the row finishes or the stretch ends (`advance_decoding`).
+  SimEngine records: one gap value (this step's end minus the previous one's: every row's
+    previous token came then) counted n times (or appended n times in order); finishes as
+    `_finished`; `_last_token` caught up at the end.
+Only on an instance where the runner's decoding fast path applies, with no pipeline, no SLO
+cutter, no gap end times, no checks, mixed role, and a policy without per-step hooks
+(`stands`). The stretch starts where every running request is a decode on the runner's fast
+path whose last token came at the end of the step just completed (`now`), and ends (`leave`)
+before any step it cannot prove: the instance then takes the general path.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Optional
+
+from tokenweir.core.outputs import EngineCoreOutput
+from tokenweir.core.sched.decode_stretch import DecodeStretch, eligible_rows, policy_allows
+from tokenweir.sim.latency import StepTotals
+
+if TYPE_CHECKING:
+    from tokenweir.sim.instance import Instance
+
+
+def stands(inst: "Instance") -> bool:
+    """The standing conditions for stretches on `inst` (see the module docstring)."""
+    return (inst.pp_size == 1 and inst.cutter is None and inst.role == "mixed"
+            and not inst.check and inst.itl_times is None and inst.runner.fast_path_possible()
+            and policy_allows(inst.scheduler.policy))
+
+
+class StretchDriver:
+    def __init__(self, inst: "Instance") -> None:
+        runner = inst.runner
+        self.inst, self.runner = inst, runner
+        self.core = DecodeStretch(inst.scheduler, runner.regular_token_ids,
+                                  runner.eos_token_id)
+        self._predict = runner.latency_model.predict_totals
+        self._prev_end = 0.0
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
+
+    def start(self, now: float) -> Optional[float]:
+        """Plan and time the next step as a stretch step; its seconds, or None (the instance
+        takes the general path: any stretch was left)."""
+        core = self.core
+        if core.active and not core.can_continue():
+            self._leave()
+        if not core.active and not self._enter(now):
+            return None
+        self.runner.forget(core.plan_step())
+        n, context = core.n, core.context
+        return self._predict(StepTotals(n, n, n, context, context, n, context))
+
+    def _enter(self, now: float) -> bool:
+        inst = self.inst
+        rows = eligible_rows(inst.scheduler)
+        if rows is None:
+            return False
+        left_of, last_token = self.runner.decoding_left, inst._last_token
+        eos_steps = []
+        for r in rows:
+            rid = r.request_id
+            left = left_of(rid)
+            if left is None or last_token.get(rid) != now:
+                return False
+            eos_steps.append(left if left > 0 else 0)
+        self.core.enter(rows, eos_steps)
+        self._prev_end = now
+        return self.core.can_continue()
+
+    def complete(self, now: float) -> list[EngineCoreOutput]:
+        """The stretch step in flight ends at `now`: its update and records; returns the
+        outputs of the rows that took the stop rules (every finish among them)."""
+        core, inst = self.core, self.inst
+        n = core.n
+        done = core.update_step(now)
+        if inst.record_itl:
+            gap = now - self._prev_end
+            itl = inst.itl
+            if isinstance(itl, array):
+                itl.extend(array("d", (gap,)) * n)
+            else:
+                itl.add(gap, n)
+        self._prev_end = now
+        outputs = []
+        for _, eco in done:
+            outputs.append(eco)
+            rid = eco.request.request_id
+            inst._last_token[rid] = now
+            if eco.finish_reason is not None:
+                self.runner.advance_decoding(rid, core.j)  # it decoded every step so far
+                inst._finished(eco, now)
+        return outputs
+
+    def _leave(self) -> None:
+        core = self.core
+        steps = core.j
+        kept = core.leave()
+        advance = self.runner.advance_decoding
+        for r in kept:
+            advance(r.request_id, steps)
+        self.inst._last_token.update(dict.fromkeys([r.request_id for r in kept],
+                                                   self._prev_end))
+
+    def leave_if_active(self) -> None:
+        if self.core.active:
+            self._leave()
