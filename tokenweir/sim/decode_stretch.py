@@ -78,7 +78,10 @@ class StretchDriver:
             eos_steps.append(left if left > 0 else 0)
         self.core.enter(rows, eos_steps)
         self._prev_end = now
-        return self.core.can_continue()
+        if self.core.can_continue():
+            return True
+        self.core.leave()  # no step taken: nothing to catch up
+        return False
 
     def complete(self, now: float) -> list[EngineCoreOutput]:
         """The stretch step in flight ends at `now`: its update and records; returns the

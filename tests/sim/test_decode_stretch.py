@@ -1,0 +1,218 @@
+"""Decode stretches (core/sched/decode_stretch.py, sim/decode_stretch.py) decide exactly what
+the general per-step paths decide: the same seeded workloads, with stretches on and off, give
+the same request records, step records, counters, inter-token gaps, router decisions and
+digests, under preemption (recompute and swap), the prefix cache, the priority policy, slo
+pauses and cuts, a sliding window, pipelining, a noisy latency model, sessions and a
+prefix-aware cluster. Probes: stretches really advanced steps where their conditions stand
+(and the general path took the others), the configurations really preempted, swapped, hit the
+cache, paused or cut, and the stretch really declined where it must. Guards: a stretch that
+samples EOS a step late, or that allocates a block one step after its boundary, is caught by
+the same comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tokenweir.core.sched.decode_stretch import DecodeStretch
+from tokenweir.sim.build import build_simulation
+from tokenweir.sim.cluster import build_cluster
+from tokenweir.sim.digest import cluster_digest, instance_digest
+from tokenweir.sim.hardware import get_hardware, get_shape
+from tokenweir.sim.latency import NoisyLatencyModel, RooflineLatencyModel
+from tokenweir.sim.sessions import synthetic_sessions
+from tokenweir.sim.workload import synthetic
+
+SMALL = "smollm2-135m"
+CRAMPED = {"max_model_len": 1024, "num_gpu_blocks_override": 130,
+           "max_num_batched_tokens": 256, "scheduler_reserve_full_isl": False}
+
+
+def _specs(seed: int, n: int = 160, rate: float = 300.0, **kw):
+    return synthetic(n, rate, seed=seed, prompt="lognormal:90:0.7", output="lognormal:40:0.9",
+                     num_prefix_groups=3, prefix_len=48, max_model_len=1024, **kw)
+
+
+# name -> (engine args, workload kwargs, build kwargs, what must have happened, stretches?)
+CASES = {
+    "recompute+prefix, gaps in order": (
+        CRAMPED, {}, {}, ("preemptions", "prefix_hits"), True),
+    "recompute+prefix, gap times (declines)": (
+        CRAMPED, {}, {"record_itl_times": True}, ("preemptions",), False),
+    "swap, gaps as counts": (
+        dict(CRAMPED, preemption_mode="swap", swap_space=0.01), {}, {"itl_counts": True},
+        ("swaps",), True),
+    "priority, no prefix cache": (
+        dict(CRAMPED, scheduling_policy="priority", enable_prefix_caching=False),
+        {"priority_mix": "0:0.3,1:0.7"}, {}, ("preemptions",), True),
+    "checked (declines)": (CRAMPED, {}, {"check": True}, ("preemptions",), False),
+    "roomy, no gaps": (dict(CRAMPED, num_gpu_blocks_override=600), {}, {"record_itl": False},
+                       ("prefix_hits",), True),
+    "slo pauses and cuts (declines)": (
+        dict(CRAMPED, scheduling_policy="slo", num_gpu_blocks_override=400,
+             max_num_batched_tokens=512),
+        {"slo_mix": True}, {"itl_counts": True}, ("slo", "preemptions"), False),
+    "pipelined, chunked (declines)": (
+        dict(CRAMPED, num_gpu_blocks_override=400, long_prefill_token_threshold=64), {},
+        {"pp_size": 2}, ("prefix_hits",), False),
+}
+
+
+def _slo_specs(seed: int):
+    """Every third request urgent, the others relaxed, at a load that makes the CPU profile's
+    prefills pause and cut for them."""
+    specs = synthetic(120, 8.0, seed=seed, prompt="lognormal:300:0.7", output="lognormal:30:0.9",
+                      num_prefix_groups=3, prefix_len=48, max_model_len=1024)
+    return [dataclasses.replace(s, ttft_slo_ms=s.prompt_len * 2.5 + 400 if i % 3 == 0
+                                else s.prompt_len * 12 + 8000) for i, s in enumerate(specs)]
+
+
+def _simulation(engine, workload, build, seed, on: bool, **kw):
+    if workload.get("slo_mix"):
+        specs, hardware = _slo_specs(seed), "cpu-epyc-2c"
+    else:
+        specs, hardware = _specs(seed, **workload), "h100"
+    sim = build_simulation(engine, specs, SMALL, hardware, **build, **kw)
+    if not on:
+        sim.instance.stretch = None
+    return sim
+
+
+def _everything(sim, result) -> dict:
+    """What a run decided, field by field (a mismatch names the field)."""
+    engine = sim.engine
+    return {"records": [dataclasses.asdict(r) for r in result.requests],
+            "steps": result.steps, "stats": result.stats, "itl": list(result.itl),
+            "itl_times": list(engine.itl_times or ()), "itl_ids": engine.itl_ids,
+            "end": result.end_time, "prefix": (result.prefix_hit_tokens,
+                                                result.prefix_query_tokens),
+            "digest": instance_digest(result)}
+
+
+def _stretch_steps(instances) -> int:
+    return sum(i.stretch.num_steps for i in instances if i.stretch is not None)
+
+
+def _check_happened(what, stats, result) -> None:
+    if "preemptions" in what:
+        assert stats.num_preemptions > 0
+    if "swaps" in what:
+        assert stats.num_swapped_out > 0
+    if "prefix_hits" in what:
+        assert result.prefix_hit_tokens > 0
+    if "slo" in what:
+        assert stats.preemptions_by_cause["slo-between-steps"] > 0 and stats.slo_cut_steps > 0
+
+
+def _compare(case: str, seed: int) -> None:
+    engine, workload, build, what, stretches = CASES[case]
+    plain = _simulation(engine, workload, build, seed, on=False)
+    want = _everything(plain, plain.run())
+    fast = _simulation(engine, workload, build, seed, on=True)
+    result = fast.run()
+    got = _everything(fast, result)
+    for key in want:
+        assert got[key] == want[key], key
+    _check_happened(what, result.stats, result)
+    steps = _stretch_steps([fast.instance])
+    if stretches:  # probe: stretches advanced steps, the general path took the others
+        assert 0 < steps < result.stats.num_steps
+    else:
+        assert steps == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stretches_decide_as_the_general_path(case, seed):
+    _compare(case, seed)
+
+
+def test_a_noisy_sliding_window_run_decides_as_the_general_path():
+    """A sliding window declines (the runner's fast path does not hold); a noisy model draws
+    once per step in the same order either way."""
+    shape = dataclasses.replace(get_shape("mistral-7b"), sliding_window=128)
+    specs = synthetic(12, 50.0, seed=3, prompt="lognormal:200:0.5", output="lognormal:300:0.5",
+                      max_model_len=1024)
+    engine = {"max_num_seqs": 8, "max_num_batched_tokens": 1024, "num_gpu_blocks_override": 600,
+              "max_model_len": 1024}
+    for window, want_steps in ((shape, False), (get_shape("llama-7b"), True)):
+        runs = []
+        for on in (False, True):
+            model = NoisyLatencyModel(RooflineLatencyModel(window, get_hardware("h100")), 0.2,
+                                      seed=5)
+            sim = build_simulation(engine, specs, window.name, latency_model=model)
+            if not on:
+                sim.instance.stretch = None
+            runs.append(_everything(sim, sim.run()))
+        assert runs[0] == runs[1]
+        assert (_stretch_steps([sim.instance]) > 100) == want_steps
+
+
+def _cluster(on: bool, specs, sessions=None, num_instances: int = 6):
+    sim = build_cluster({"max_num_seqs": 64, "max_num_batched_tokens": 512,
+                         "num_gpu_blocks_override": 300, "max_model_len": 1024}, specs, SMALL,
+                        "h100", num_instances=num_instances, router="prefix-aware",
+                        record_steps=False, itl_counts=True, sessions=sessions)
+    if not on:
+        for inst in sim.instances:
+            inst.stretch = None
+    return sim
+
+
+def _compare_clusters(specs, sessions=None) -> None:
+    plain = _cluster(False, specs, sessions).run()
+    sim = _cluster(True, specs, sessions)
+    fast = sim.run()
+    assert cluster_digest(fast) == cluster_digest(plain)
+    assert fast.routed == plain.routed
+    assert [dataclasses.asdict(r) for r in fast.overall.requests] == \
+        [dataclasses.asdict(r) for r in plain.overall.requests]
+    assert 0 < _stretch_steps(sim.instances) < fast.overall.stats.num_steps
+    assert fast.overall.prefix_hit_tokens > 0
+
+
+def test_a_prefix_aware_cluster_decides_as_the_general_path():
+    _compare_clusters(_specs(4, n=600, rate=900.0))
+
+
+def test_a_cluster_with_sessions_decides_as_the_general_path():
+    sessions = synthetic_sessions(24, 40.0, seed=2, prompt="fixed:120", output="fixed:30",
+                                  turns="fixed:3", user_len="fixed:20", tool_delay_ms="fixed:20",
+                                  max_model_len=1024)
+    _compare_clusters(_specs(5, n=200, rate=400.0), sessions)
+
+
+def _broken_run_differs(monkeypatch, breaking) -> bool:
+    engine, workload, build, _, _ = CASES["recompute+prefix, gaps in order"]
+    plain = _simulation(engine, workload, build, 1, on=False)
+    want = _everything(plain, plain.run())
+    enter = DecodeStretch.enter
+
+    def broken_enter(self, rows, eos_steps):
+        enter(self, rows, eos_steps)
+        breaking(self)
+
+    monkeypatch.setattr(DecodeStretch, "enter", broken_enter)
+    fast = _simulation(engine, workload, build, 1, on=True)
+    try:
+        got = _everything(fast, fast.run())
+    except (AssertionError, IndexError, KeyError):  # caught by crashing
+        return True
+    return got != want
+
+
+def test_a_stretch_sampling_eos_a_step_late_is_caught(monkeypatch):
+    def late(stretch):
+        stretch._eos_step[:] = [s + 1 for s in stretch._eos_step]
+        slow = {}
+        for step, rows in stretch._slow_at.items():
+            slow.setdefault(step + 1, []).extend(rows)
+        stretch._slow_at = {step: sorted(rows) for step, rows in slow.items()}
+    assert _broken_run_differs(monkeypatch, late)
+
+
+def test_a_stretch_allocating_a_step_late_is_caught(monkeypatch):
+    def late(stretch):
+        stretch._buckets.insert(0, stretch._buckets.pop())
+    assert _broken_run_differs(monkeypatch, late)
