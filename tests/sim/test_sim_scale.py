@@ -114,13 +114,18 @@ def test_instances_in_lists_a_masks_bits_lowest_first():
         assert instances_in(sum(1 << i for i in members)) == members
 
 
-def _small_cluster_digest() -> tuple[str, int]:
+def _small_cluster_digest(stretches: bool = True) -> tuple[str, int]:
+    """`stretches` False: every instance takes the general per-step path (no decode
+    stretches, sim/decode_stretch.py)."""
     specs = synthetic(600, 400.0, seed=1, prompt="lognormal:256:0.8",
                       output="lognormal:64:0.8", max_model_len=4096,
                       num_prefix_groups=16, prefix_len=128)
     sim = build_cluster({"max_num_seqs": 64, "max_num_batched_tokens": 1024,
                          "num_gpu_blocks_override": 400}, specs, num_instances=8,
                         router="prefix-aware", record_steps=False, itl_counts=True)
+    if not stretches:
+        for inst in sim.instances:
+            inst.stretch = None
     result = sim.run()
     return cluster_digest(result), result.overall.stats.num_preemptions
 

@@ -74,10 +74,13 @@ def record_simulation(simulation, label: Optional[str] = None) -> tuple[Any, Tra
         return complete_step(out, runner_out, now)
 
     engine.record_step, engine.complete_step = recording_step, recording_complete
+    # every step through the hooks above: no decode stretch (it plans without an output)
+    stretch, engine.stretch = engine.stretch, None
     try:
         result = simulation.run()
     finally:
         del engine.record_step, engine.complete_step  # back to the class's methods
+        engine.stretch = stretch
     requests = {r.request_id: request_record(r) for r in result.requests}
     meta = {"source": "simulator", "label": label or
             f"simulator ({simulation.config.scheduler.scheduling_policy})"}
