@@ -46,6 +46,10 @@ class StretchDriver:
                                   runner.eos_token_id)
         self._predict = runner.latency_model.predict_totals
         self._prev_end = 0.0
+        itl = inst.itl if inst.record_itl else None
+        # a step's gaps: n equal values appended in order, or counted (None: not kept)
+        self._gaps_in_order = itl if isinstance(itl, array) else None
+        self._gap_counts = None if itl is None or isinstance(itl, array) else itl
 
     @property
     def num_steps(self) -> int:
@@ -59,7 +63,9 @@ class StretchDriver:
             self._leave()
         if not core.active and not self._enter(now):
             return None
-        self.runner.forget(core.plan_step())
+        finished = core.plan_step()
+        if finished:
+            self.runner.forget(finished)
         n, context = core.n, core.context
         return self._predict(StepTotals(n, n, n, context, context, n, context))
 
@@ -89,14 +95,13 @@ class StretchDriver:
         core, inst = self.core, self.inst
         n = core.n
         done = core.update_step(now)
-        if inst.record_itl:
-            gap = now - self._prev_end
-            itl = inst.itl
-            if isinstance(itl, array):
-                itl.extend(array("d", (gap,)) * n)
-            else:
-                itl.add(gap, n)
+        if self._gap_counts is not None:
+            self._gap_counts.add(now - self._prev_end, n)
+        elif self._gaps_in_order is not None:
+            self._gaps_in_order.extend(array("d", (now - self._prev_end,)) * n)
         self._prev_end = now
+        if not done:
+            return []
         outputs = []
         for _, eco in done:
             outputs.append(eco)

@@ -49,6 +49,13 @@ def shared_regular_samples(vocab_size: int) -> list[tuple[int]]:
     return shared_token_lists(vocab_size)[_FIRST_REGULAR_TOKEN:]
 
 
+@lru_cache(maxsize=None)
+def shared_regular_ids(vocab_size: int) -> list[int]:
+    """The ints of `shared_regular_samples(vocab_size)` (the same objects), for a decode
+    stretch's tokens (`regular_token_ids`)."""
+    return [sample[0] for sample in shared_regular_samples(vocab_size)]
+
+
 class _Tracked:
     """The runner's state of one request: `computed` tokens whose KV it has written, `known`
     tokens (prompt + outputs so far), `eos_at` (the `known` count at which the next sample is
@@ -98,6 +105,7 @@ class SimRunner:
             else (eos_token_id,)
         # position k's regular sample is this list's [(k * STRIDE + len(id)) % span]
         self._regular_samples = shared_regular_samples(vocab_size)
+        self._regular_ids = shared_regular_ids(vocab_size)  # the same ints, unwrapped
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -204,11 +212,13 @@ class SimRunner:
 
     def regular_token_ids(self, request, computed: int, count: int) -> list[int]:
         """The tokens `count` decode steps sample for `request` from `computed` computed tokens
-        on, none of them EOS (the caller knows): the shared int objects `_advance` samples."""
-        regular, span, k = self._regular_samples, len(self._regular_samples), \
-            len(request.request_id)
-        return [regular[((c + 1) * _TOKEN_STRIDE + k) % span][0]
-                for c in range(computed, computed + count)]
+        on, none of them EOS (the caller knows): the shared int objects `_advance` samples,
+        `_regular_samples[((c + 1) * STRIDE + len(id)) % span]` for each computed count c, in
+        C-level passes."""
+        ids, span = self._regular_ids, len(self._regular_ids)
+        start = (computed + 1) * _TOKEN_STRIDE + len(request.request_id)
+        return list(map(ids.__getitem__, map(span.__rmod__, range(
+            start, start + count * _TOKEN_STRIDE, _TOKEN_STRIDE))))
 
     def fast_path_possible(self) -> bool:
         """Whether a step may ever take the decoding fast path (`_fast_path_for`'s standing

@@ -76,7 +76,9 @@ class DecodeStretch:
 
     def _clear(self) -> None:
         self.rows: list[Request] = []
-        self._synced: list[int] = []  # steps applied to each row's counters
+        self._c0: list[int] = []  # each row's computed tokens at entry
+        self._at: list[int] = []  # steps applied to each row's computed tokens
+        self._tok: list[int] = []  # steps whose tokens each row's token list holds
         self._alive: list[bool] = []
         self._eos_step: list[int] = []
         self._buckets: list[list[int]] = []  # residue -> rows on a boundary at steps j = it
@@ -93,7 +95,8 @@ class DecodeStretch:
         bs = self.sched.kv.block_size
         self.rows, self._eos_step = list(rows), eos_steps
         n = len(rows)
-        self._synced, self._alive, self.n = [0] * n, [True] * n, n
+        self._at, self._tok, self._alive, self.n = [0] * n, [0] * n, [True] * n, n
+        self._c0 = [r.num_computed_tokens for r in rows]
         buckets: list[list[int]] = [[] for _ in range(bs)]
         slow_at = self._slow_at
         context = 0
@@ -118,7 +121,7 @@ class DecodeStretch:
         allocate = sched.kv.allocate_slots
         for i in self._buckets[j % len(self._buckets)]:
             if alive[i]:
-                self._sync(i, j)
+                self._sync_computed(i, j)  # what allocate_slots reads
                 assert allocate(self.rows[i], 1) is not None, "can_continue checked the pool"
         count.count_step(sched.stats, 0, self.n)
         finished, sched._finished_since_last_step = sched._finished_since_last_step, set()
@@ -128,55 +131,79 @@ class DecodeStretch:
     def update_step(self, now: float) -> list[tuple[int, EngineCoreOutput]]:
         """Step j's update at `now`; returns (row, output) of each row that took the stop
         rules, in running order."""
-        sched, j, alive, rows = self.sched, self.j, self._alive, self.rows
-        kv, stats = sched.kv, sched.stats
+        j, alive = self.j, self._alive
         bs = len(self._buckets)
         slow = self._slow_at.pop(j, None)
-        touched = [i for i in self._buckets[(j + 1) % bs] if alive[i]] \
-            if kv.enable_prefix_caching else []
-        if slow:
-            touched = sorted(set(touched).union(slow))
+        filled = self._buckets[(j + 1) % bs] if self.sched.kv.enable_prefix_caching else ()
+        touched = sorted(set(filled).union(slow)) if slow else filled
         n_before = self.n
         outputs = []
         for i in touched:
-            r = rows[i]
-            self._sync(i, j)
-            c = r.num_computed_tokens
-            if r.num_preemptions:
-                count.count_recomputed_tokens(stats, r, 1)
-            r.num_computed_tokens = c + 1
-            if (c + 1) % bs == 0:
-                kv.register_computed_blocks(r)
-            self._synced[i] = j + 1
-            if slow is None or i not in slow:
-                r.all_token_ids.extend(self._tokens(r, c, 1))
+            if not alive[i]:
                 continue
-            token = self._eos if j >= self._eos_step[i] else self._tokens(r, c, 1)[0]
-            out = sched._append_tokens(r, [token], now)
-            outputs.append((i, out))
-            if out.finish_reason is None:
-                self._broken = True  # not on the fast path any more: leave before the next
-            else:
-                alive[i] = False
-                self.n -= 1
-                self.context -= c + 1
-        stats.generation_tokens += n_before - (len(slow) if slow else 0)
+            if slow is not None and i in slow:
+                out = self._slow_token(i, j, now)
+                outputs.append((i, out))
+            else:  # a block filled: its tokens published
+                self._advance_one(i, j)
+                self.sched.kv.register_computed_blocks(self.rows[i])
+        self.sched.stats.generation_tokens += n_before - (len(slow) if slow else 0)
         self.context += n_before
         self.j = j + 1
         return outputs
 
-    def _sync(self, i: int, k: int) -> None:
-        """Row i's counters as after k stretch steps (tokens appended by the runner's rule)."""
-        d = k - self._synced[i]
-        if d <= 0:
+    def _advance_one(self, i: int, j: int) -> None:
+        """Row i through step j's update (computed tokens and token list), registration not
+        included."""
+        self._sync_computed(i, j)
+        r = self.rows[i]
+        if r.num_preemptions:
+            count.count_recomputed_tokens(self.sched.stats, r, 1)
+        r.num_computed_tokens += 1
+        self._at[i] = j + 1
+        self._sync_tokens(i, j + 1)
+
+    def _slow_token(self, i: int, j: int, now: float) -> EngineCoreOutput:
+        """Row i's step-j token through the stop rules (after the block it fills, if any, is
+        published); a row they finish leaves the stretch."""
+        r, sched = self.rows[i], self.sched
+        self._sync_computed(i, j)
+        self._sync_tokens(i, j)
+        c = r.num_computed_tokens
+        if r.num_preemptions:
+            count.count_recomputed_tokens(sched.stats, r, 1)
+        r.num_computed_tokens = c + 1
+        self._at[i] = self._tok[i] = j + 1
+        if (c + 1) % len(self._buckets) == 0:
+            sched.kv.register_computed_blocks(r)
+        token = self._eos if j >= self._eos_step[i] else self._tokens(r, c, 1)[0]
+        out = sched._append_tokens(r, [token], now)
+        if out.finish_reason is None:
+            self._broken = True  # not on the fast path any more: leave before the next step
+        else:
+            self._alive[i] = False
+            self.n -= 1
+            self.context -= c + 1
+        return out
+
+    def _sync_computed(self, i: int, k: int) -> None:
+        """Row i's computed tokens (and high-water mark) as after k stretch steps."""
+        if self._at[i] >= k:
+            return
+        r, computed = self.rows[i], self._c0[i] + k
+        r.num_computed_tokens = computed
+        if r.num_preemptions and r.max_computed_tokens < computed:
+            r.max_computed_tokens = computed
+        self._at[i] = k
+
+    def _sync_tokens(self, i: int, k: int) -> None:
+        """Row i's token list as after k stretch steps (the runner's rule)."""
+        done = self._tok[i]
+        if done >= k:
             return
         r = self.rows[i]
-        c = r.num_computed_tokens
-        r.all_token_ids.extend(self._tokens(r, c, d))
-        r.num_computed_tokens = c + d
-        if r.num_preemptions and r.max_computed_tokens < c + d:
-            r.max_computed_tokens = c + d
-        self._synced[i] = k
+        r.all_token_ids.extend(self._tokens(r, self._c0[i] + done, k - done))
+        self._tok[i] = k
 
     def leave(self) -> list[Request]:
         """End the stretch: every row still running caught up; returns those rows (each
@@ -185,7 +212,8 @@ class DecodeStretch:
         kept = []
         for i in range(len(rows)):
             if alive[i]:
-                self._sync(i, self.j)
+                self._sync_computed(i, self.j)
+                self._sync_tokens(i, self.j)
                 kept.append(rows[i])
         self.active = False
         return kept
