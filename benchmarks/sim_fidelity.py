@@ -225,9 +225,20 @@ COUNT_TOLERANCE = 0.10  # counts: real and simulated within 10% or 1 (`counts_ag
 METRICS = ("total_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
 COUNTS = ("preemptions", "swap_outs", "prefix_hits", "cuts")
 MAX_MODEL_LEN = 1024
-# The slo policy's TTFT predictor on both sides (explicit, so neither side measures its own):
-# a * prompt tokens + c, roughly this model on two AVX2 cores in float32.
-SLO_A_MS, SLO_C_MS = 1.6, 30.0
+# The slo workload's TTFT line (`slo_line`): its deadlines (a multiple of the line's solo TTFT
+# for the prompt: SLO_URGENT for a quarter of the requests, SLO_GENEROUS for the rest) and the
+# slo policy's predictor on both sides (explicit, so neither side measures its own), fitted
+# to the calibrated profile's solo TTFTs at the workload's budget: tight but feasible on the
+# machine the profile measured. One line per kept suite (SLO_LINE_FILE in its trace dir),
+# recorded in each slo run's records, which the replay reads: the simulation sees the
+# deadlines the engine saw, whatever profile the replay fits.
+SLO_URGENT, SLO_GENEROUS = 1.3, 6.0
+SLO_BUDGET = 512
+SLO_LINE_FILE = "slo-line.json"
+# The fixed line of the suites kept before issue 36's fid5 (1.6 ms/token + 30 ms: two AVX-512
+# cores in issue 16; ~2.5x too fast for fid4's AVX2 machine): what a kept slo run without a
+# recorded line saw.
+LEGACY_SLO_LINE = {"a": 0.0016, "b": 0.0, "c": 0.030}
 
 
 @dataclass(frozen=True)
@@ -253,11 +264,40 @@ WORKLOADS: dict[str, Workload] = {
     "swap": Workload(40, 4.0, "lognormal:160:0.4", "uniform:16:64",
                      dict(OVERLOAD, preemption_mode="swap", swap_space=0.1)),
     "slo": Workload(60, 1.5, "uniform:64:600", "uniform:4:16",
-                    dict(BASE, max_num_batched_tokens=512, scheduling_policy="slo",
-                         slo_mid_step_cut=True, slo_ttft_a_ms_per_token=SLO_A_MS,
-                         slo_ttft_c_ms=SLO_C_MS, slo_step_predictor="ttft_line",
+                    dict(BASE, max_num_batched_tokens=SLO_BUDGET, scheduling_policy="slo",
+                         slo_mid_step_cut=True, slo_step_predictor="ttft_line",
                          slo_max_preemptions=1), slo=True),  # the kept suites' setting
 }
+
+
+def slo_line(profile: dict) -> dict:
+    """The slo workload's TTFT line from a calibrated profile: a * n + b * n^2 + c seconds
+    (n prompt tokens) fitted to the profile's own solo TTFTs (prompts in SLO_BUDGET chunks,
+    each chunk one step of the profile's latency model: `slo_cuts.fit_ttft`) over prompts up
+    to MAX_MODEL_LEN. Scales with the profile: every step twice as long, the line twice as
+    steep and its intercept twice as large."""
+    from tokenweir.sim.latency import FittedLatencyModel
+    from tokenweir.sim.slo_cuts import fit_ttft
+
+    predictor, _ = fit_ttft(FittedLatencyModel.from_profile(profile), SLO_BUDGET,
+                            MAX_MODEL_LEN, quadratic=True)
+    return {"a": predictor.a, "b": predictor.b, "c": predictor.c}
+
+
+def ttft_line_ms(line: dict, prompt_len: int) -> float:
+    """The line's solo TTFT of a prompt, in ms."""
+    return 1000 * (line["a"] * prompt_len + line["b"] * prompt_len ** 2 + line["c"])
+
+
+def engine_kwargs(w: Workload, line: Optional[dict]) -> dict:
+    """The workload's engine configuration, for the real engine and the simulator alike; a
+    deadline-aware workload's slo predictor is `line` (required there)."""
+    if not w.slo:
+        return dict(w.engine)
+    if line is None:
+        raise ValueError("the slo workload needs its TTFT line (slo_line)")
+    return dict(w.engine, slo_ttft_a_ms_per_token=1000 * line["a"],
+                slo_ttft_b_us_per_token2=1e6 * line["b"], slo_ttft_c_ms=1000 * line["c"])
 
 
 def parse_args() -> argparse.Namespace:
@@ -284,6 +324,14 @@ def parse_args() -> argparse.Namespace:
                    help="only the real runs of --workloads, kept in --trace-dir (required); "
                         "no calibration or simulation: collect every workload's runs in "
                         "separate invocations (short quiet holds), then --replay the dir")
+    p.add_argument("--slo-profile", metavar="P",
+                   help="the profile whose solo TTFTs give the slo workload its TTFT line "
+                        "(deadlines and predictor: `slo_line`), fixed for the suite in "
+                        "--trace-dir/slo-line.json at its first slo run; default: a profile "
+                        "fitted to the other workloads' calibration runs kept there")
+    p.add_argument("--skip-kept", action="store_true",
+                   help="real runs whose records are already in --trace-dir are not run "
+                        "again (add a repeat to a kept suite: --repeats K+1 --skip-kept)")
     p.add_argument("--replay", metavar="DIR",
                    help="no real engine: refit and resimulate the runs kept in DIR")
     p.add_argument("--repeats", type=int, default=1, metavar="K",
@@ -302,6 +350,9 @@ def parse_args() -> argparse.Namespace:
                    help="also score a perfect simulator: G synthetic suites in which the real "
                         "engine is the profile with its measured variability "
                         "(`perfect_simulator`); 0: skip; default 20")
+    p.add_argument("--no-floor-drift", dest="floor_drift", action="store_false",
+                   help="the perfect simulator's runs without the drift inside runs the "
+                        "profile measured (its floor as before fid5: run and step sigma only)")
     p.add_argument("--sensitivity", action="store_true",
                    help="also resimulate with every step 2%% faster and 2%% slower; print how "
                         "many points each error moves per 1%% of step time")
@@ -318,19 +369,24 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---- workloads -------------------------------------------------------------------------------
-def make_specs(w: Workload, seed: int, quick: bool) -> list[RequestSpec]:
+def make_specs(w: Workload, seed: int, quick: bool,
+               line: Optional[dict] = None) -> list[RequestSpec]:
+    """The requests of `seed`; a deadline-aware workload's TTFT targets are SLO_URGENT or
+    SLO_GENEROUS times `line`'s solo TTFT for the prompt (`line` required there)."""
     n = max(8, w.num_requests // 2) if quick else w.num_requests
     specs = synthetic(n, w.rate, seed=seed, prompt=w.prompt, output=w.output,
                       num_prefix_groups=w.prefix_groups, prefix_len=w.prefix_len,
                       max_model_len=MAX_MODEL_LEN)
     if not w.slo:
         return specs
+    if line is None:
+        raise ValueError("the slo workload's deadlines need its TTFT line (slo_line)")
     rng = random.Random(seed + 1000)
     out = []
     for s in specs:
         urgent = rng.random() < 0.25
-        factor = 1.3 if urgent else 6.0
-        target = factor * (SLO_A_MS * s.prompt_len + SLO_C_MS)
+        factor = SLO_URGENT if urgent else SLO_GENEROUS
+        target = factor * ttft_line_ms(line, s.prompt_len)
         out.append(replace(s, ttft_slo_ms=target, priority=0 if urgent else 1))
     return out
 
@@ -402,18 +458,21 @@ def records_path(trace: Path) -> Path:
     return trace.with_suffix(".records.json")
 
 
-def run_engine(args, loaded, name: str, seed: int, trace_path: Path) -> float:
+def run_engine(args, loaded, name: str, seed: int, trace_path: Path,
+               line: Optional[dict] = None) -> float:
     """Serve workload `name`'s requests of `seed` with live arrivals (a submitter thread),
-    steps traced to `trace_path`, one record per request (engine clock) written beside it;
-    returns the run's wall seconds."""
+    steps traced to `trace_path`, one record per request (engine clock) written beside it,
+    with the slo workload's TTFT `line` (its deadlines and predictor: `make_specs`,
+    `engine_kwargs`); returns the run's wall seconds."""
     from tokenweir.config import EngineConfig
     from tokenweir.engine.llm_engine import LLMEngine
 
     started = time.perf_counter()
     w = WORKLOADS[name]
-    specs = make_specs(w, seed, args.quick)
+    line = line if w.slo else None
+    specs = make_specs(w, seed, args.quick, line)
     config = EngineConfig.from_kwargs(model=args.model, dtype="float32", device="cpu",
-                                      seed=args.seed, **w.engine)
+                                      seed=args.seed, **engine_kwargs(w, line))
     engine = LLMEngine(config, loaded=loaded)
     try:
         prompts = prompts_for(specs, args.seed, loaded.arch.vocab_size)
@@ -426,8 +485,38 @@ def run_engine(args, loaded, name: str, seed: int, trace_path: Path) -> float:
                 "first_token": r.first_token_time, "finished": r.finished_time,
                 "num_output": r.num_output_tokens} for r in requests]
     records_path(trace_path).write_text(json.dumps({"workload": name, "seed": seed,
-                                                    "quick": args.quick, "records": records}))
+                                                    "quick": args.quick, "slo_line": line,
+                                                    "records": records}))
     return time.perf_counter() - started
+
+
+def suite_slo_line(args, trace_dir: Path) -> dict:
+    """The kept suite's slo TTFT line (SLO_LINE_FILE in `trace_dir`), fixed at the suite's
+    first slo run: from --slo-profile, else from a profile fitted to the calibration runs of
+    the other workloads already kept in `trace_dir` (collect them first). Every later slo run
+    of the suite, in this invocation or another, reads the file: one line per suite."""
+    kept = trace_dir / SLO_LINE_FILE
+    if kept.exists():
+        return json.loads(kept.read_text())["line"]
+    if getattr(args, "slo_profile", None):
+        from tokenweir.sim.calibrate import load_profile
+
+        profile, source = load_profile(args.slo_profile), args.slo_profile
+    else:
+        from tokenweir.sim.calibrate_trace import calibrate_from_traces
+
+        paths = [str(real_path(trace_dir, n, seed)) for seed in calibration_seeds(args)
+                 for n, w in WORKLOADS.items() if not w.slo
+                 and real_path(trace_dir, n, seed).exists()]
+        if not paths:
+            raise SystemExit("the slo workload's TTFT line needs a profile: --slo-profile P, "
+                             "or the other workloads' calibration runs in --trace-dir first")
+        profile, source = calibrate_from_traces(paths), paths
+    line = slo_line(profile)
+    kept.write_text(json.dumps({"line": line, "source": source}, indent=1))
+    print(f"slo TTFT line (from {source}): {1000 * line['a']:.3f} ms/token + "
+          f"{1e6 * line['b']:.4g} us/token^2 + {1000 * line['c']:.1f} ms", flush=True)
+    return line
 
 
 def real_runs(args, names: list[str], calibrate: bool) -> list[tuple[str, str, int, str]]:
@@ -470,9 +559,12 @@ def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
     for kind, name, seed, suffix in real_runs(args, names, calibrate):
         path = real_path(trace_dir, name, seed, suffix)
+        if getattr(args, "skip_kept", False) and records_path(path).exists():
+            continue
+        line = suite_slo_line(args, trace_dir) if WORKLOADS[name].slo else None
         for attempt in range(args.retries + 1):
             waited = wait_for_quiet(threads=args.threads)
-            seconds = run_engine(args, loaded, name, seed, path)
+            seconds = run_engine(args, loaded, name, seed, path, line)
             stalls = stalled_steps(path)
             print(f"{kind} run {name}: {seconds:.0f} s"
                   + (f" (waited {waited:.0f} s for an idle machine)" if waited >= 1 else "")
@@ -589,12 +681,14 @@ def _warm_up(engine, prompt: list[int]) -> None:
 
 
 # ---- the simulator ---------------------------------------------------------------------------
-def run_sim(w: Workload, latency_model, specs: list[RequestSpec]):
-    """(request records, step-record Trace) of the simulated run."""
+def run_sim(w: Workload, latency_model, specs: list[RequestSpec],
+            line: Optional[dict] = None):
+    """(request records, step-record Trace) of the simulated run (the slo workload's
+    predictor: `line`, as `engine_kwargs` gives the real engine)."""
     from tokenweir.sim.build import build_simulation
     from tokenweir.timeline.recorder import record_simulation
 
-    sim = build_simulation(dict(w.engine), specs, latency_model=latency_model,
+    sim = build_simulation(engine_kwargs(w, line), specs, latency_model=latency_model,
                            itl_counts=True)
     result, trace = record_simulation(sim)
     return [{"request_id": r.request_id, "arrival": r.arrival, "first_token": r.first_token,
@@ -666,12 +760,20 @@ def compare(name: str, ours: list[tuple[list[dict], dict]],
             "counts_sim": {k: mean(o[1][k] for o in ours) for k in COUNTS}}
 
 
+def run_line(name: str, trace: Path) -> Optional[dict]:
+    """The slo TTFT line the kept real run `trace` ran with (its records'; LEGACY_SLO_LINE
+    for a run kept before lines were recorded); None for a workload without deadlines."""
+    if not WORKLOADS[name].slo:
+        return None
+    return json.loads(records_path(trace).read_text()).get("slo_line") or LEGACY_SLO_LINE
+
+
 def run_specs(name: str, trace: Path) -> list[RequestSpec]:
-    """Workload `name`'s requests as the kept real run `trace` saw them: its seed's specs at
-    the arrival offsets that run measured."""
+    """Workload `name`'s requests as the kept real run `trace` saw them: its seed's specs
+    (deadlines from its recorded line, `run_line`) at the arrival offsets that run measured."""
     data = json.loads(records_path(trace).read_text())
-    return realized_specs(make_specs(WORKLOADS[name], data["seed"], data["quick"]),
-                          data["records"])
+    return realized_specs(make_specs(WORKLOADS[name], data["seed"], data["quick"],
+                                     run_line(name, trace)), data["records"])
 
 
 def simulate_run(name: str, profile: dict, trace: Path,
@@ -681,10 +783,10 @@ def simulate_run(name: str, profile: dict, trace: Path,
     of the kept real run `trace`: its seed's specs at the arrival offsets that run saw."""
     from tokenweir.sim.latency import sample_machines
 
-    specs = run_specs(name, trace)
+    specs, line = run_specs(name, trace), run_line(name, trace)
     out = []
     for machine in sample_machines(profile, samples):
-        records, sim_trace = run_sim(WORKLOADS[name], machine, specs)
+        records, sim_trace = run_sim(WORKLOADS[name], machine, specs, line)
         out.append((records, step_counts(sim_trace)))
     return out
 
@@ -766,17 +868,37 @@ def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
     model = FittedLatencyModel.from_profile(profile)
     v = profile.get("variability") or {}
     run_sigma, step_sigma = float(v.get("run_sigma", 0.0)), float(v.get("step_sigma", 0.0))
-    specs = [run_specs(name, t) for t in validation_paths(args, trace_dir, name, args.repeats)]
+    drift_sigma = float(v.get("drift_sigma", 0.0))
+    specs = [(run_specs(name, t), run_line(name, t))
+             for t in validation_paths(args, trace_dir, name, args.repeats)]
     suites = []
     for g in range(args.perfect_suites):
         runs = []
-        for k, run in enumerate(specs):
+        for k, (run, line) in enumerate(specs):
             rng = random.Random(f"perfect/{name}/{g}/{k}")
             scale = math.exp(rng.gauss(-run_sigma * run_sigma / 2, run_sigma))
-            machine = NoisyLatencyModel(model, step_sigma, seed=rng.randrange(2**31), scale=scale)
-            runs.append(summarize(run_sim(WORKLOADS[name], machine, run)[0]))
+            machine = NoisyLatencyModel(model, step_sigma, seed=rng.randrange(2**31), scale=scale,
+                                        drift=_drift(drift_sigma, v, f"{name}/{g}/{k}"))
+            runs.append(summarize(run_sim(WORKLOADS[name], machine, run, line)[0]))
         suites.append({k: prediction[k] / mean(r[k] for r in runs) - 1 for k in METRICS})
     return suites
+
+
+def without_drift(profile: dict) -> dict:
+    """The profile with no drift inside runs in its variability (--no-floor-drift)."""
+    v = {k: x for k, x in (profile.get("variability") or {}).items() if k != "drift_sigma"}
+    return {**profile, "variability": v}
+
+
+def _drift(sigma: float, variability: dict, key: str):
+    """A perfect-simulator run's drift inside the run (`drift.DriftProcess` as the profile's
+    variability measured it, seeded by `key`), or None without any."""
+    from tokenweir.sim.drift import DriftProcess
+
+    if sigma <= 0:
+        return None
+    return DriftProcess(sigma, float(variability.get("drift_tau_s") or 1.0),
+                        seed=random.Random(f"drift/{key}").randrange(2**31))
 
 
 def _p90(xs: list[float]) -> float:
@@ -833,7 +955,10 @@ def format_perfect(profile: dict, rows: list[dict], perfect: dict[str, list[dict
     floor = perfect_floor(perfect)
     lines = [f"a perfect simulator (the real engine exactly the profile, varying only as its "
              f"run_sigma {100 * v.get('run_sigma', 0):.1f}% and step_sigma "
-             f"{100 * v.get('step_sigma', 0):.1f}%) in {len(some)} synthetic suites of "
+             f"{100 * v.get('step_sigma', 0):.1f}%"
+             + (f", drifting {100 * v['drift_sigma']:.1f}% inside runs over "
+                f"{v['drift_tau_s']:.1f} s" if v.get("drift_sigma") else "")
+             + f") in {len(some)} synthetic suites of "
              f"{rows[0]['runs']} runs: |error| p90 (suites over {100 * TARGET:.0f}%)",
              f"{'workload':10s}" + "".join(f"{k:>16s}" for k in METRICS)]
     for r in rows:
@@ -991,8 +1116,9 @@ def main() -> int:
         rows = [validate(args, name, profile, trace_dir) for name in names]
         noise = ([noise_floor(args, name, trace_dir) for name in names]
                  if args.noise_floor else [])
-        perfect = {r["workload"]: perfect_simulator(args, r["workload"], profile, trace_dir,
-                                                    r["sim"])
+        floor_profile = profile if args.floor_drift else without_drift(profile)
+        perfect = {r["workload"]: perfect_simulator(args, r["workload"], floor_profile,
+                                                    trace_dir, r["sim"])
                    for r in rows} if args.perfect_suites > 0 else {}
     runs = args.repeats
     seeds = "" if args.profile else ", ".join(map(str, calibration_seeds(args)))
@@ -1003,7 +1129,7 @@ def main() -> int:
           + f"; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
     if perfect:
-        print(format_perfect(profile, rows, perfect))
+        print(format_perfect(floor_profile, rows, perfect))
     print(format_speeds(rows))
     print(f"\n{SPEED_MATCHED_HEADING}")
     print(format_table([r["speed_matched"] for r in rows]))
