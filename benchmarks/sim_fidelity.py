@@ -21,7 +21,8 @@ one request's race with an arrival):
             prefills and prefix-cache hits
   swap      the overload workload with preemption_mode swap
   slo       the slo policy with mid-step cuts; 25% urgent requests (TTFT target 1.3x their
-            predicted solo TTFT), the rest 6x; prompts 64-600, budget 512
+            solo TTFT on the profile's line, `slo_line`), the rest 6x; prompts 64-600,
+            budget 512
 
 The criterion (issue 36; `criterion`, printed last, and the exit status): per workload and
 cell (total time, TTFT p50/p90, TPOT p50/p90), the simulator's mean over every validation run
@@ -148,8 +149,12 @@ profile measured (run speed log-normal with run_sigma, each step's jitter step_s
 prediction compared with their mean as with the real runs'. It prints, per cell, the p90 of a
 perfect simulator's |error| and how many suites put it over the target; how many suites it
 passes whole; and the cells of the real table over the target and beyond that p90, the errors
-the simulator owns. It is a lower bound on the floor: a real machine varies in more ways than
-the two sigmas. Issue 16, session 17, on the kept suites (six real runs each): a perfect
+the simulator owns. Since fid5 its runs also drift inside the run as the calibration traces
+measured (`drift.DriftProcess`: a log-speed Ornstein-Uhlenbeck process over the busy clock,
+sigma and correlation time from `drift.fit_drift`, the profile's variability "drift_sigma"
+and "drift_tau_s"; `--no-floor-drift`: without it): a slow stretch slows every request in
+flight together, which step jitter does not. It is still a lower bound on the floor: a real
+machine varies in more ways than these. Issue 16, session 17, on the kept suites (six real runs each): a perfect
 simulator meets "every |error| <= 5%" in 6 of 20 suites of fid27's shape. Its p90 is 7.8% on
 prefix TPOT p50 (8 of 20 suites over 5%) and 6.3-7.9% on slo's TTFT p50/p90 and TPOT p90,
 because a percentile of 30-60 requests whose per-request TPOTs lie ~10% apart near the median
@@ -170,8 +175,20 @@ the profile's time on overload, prefix, swap and slo (light 0.99-1.01x). More re
 lower the floor reliably either: resized to 2x and 3x, other cells land on such cliffs (slo
 TPOT p50's p90 16% at 3x, in the same synthetic scoring).
 
+The slo workload's TTFT line (fid5): its deadlines and its predictor on both sides come from
+a calibrated profile (`slo_line`: a * n + b * n^2 + c fitted to the profile's own solo TTFTs
+at the workload's 512-token budget; `--slo-profile P`, else a profile fitted to the other
+workloads' calibration runs kept in --trace-dir). It is fixed at the suite's first slo run
+(`<trace-dir>/slo-line.json`, read by every later collection into that dir), recorded in each
+slo run's records and read back by the replay, so engine and simulator see the same deadlines
+whatever profile the replay fits (runs kept before record none: LEGACY_SLO_LINE). Before, the
+line was a constant 1.6 ms/token + 30 ms, set for issue 16's AVX-512 machine: on fid4's AVX2
+one (~4.1 ms/token) every urgent deadline was ~2.5x tighter than a lone prefill, so the
+workload was not the tight-but-feasible one it was designed as. It is still overloaded at
+1.5 requests/s on that machine (a mean prompt of ~330 tokens takes ~1.4 s).
+
 Cuts (issue 36: the real engine cut ~0.5 more per slo run than the simulator): the slo
-workload predicts TTFT by a fixed line on both sides (SLO_A_MS, SLO_C_MS), so a machine slower
+workload predicts TTFT by a fixed line on both sides (one per suite), so a machine slower
 than the profile leaves urgent waiters less slack and cuts more: in the simulator, seeds 1-8
 cut 62 times at the profile's speed and 68 at 1.10x (tests/sim/test_sim_fidelity_repeats.py),
 and fid28's slo validation runs ran up to 1.07x. The speed-matched row's counts take that
@@ -861,7 +878,7 @@ def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
     compared with their mean as `compare` compares it with the real runs'. Returns one
     {metric: relative error} per suite; suite g's run k draws from its own seed, so the
     answer is the same on every call. It needs no real run beyond the arrivals, and it is
-    optimistic: a real machine varies in more ways than the two sigmas (the transients and
+    optimistic: a real machine varies in more ways than the sigmas (the transients and
     slow stretches of the module doc), so the real engine's floor lies above it."""
     from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel
 
