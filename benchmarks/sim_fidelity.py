@@ -301,6 +301,19 @@ def slo_line(profile: dict) -> dict:
     return {"a": predictor.a, "b": predictor.b, "c": predictor.c}
 
 
+def slo_rate(w: Workload, line: dict) -> float:
+    """The deadline-aware workload's arrival rate on the machine of `line`: w.rate on the
+    machine it was designed on (LEGACY_SLO_LINE), slower in proportion to the mean solo TTFT
+    of its prompts on a slower machine (same prompts, same order, arrivals stretched), so that
+    its load, like its deadlines, follows the machine: tight but feasible."""
+    lo, hi = (int(x) for x in w.prompt.split(":")[1:3])  # "uniform:lo:hi"
+
+    def mean_ms(ln: dict) -> float:
+        return sum(ttft_line_ms(ln, n) for n in range(lo, hi + 1)) / (hi - lo + 1)
+
+    return w.rate * mean_ms(LEGACY_SLO_LINE) / mean_ms(line)
+
+
 def ttft_line_ms(line: dict, prompt_len: int) -> float:
     """The line's solo TTFT of a prompt, in ms."""
     return 1000 * (line["a"] * prompt_len + line["b"] * prompt_len ** 2 + line["c"])
@@ -349,6 +362,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-kept", action="store_true",
                    help="real runs whose records are already in --trace-dir are not run "
                         "again (add a repeat to a kept suite: --repeats K+1 --skip-kept)")
+    p.add_argument("--max-runs", type=int, default=0, metavar="N",
+                   help="at most N real runs in this invocation (0: all): with --skip-kept, "
+                        "a suite collected in holds of a few runs each")
     p.add_argument("--replay", metavar="DIR",
                    help="no real engine: refit and resimulate the runs kept in DIR")
     p.add_argument("--repeats", type=int, default=1, metavar="K",
@@ -391,13 +407,14 @@ def make_specs(w: Workload, seed: int, quick: bool,
     """The requests of `seed`; a deadline-aware workload's TTFT targets are SLO_URGENT or
     SLO_GENEROUS times `line`'s solo TTFT for the prompt (`line` required there)."""
     n = max(8, w.num_requests // 2) if quick else w.num_requests
-    specs = synthetic(n, w.rate, seed=seed, prompt=w.prompt, output=w.output,
+    if w.slo and line is None:
+        raise ValueError("the slo workload's deadlines need its TTFT line (slo_line)")
+    rate = slo_rate(w, line) if w.slo else w.rate
+    specs = synthetic(n, rate, seed=seed, prompt=w.prompt, output=w.output,
                       num_prefix_groups=w.prefix_groups, prefix_len=w.prefix_len,
                       max_model_len=MAX_MODEL_LEN)
     if not w.slo:
         return specs
-    if line is None:
-        raise ValueError("the slo workload's deadlines need its TTFT line (slo_line)")
     rng = random.Random(seed + 1000)
     out = []
     for s in specs:
@@ -574,10 +591,15 @@ def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
+    ran = 0
     for kind, name, seed, suffix in real_runs(args, names, calibrate):
         path = real_path(trace_dir, name, seed, suffix)
         if getattr(args, "skip_kept", False) and records_path(path).exists():
             continue
+        if getattr(args, "max_runs", 0) and ran == args.max_runs:
+            print(f"--max-runs {ran} reached: the rest with --skip-kept", flush=True)
+            return
+        ran += 1
         line = suite_slo_line(args, trace_dir) if WORKLOADS[name].slo else None
         for attempt in range(args.retries + 1):
             waited = wait_for_quiet(threads=args.threads)

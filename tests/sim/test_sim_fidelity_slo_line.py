@@ -202,3 +202,45 @@ def test_skip_kept_runs_only_the_missing_runs(fid, tmp_path, monkeypatch):
     args.skip_kept = False
     fid.run_real(args, ["light"], tmp_path, calibrate=False)
     assert len(ran) == 4
+
+
+def test_the_slo_load_follows_the_machine(fid):
+    """On the machine the workload was designed on (LEGACY_SLO_LINE) it arrives at its 1.5/s;
+    on one twice as slow the same prompts arrive half as fast (arrivals stretched 2x), so its
+    load stays what it was designed as. Probe: the prompts are the same ones."""
+    w = fid.WORKLOADS["slo"]
+    assert fid.slo_rate(w, fid.LEGACY_SLO_LINE) == pytest.approx(w.rate)
+    slow = {k: 2 * v for k, v in fid.LEGACY_SLO_LINE.items()}
+    assert fid.slo_rate(w, slow) == pytest.approx(w.rate / 2)
+    base, stretched = (fid.make_specs(w, 1, True, line) for line in (fid.LEGACY_SLO_LINE, slow))
+    assert [s.prompt_len for s in stretched] == [s.prompt_len for s in base]
+    assert [s.arrival for s in stretched] == pytest.approx([2 * s.arrival for s in base])
+    assert max(s.arrival for s in base) > 1.0
+
+
+def test_max_runs_collects_a_suite_in_holds(fid, tmp_path, monkeypatch):
+    """--max-runs N with --skip-kept: each invocation runs the next N missing runs."""
+    from tokenweir.model import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: None)
+    ran = []
+
+    def fake_run(args, loaded, name, seed, path, line=None):
+        ran.append(path.name)
+        fid.records_path(path).write_text("{}")
+        return 1.0
+
+    monkeypatch.setattr(fid, "run_engine", fake_run)
+    monkeypatch.setattr(fid, "stalled_steps", lambda path: [])
+    monkeypatch.setattr(fid, "wait_for_quiet", lambda threads: 0.0)
+    args = argparse.Namespace(seed=0, repeats=2, noise_floor=False, order="workload",
+                              calibration_runs=1, validation_seeds=2, threads=1, retries=0,
+                              model="m", skip_kept=True, max_runs=2)
+    holds = []
+    for _ in range(3):
+        fid.run_real(args, ["light"], tmp_path, calibrate=True)
+        holds.append(list(ran))
+        ran.clear()
+    assert holds == [["light-seed0.jsonl", "light-seed1.jsonl"],
+                     ["light-seed2.jsonl", "light-seed1-repeat.jsonl"],
+                     ["light-seed2-repeat.jsonl"]]
