@@ -22,7 +22,7 @@ one request's race with an arrival):
   swap      the overload workload with preemption_mode swap
   slo       the slo policy with mid-step cuts; 25% urgent requests (TTFT target 1.3x their
             solo TTFT on the profile's line, `slo_line`), the rest 6x; prompts 64-600,
-            budget 512
+            budget 512; Poisson 1.5/s on the machine it was designed on (`slo_rate`)
 
 The criterion (issue 36; `criterion`, printed last, and the exit status): per workload and
 cell (total time, TTFT p50/p90, TPOT p50/p90), the simulator's mean over every validation run
@@ -184,8 +184,11 @@ slo run's records and read back by the replay, so engine and simulator see the s
 whatever profile the replay fits (runs kept before record none: LEGACY_SLO_LINE). Before, the
 line was a constant 1.6 ms/token + 30 ms, set for issue 16's AVX-512 machine: on fid4's AVX2
 one (~4.1 ms/token) every urgent deadline was ~2.5x tighter than a lone prefill, so the
-workload was not the tight-but-feasible one it was designed as. It is still overloaded at
-1.5 requests/s on that machine (a mean prompt of ~330 tokens takes ~1.4 s).
+workload was not the tight-but-feasible one it was designed as. Its load follows the line
+too (`slo_rate`): 1.5 requests/s on the legacy line's machine, slower by the ratio of the two
+lines' mean solo TTFT over its prompts elsewhere (0.59/s on fid4's machine, where 1.5/s
+offered 1.5-2.3x the prefill capacity: TTFT p50 6.5-52 s, 3 of 17 urgent targets met in
+seed 1's run; at 0.59/s seeds 1-3 offer 0.89, 0.56 and 0.73 of it in prefill work).
 
 Cuts (issue 36: the real engine cut ~0.5 more per slo run than the simulator): the slo
 workload predicts TTFT by a fixed line on both sides (one per suite), so a machine slower
