@@ -209,6 +209,19 @@ min later (--repeats 2, two replays of the same profile): overload and swap ever
 5-29%: 147.7 vs 191.0 ms), prefix TTFT p50 -7.3% and TPOT p90 -5.8% (its repeats ran 7-14%
 slower than the first runs; speed-matched within 2.4%), slo's cuts 3.5 real vs 4.8 sim (seed 2's two real runs cut 0 and 4 times).
 
+fid5 (same machine; a third run of every non-slo validation seed, slo collected anew with the
+profile's line and rate, one profile fitted to the ten calibration runs, replayed per
+workload; variability: step 7.7%, run 4.5%, drift inside runs 8.9% over 1.6 s): overload and
+swap MET (worst 2.2% and 3.5%); light TTFT p50 -6.2% and TPOT p90 -7.8% (floor 5.4%, 4.1%:
+seed 2's three runs spread 191-327 ms on TPOT p90, the 327-ms one with a 3-s prefill window
+at 1.50x); prefix -5.4..-8.1% on four cells (its decode steps ran 1.06-1.30x the profile in
+every run, calibration runs included: a shape the one profile does not fit; speed-matched
+within 1.7%); slo TTFT p50 +6.6%, p90 +18.4% (seed 1, at 0.89 of prefill capacity: real TTFT
+p90 21.4, 11.6, 14.8 s on the same arrivals, simulated 20-22 s), cuts 7.8/8.0 real/sim, and
+prefix hits 275.6/340.1 (hits come only from the recompute after a cut: a few steps of
+100-500 tokens in a few runs). With 1.5/s and the same line (the first collection) cuts were
+11.6/12.4; with the legacy line (fid4) 2.7/4.6.
+
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
 ~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a
