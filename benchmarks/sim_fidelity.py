@@ -21,7 +21,8 @@ one request's race with an arrival):
             prefills and prefix-cache hits
   swap      the overload workload with preemption_mode swap
   slo       the slo policy with mid-step cuts; 25% urgent requests (TTFT target 1.3x their
-            predicted solo TTFT), the rest 6x; prompts 64-600, budget 512
+            solo TTFT on the profile's line, `slo_line`), the rest 6x; prompts 64-600,
+            budget 512; Poisson 1.5/s on the machine it was designed on (`slo_rate`)
 
 The criterion (issue 36; `criterion`, printed last, and the exit status): per workload and
 cell (total time, TTFT p50/p90, TPOT p50/p90), the simulator's mean over every validation run
@@ -148,8 +149,12 @@ profile measured (run speed log-normal with run_sigma, each step's jitter step_s
 prediction compared with their mean as with the real runs'. It prints, per cell, the p90 of a
 perfect simulator's |error| and how many suites put it over the target; how many suites it
 passes whole; and the cells of the real table over the target and beyond that p90, the errors
-the simulator owns. It is a lower bound on the floor: a real machine varies in more ways than
-the two sigmas. Issue 16, session 17, on the kept suites (six real runs each): a perfect
+the simulator owns. Since fid5 its runs also drift inside the run as the calibration traces
+measured (`drift.DriftProcess`: a log-speed Ornstein-Uhlenbeck process over the busy clock,
+sigma and correlation time from `drift.fit_drift`, the profile's variability "drift_sigma"
+and "drift_tau_s"; `--no-floor-drift`: without it): a slow stretch slows every request in
+flight together, which step jitter does not. It is still a lower bound on the floor: a real
+machine varies in more ways than these. Issue 16, session 17, on the kept suites (six real runs each): a perfect
 simulator meets "every |error| <= 5%" in 6 of 20 suites of fid27's shape. Its p90 is 7.8% on
 prefix TPOT p50 (8 of 20 suites over 5%) and 6.3-7.9% on slo's TTFT p50/p90 and TPOT p90,
 because a percentile of 30-60 requests whose per-request TPOTs lie ~10% apart near the median
@@ -170,8 +175,23 @@ the profile's time on overload, prefix, swap and slo (light 0.99-1.01x). More re
 lower the floor reliably either: resized to 2x and 3x, other cells land on such cliffs (slo
 TPOT p50's p90 16% at 3x, in the same synthetic scoring).
 
+The slo workload's TTFT line (fid5): its deadlines and its predictor on both sides come from
+a calibrated profile (`slo_line`: a * n + b * n^2 + c fitted to the profile's own solo TTFTs
+at the workload's 512-token budget; `--slo-profile P`, else a profile fitted to the other
+workloads' calibration runs kept in --trace-dir). It is fixed at the suite's first slo run
+(`<trace-dir>/slo-line.json`, read by every later collection into that dir), recorded in each
+slo run's records and read back by the replay, so engine and simulator see the same deadlines
+whatever profile the replay fits (runs kept before record none: LEGACY_SLO_LINE). Before, the
+line was a constant 1.6 ms/token + 30 ms, set for issue 16's AVX-512 machine: on fid4's AVX2
+one (~4.1 ms/token) every urgent deadline was ~2.5x tighter than a lone prefill, so the
+workload was not the tight-but-feasible one it was designed as. Its load follows the line
+too (`slo_rate`): 1.5 requests/s on the legacy line's machine, slower by the ratio of the two
+lines' mean solo TTFT over its prompts elsewhere (0.59/s on fid4's machine, where 1.5/s
+offered 1.5-2.3x the prefill capacity: TTFT p50 6.5-52 s, 3 of 17 urgent targets met in
+seed 1's run; at 0.59/s seeds 1-3 offer 0.89, 0.56 and 0.73 of it in prefill work).
+
 Cuts (issue 36: the real engine cut ~0.5 more per slo run than the simulator): the slo
-workload predicts TTFT by a fixed line on both sides (SLO_A_MS, SLO_C_MS), so a machine slower
+workload predicts TTFT by a fixed line on both sides (one per suite), so a machine slower
 than the profile leaves urgent waiters less slack and cuts more: in the simulator, seeds 1-8
 cut 62 times at the profile's speed and 68 at 1.10x (tests/sim/test_sim_fidelity_repeats.py),
 and fid28's slo validation runs ran up to 1.07x. The speed-matched row's counts take that
@@ -188,6 +208,19 @@ min later (--repeats 2, two replays of the same profile): overload and swap ever
 2.7%; left over the floor: light TPOT p90 -10.9% (speed-matched -10.0%; same-seed pairs differ
 5-29%: 147.7 vs 191.0 ms), prefix TTFT p50 -7.3% and TPOT p90 -5.8% (its repeats ran 7-14%
 slower than the first runs; speed-matched within 2.4%), slo's cuts 3.5 real vs 4.8 sim (seed 2's two real runs cut 0 and 4 times).
+
+fid5 (same machine; a third run of every non-slo validation seed, slo collected anew with the
+profile's line and rate, one profile fitted to the ten calibration runs, replayed per
+workload; variability: step 7.7%, run 4.5%, drift inside runs 8.9% over 1.6 s): overload and
+swap MET (worst 2.2% and 3.5%); light TTFT p50 -6.2% and TPOT p90 -7.8% (floor 5.4%, 4.1%:
+seed 2's three runs spread 191-327 ms on TPOT p90, the 327-ms one with a 3-s prefill window
+at 1.50x); prefix -5.4..-8.1% on four cells (its decode steps ran 1.06-1.30x the profile in
+every run, calibration runs included: a shape the one profile does not fit; speed-matched
+within 1.7%); slo TTFT p50 +6.6%, p90 +18.4% (seed 1, at 0.89 of prefill capacity: real TTFT
+p90 21.4, 11.6, 14.8 s on the same arrivals, simulated 20-22 s), cuts 7.8/8.0 real/sim, and
+prefix hits 275.6/340.1 (hits come only from the recompute after a cut: a few steps of
+100-500 tokens in a few runs). With 1.5/s and the same line (the first collection) cuts were
+11.6/12.4; with the legacy line (fid4) 2.7/4.6.
 
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
@@ -225,9 +258,20 @@ COUNT_TOLERANCE = 0.10  # counts: real and simulated within 10% or 1 (`counts_ag
 METRICS = ("total_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
 COUNTS = ("preemptions", "swap_outs", "prefix_hits", "cuts")
 MAX_MODEL_LEN = 1024
-# The slo policy's TTFT predictor on both sides (explicit, so neither side measures its own):
-# a * prompt tokens + c, roughly this model on two AVX2 cores in float32.
-SLO_A_MS, SLO_C_MS = 1.6, 30.0
+# The slo workload's TTFT line (`slo_line`): its deadlines (a multiple of the line's solo TTFT
+# for the prompt: SLO_URGENT for a quarter of the requests, SLO_GENEROUS for the rest) and the
+# slo policy's predictor on both sides (explicit, so neither side measures its own), fitted
+# to the calibrated profile's solo TTFTs at the workload's budget: tight but feasible on the
+# machine the profile measured. One line per kept suite (SLO_LINE_FILE in its trace dir),
+# recorded in each slo run's records, which the replay reads: the simulation sees the
+# deadlines the engine saw, whatever profile the replay fits.
+SLO_URGENT, SLO_GENEROUS = 1.3, 6.0
+SLO_BUDGET = 512
+SLO_LINE_FILE = "slo-line.json"
+# The fixed line of the suites kept before issue 36's fid5 (1.6 ms/token + 30 ms: two AVX-512
+# cores in issue 16; ~2.5x too fast for fid4's AVX2 machine): what a kept slo run without a
+# recorded line saw.
+LEGACY_SLO_LINE = {"a": 0.0016, "b": 0.0, "c": 0.030}
 
 
 @dataclass(frozen=True)
@@ -253,11 +297,53 @@ WORKLOADS: dict[str, Workload] = {
     "swap": Workload(40, 4.0, "lognormal:160:0.4", "uniform:16:64",
                      dict(OVERLOAD, preemption_mode="swap", swap_space=0.1)),
     "slo": Workload(60, 1.5, "uniform:64:600", "uniform:4:16",
-                    dict(BASE, max_num_batched_tokens=512, scheduling_policy="slo",
-                         slo_mid_step_cut=True, slo_ttft_a_ms_per_token=SLO_A_MS,
-                         slo_ttft_c_ms=SLO_C_MS, slo_step_predictor="ttft_line",
+                    dict(BASE, max_num_batched_tokens=SLO_BUDGET, scheduling_policy="slo",
+                         slo_mid_step_cut=True, slo_step_predictor="ttft_line",
                          slo_max_preemptions=1), slo=True),  # the kept suites' setting
 }
+
+
+def slo_line(profile: dict) -> dict:
+    """The slo workload's TTFT line from a calibrated profile: a * n + b * n^2 + c seconds
+    (n prompt tokens) fitted to the profile's own solo TTFTs (prompts in SLO_BUDGET chunks,
+    each chunk one step of the profile's latency model: `slo_cuts.fit_ttft`) over prompts up
+    to MAX_MODEL_LEN. Scales with the profile: every step twice as long, the line twice as
+    steep and its intercept twice as large."""
+    from tokenweir.sim.latency import FittedLatencyModel
+    from tokenweir.sim.slo_cuts import fit_ttft
+
+    predictor, _ = fit_ttft(FittedLatencyModel.from_profile(profile), SLO_BUDGET,
+                            MAX_MODEL_LEN, quadratic=True)
+    return {"a": predictor.a, "b": predictor.b, "c": predictor.c}
+
+
+def slo_rate(w: Workload, line: dict) -> float:
+    """The deadline-aware workload's arrival rate on the machine of `line`: w.rate on the
+    machine it was designed on (LEGACY_SLO_LINE), slower in proportion to the mean solo TTFT
+    of its prompts on a slower machine (same prompts, same order, arrivals stretched), so that
+    its load, like its deadlines, follows the machine: tight but feasible."""
+    lo, hi = (int(x) for x in w.prompt.split(":")[1:3])  # "uniform:lo:hi"
+
+    def mean_ms(ln: dict) -> float:
+        return sum(ttft_line_ms(ln, n) for n in range(lo, hi + 1)) / (hi - lo + 1)
+
+    return w.rate * mean_ms(LEGACY_SLO_LINE) / mean_ms(line)
+
+
+def ttft_line_ms(line: dict, prompt_len: int) -> float:
+    """The line's solo TTFT of a prompt, in ms."""
+    return 1000 * (line["a"] * prompt_len + line["b"] * prompt_len ** 2 + line["c"])
+
+
+def engine_kwargs(w: Workload, line: Optional[dict]) -> dict:
+    """The workload's engine configuration, for the real engine and the simulator alike; a
+    deadline-aware workload's slo predictor is `line` (required there)."""
+    if not w.slo:
+        return dict(w.engine)
+    if line is None:
+        raise ValueError("the slo workload needs its TTFT line (slo_line)")
+    return dict(w.engine, slo_ttft_a_ms_per_token=1000 * line["a"],
+                slo_ttft_b_us_per_token2=1e6 * line["b"], slo_ttft_c_ms=1000 * line["c"])
 
 
 def parse_args() -> argparse.Namespace:
@@ -284,6 +370,17 @@ def parse_args() -> argparse.Namespace:
                    help="only the real runs of --workloads, kept in --trace-dir (required); "
                         "no calibration or simulation: collect every workload's runs in "
                         "separate invocations (short quiet holds), then --replay the dir")
+    p.add_argument("--slo-profile", metavar="P",
+                   help="the profile whose solo TTFTs give the slo workload its TTFT line "
+                        "(deadlines and predictor: `slo_line`), fixed for the suite in "
+                        "--trace-dir/slo-line.json at its first slo run; default: a profile "
+                        "fitted to the other workloads' calibration runs kept there")
+    p.add_argument("--skip-kept", action="store_true",
+                   help="real runs whose records are already in --trace-dir are not run "
+                        "again (add a repeat to a kept suite: --repeats K+1 --skip-kept)")
+    p.add_argument("--max-runs", type=int, default=0, metavar="N",
+                   help="at most N real runs in this invocation (0: all): with --skip-kept, "
+                        "a suite collected in holds of a few runs each")
     p.add_argument("--replay", metavar="DIR",
                    help="no real engine: refit and resimulate the runs kept in DIR")
     p.add_argument("--repeats", type=int, default=1, metavar="K",
@@ -302,6 +399,9 @@ def parse_args() -> argparse.Namespace:
                    help="also score a perfect simulator: G synthetic suites in which the real "
                         "engine is the profile with its measured variability "
                         "(`perfect_simulator`); 0: skip; default 20")
+    p.add_argument("--no-floor-drift", dest="floor_drift", action="store_false",
+                   help="the perfect simulator's runs without the drift inside runs the "
+                        "profile measured (its floor as before fid5: run and step sigma only)")
     p.add_argument("--sensitivity", action="store_true",
                    help="also resimulate with every step 2%% faster and 2%% slower; print how "
                         "many points each error moves per 1%% of step time")
@@ -318,9 +418,15 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---- workloads -------------------------------------------------------------------------------
-def make_specs(w: Workload, seed: int, quick: bool) -> list[RequestSpec]:
+def make_specs(w: Workload, seed: int, quick: bool,
+               line: Optional[dict] = None) -> list[RequestSpec]:
+    """The requests of `seed`; a deadline-aware workload's TTFT targets are SLO_URGENT or
+    SLO_GENEROUS times `line`'s solo TTFT for the prompt (`line` required there)."""
     n = max(8, w.num_requests // 2) if quick else w.num_requests
-    specs = synthetic(n, w.rate, seed=seed, prompt=w.prompt, output=w.output,
+    if w.slo and line is None:
+        raise ValueError("the slo workload's deadlines need its TTFT line (slo_line)")
+    rate = slo_rate(w, line) if w.slo else w.rate
+    specs = synthetic(n, rate, seed=seed, prompt=w.prompt, output=w.output,
                       num_prefix_groups=w.prefix_groups, prefix_len=w.prefix_len,
                       max_model_len=MAX_MODEL_LEN)
     if not w.slo:
@@ -329,8 +435,8 @@ def make_specs(w: Workload, seed: int, quick: bool) -> list[RequestSpec]:
     out = []
     for s in specs:
         urgent = rng.random() < 0.25
-        factor = 1.3 if urgent else 6.0
-        target = factor * (SLO_A_MS * s.prompt_len + SLO_C_MS)
+        factor = SLO_URGENT if urgent else SLO_GENEROUS
+        target = factor * ttft_line_ms(line, s.prompt_len)
         out.append(replace(s, ttft_slo_ms=target, priority=0 if urgent else 1))
     return out
 
@@ -402,18 +508,21 @@ def records_path(trace: Path) -> Path:
     return trace.with_suffix(".records.json")
 
 
-def run_engine(args, loaded, name: str, seed: int, trace_path: Path) -> float:
+def run_engine(args, loaded, name: str, seed: int, trace_path: Path,
+               line: Optional[dict] = None) -> float:
     """Serve workload `name`'s requests of `seed` with live arrivals (a submitter thread),
-    steps traced to `trace_path`, one record per request (engine clock) written beside it;
-    returns the run's wall seconds."""
+    steps traced to `trace_path`, one record per request (engine clock) written beside it,
+    with the slo workload's TTFT `line` (its deadlines and predictor: `make_specs`,
+    `engine_kwargs`); returns the run's wall seconds."""
     from tokenweir.config import EngineConfig
     from tokenweir.engine.llm_engine import LLMEngine
 
     started = time.perf_counter()
     w = WORKLOADS[name]
-    specs = make_specs(w, seed, args.quick)
+    line = line if w.slo else None
+    specs = make_specs(w, seed, args.quick, line)
     config = EngineConfig.from_kwargs(model=args.model, dtype="float32", device="cpu",
-                                      seed=args.seed, **w.engine)
+                                      seed=args.seed, **engine_kwargs(w, line))
     engine = LLMEngine(config, loaded=loaded)
     try:
         prompts = prompts_for(specs, args.seed, loaded.arch.vocab_size)
@@ -426,8 +535,38 @@ def run_engine(args, loaded, name: str, seed: int, trace_path: Path) -> float:
                 "first_token": r.first_token_time, "finished": r.finished_time,
                 "num_output": r.num_output_tokens} for r in requests]
     records_path(trace_path).write_text(json.dumps({"workload": name, "seed": seed,
-                                                    "quick": args.quick, "records": records}))
+                                                    "quick": args.quick, "slo_line": line,
+                                                    "records": records}))
     return time.perf_counter() - started
+
+
+def suite_slo_line(args, trace_dir: Path) -> dict:
+    """The kept suite's slo TTFT line (SLO_LINE_FILE in `trace_dir`), fixed at the suite's
+    first slo run: from --slo-profile, else from a profile fitted to the calibration runs of
+    the other workloads already kept in `trace_dir` (collect them first). Every later slo run
+    of the suite, in this invocation or another, reads the file: one line per suite."""
+    kept = trace_dir / SLO_LINE_FILE
+    if kept.exists():
+        return json.loads(kept.read_text())["line"]
+    if getattr(args, "slo_profile", None):
+        from tokenweir.sim.calibrate import load_profile
+
+        profile, source = load_profile(args.slo_profile), args.slo_profile
+    else:
+        from tokenweir.sim.calibrate_trace import calibrate_from_traces
+
+        paths = [str(real_path(trace_dir, n, seed)) for seed in calibration_seeds(args)
+                 for n, w in WORKLOADS.items() if not w.slo
+                 and real_path(trace_dir, n, seed).exists()]
+        if not paths:
+            raise SystemExit("the slo workload's TTFT line needs a profile: --slo-profile P, "
+                             "or the other workloads' calibration runs in --trace-dir first")
+        profile, source = calibrate_from_traces(paths), paths
+    line = slo_line(profile)
+    kept.write_text(json.dumps({"line": line, "source": source}, indent=1))
+    print(f"slo TTFT line (from {source}): {1000 * line['a']:.3f} ms/token + "
+          f"{1e6 * line['b']:.4g} us/token^2 + {1000 * line['c']:.1f} ms", flush=True)
+    return line
 
 
 def real_runs(args, names: list[str], calibrate: bool) -> list[tuple[str, str, int, str]]:
@@ -468,11 +607,19 @@ def run_real(args, names: list[str], trace_dir: Path, calibrate: bool) -> None:
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
+    ran = 0
     for kind, name, seed, suffix in real_runs(args, names, calibrate):
         path = real_path(trace_dir, name, seed, suffix)
+        if getattr(args, "skip_kept", False) and records_path(path).exists():
+            continue
+        if getattr(args, "max_runs", 0) and ran == args.max_runs:
+            print(f"--max-runs {ran} reached: the rest with --skip-kept", flush=True)
+            return
+        ran += 1
+        line = suite_slo_line(args, trace_dir) if WORKLOADS[name].slo else None
         for attempt in range(args.retries + 1):
             waited = wait_for_quiet(threads=args.threads)
-            seconds = run_engine(args, loaded, name, seed, path)
+            seconds = run_engine(args, loaded, name, seed, path, line)
             stalls = stalled_steps(path)
             print(f"{kind} run {name}: {seconds:.0f} s"
                   + (f" (waited {waited:.0f} s for an idle machine)" if waited >= 1 else "")
@@ -589,12 +736,14 @@ def _warm_up(engine, prompt: list[int]) -> None:
 
 
 # ---- the simulator ---------------------------------------------------------------------------
-def run_sim(w: Workload, latency_model, specs: list[RequestSpec]):
-    """(request records, step-record Trace) of the simulated run."""
+def run_sim(w: Workload, latency_model, specs: list[RequestSpec],
+            line: Optional[dict] = None):
+    """(request records, step-record Trace) of the simulated run (the slo workload's
+    predictor: `line`, as `engine_kwargs` gives the real engine)."""
     from tokenweir.sim.build import build_simulation
     from tokenweir.timeline.recorder import record_simulation
 
-    sim = build_simulation(dict(w.engine), specs, latency_model=latency_model,
+    sim = build_simulation(engine_kwargs(w, line), specs, latency_model=latency_model,
                            itl_counts=True)
     result, trace = record_simulation(sim)
     return [{"request_id": r.request_id, "arrival": r.arrival, "first_token": r.first_token,
@@ -666,12 +815,20 @@ def compare(name: str, ours: list[tuple[list[dict], dict]],
             "counts_sim": {k: mean(o[1][k] for o in ours) for k in COUNTS}}
 
 
+def run_line(name: str, trace: Path) -> Optional[dict]:
+    """The slo TTFT line the kept real run `trace` ran with (its records'; LEGACY_SLO_LINE
+    for a run kept before lines were recorded); None for a workload without deadlines."""
+    if not WORKLOADS[name].slo:
+        return None
+    return json.loads(records_path(trace).read_text()).get("slo_line") or LEGACY_SLO_LINE
+
+
 def run_specs(name: str, trace: Path) -> list[RequestSpec]:
-    """Workload `name`'s requests as the kept real run `trace` saw them: its seed's specs at
-    the arrival offsets that run measured."""
+    """Workload `name`'s requests as the kept real run `trace` saw them: its seed's specs
+    (deadlines from its recorded line, `run_line`) at the arrival offsets that run measured."""
     data = json.loads(records_path(trace).read_text())
-    return realized_specs(make_specs(WORKLOADS[name], data["seed"], data["quick"]),
-                          data["records"])
+    return realized_specs(make_specs(WORKLOADS[name], data["seed"], data["quick"],
+                                     run_line(name, trace)), data["records"])
 
 
 def simulate_run(name: str, profile: dict, trace: Path,
@@ -681,10 +838,10 @@ def simulate_run(name: str, profile: dict, trace: Path,
     of the kept real run `trace`: its seed's specs at the arrival offsets that run saw."""
     from tokenweir.sim.latency import sample_machines
 
-    specs = run_specs(name, trace)
+    specs, line = run_specs(name, trace), run_line(name, trace)
     out = []
     for machine in sample_machines(profile, samples):
-        records, sim_trace = run_sim(WORKLOADS[name], machine, specs)
+        records, sim_trace = run_sim(WORKLOADS[name], machine, specs, line)
         out.append((records, step_counts(sim_trace)))
     return out
 
@@ -759,24 +916,44 @@ def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
     compared with their mean as `compare` compares it with the real runs'. Returns one
     {metric: relative error} per suite; suite g's run k draws from its own seed, so the
     answer is the same on every call. It needs no real run beyond the arrivals, and it is
-    optimistic: a real machine varies in more ways than the two sigmas (the transients and
+    optimistic: a real machine varies in more ways than the sigmas (the transients and
     slow stretches of the module doc), so the real engine's floor lies above it."""
     from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel
 
     model = FittedLatencyModel.from_profile(profile)
     v = profile.get("variability") or {}
     run_sigma, step_sigma = float(v.get("run_sigma", 0.0)), float(v.get("step_sigma", 0.0))
-    specs = [run_specs(name, t) for t in validation_paths(args, trace_dir, name, args.repeats)]
+    drift_sigma = float(v.get("drift_sigma", 0.0))
+    specs = [(run_specs(name, t), run_line(name, t))
+             for t in validation_paths(args, trace_dir, name, args.repeats)]
     suites = []
     for g in range(args.perfect_suites):
         runs = []
-        for k, run in enumerate(specs):
+        for k, (run, line) in enumerate(specs):
             rng = random.Random(f"perfect/{name}/{g}/{k}")
             scale = math.exp(rng.gauss(-run_sigma * run_sigma / 2, run_sigma))
-            machine = NoisyLatencyModel(model, step_sigma, seed=rng.randrange(2**31), scale=scale)
-            runs.append(summarize(run_sim(WORKLOADS[name], machine, run)[0]))
+            machine = NoisyLatencyModel(model, step_sigma, seed=rng.randrange(2**31), scale=scale,
+                                        drift=_drift(drift_sigma, v, f"{name}/{g}/{k}"))
+            runs.append(summarize(run_sim(WORKLOADS[name], machine, run, line)[0]))
         suites.append({k: prediction[k] / mean(r[k] for r in runs) - 1 for k in METRICS})
     return suites
+
+
+def without_drift(profile: dict) -> dict:
+    """The profile with no drift inside runs in its variability (--no-floor-drift)."""
+    v = {k: x for k, x in (profile.get("variability") or {}).items() if k != "drift_sigma"}
+    return {**profile, "variability": v}
+
+
+def _drift(sigma: float, variability: dict, key: str):
+    """A perfect-simulator run's drift inside the run (`drift.DriftProcess` as the profile's
+    variability measured it, seeded by `key`), or None without any."""
+    from tokenweir.sim.drift import DriftProcess
+
+    if sigma <= 0:
+        return None
+    return DriftProcess(sigma, float(variability.get("drift_tau_s") or 1.0),
+                        seed=random.Random(f"drift/{key}").randrange(2**31))
 
 
 def _p90(xs: list[float]) -> float:
@@ -833,7 +1010,10 @@ def format_perfect(profile: dict, rows: list[dict], perfect: dict[str, list[dict
     floor = perfect_floor(perfect)
     lines = [f"a perfect simulator (the real engine exactly the profile, varying only as its "
              f"run_sigma {100 * v.get('run_sigma', 0):.1f}% and step_sigma "
-             f"{100 * v.get('step_sigma', 0):.1f}%) in {len(some)} synthetic suites of "
+             f"{100 * v.get('step_sigma', 0):.1f}%"
+             + (f", drifting {100 * v['drift_sigma']:.1f}% inside runs over "
+                f"{v['drift_tau_s']:.1f} s" if v.get("drift_sigma") else "")
+             + f") in {len(some)} synthetic suites of "
              f"{rows[0]['runs']} runs: |error| p90 (suites over {100 * TARGET:.0f}%)",
              f"{'workload':10s}" + "".join(f"{k:>16s}" for k in METRICS)]
     for r in rows:
@@ -991,8 +1171,9 @@ def main() -> int:
         rows = [validate(args, name, profile, trace_dir) for name in names]
         noise = ([noise_floor(args, name, trace_dir) for name in names]
                  if args.noise_floor else [])
-        perfect = {r["workload"]: perfect_simulator(args, r["workload"], profile, trace_dir,
-                                                    r["sim"])
+        floor_profile = profile if args.floor_drift else without_drift(profile)
+        perfect = {r["workload"]: perfect_simulator(args, r["workload"], floor_profile,
+                                                    trace_dir, r["sim"])
                    for r in rows} if args.perfect_suites > 0 else {}
     runs = args.repeats
     seeds = "" if args.profile else ", ".join(map(str, calibration_seeds(args)))
@@ -1003,7 +1184,7 @@ def main() -> int:
           + f"; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
     if perfect:
-        print(format_perfect(profile, rows, perfect))
+        print(format_perfect(floor_profile, rows, perfect))
     print(format_speeds(rows))
     print(f"\n{SPEED_MATCHED_HEADING}")
     print(format_table([r["speed_matched"] for r in rows]))

@@ -459,7 +459,7 @@ def test_every_validation_seed_is_judged_together(fid, kept, monkeypatch, tmp_pa
 
 def test_the_slo_workload_cuts_more_on_a_slower_machine(fid):
     """Issue 36's "the real engine cuts ~0.5 more per run": the slo workload predicts TTFT
-    by a FIXED line on both sides (SLO_A_MS, SLO_C_MS), so a machine slower than the profile
+    by a FIXED line on both sides (one per suite; here the suites' old LEGACY_SLO_LINE), so a machine slower than the profile
     leaves urgent waiters less slack and the monitor cuts more. Seeds 1-8 with this profile
     (recorded: 62 cuts at 1.0x, 68 at 1.10x); the suites' validation runs ran 1.00-1.07x the
     profile, so a speed-matched simulation (at_run_speed) carries that share of the gap."""
@@ -473,8 +473,9 @@ def test_the_slo_workload_cuts_more_on_a_slower_machine(fid):
     def cuts(scale: float) -> int:
         model = FittedLatencyModel.from_profile(
             {**profile, "runner_scale": {"decode": scale, "prefill": scale}})
-        return sum(fid.step_counts(fid.run_sim(w, model, fid.make_specs(w, seed, False))[1])
-                   ["cuts"] for seed in range(1, 9))
+        line = fid.LEGACY_SLO_LINE
+        return sum(fid.step_counts(fid.run_sim(w, model, fid.make_specs(w, seed, False, line),
+                                               line)[1])["cuts"] for seed in range(1, 9))
 
     assert (cuts(1.0), cuts(1.10)) == (62, 68)
 
@@ -502,3 +503,28 @@ def test_collect_only_runs_the_real_engine_and_nothing_else(fid, monkeypatch, tm
     with pytest.raises(SystemExit, match="needs --trace-dir"):
         fid.main()
     assert len(calls) == 1
+
+
+def test_a_perfect_simulator_draws_the_drift_inside_runs(fid, kept):
+    """The profile's measured drift inside runs (variability's drift_sigma, drift_tau_s:
+    drift.fit_drift) enters the synthetic real runs, so a machine that wanders inside runs
+    leaves the prediction further from their mean (the floor widens). Probe: the same
+    profile without the drift (`without_drift`, --no-floor-drift) scores as a profile that
+    never measured any."""
+    d, _ = kept
+    args = argparse.Namespace(repeats=3, perfect_suites=12, seed=0)
+    prediction = {k: 1.0 for k in fid.METRICS} | {"total_s": _deterministic_total(fid, d)}
+    steady = {**PROFILE, "variability": {"run_sigma": 0.0, "step_sigma": 0.01}}
+    wandering = {**PROFILE, "variability": {**steady["variability"], "drift_sigma": 0.15,
+                                            "drift_tau_s": 2.0}}
+
+    def p90_total(profile: dict) -> float:
+        suites = fid.perfect_simulator(args, "light", profile, d, prediction)
+        return fid._p90([abs(e["total_s"]) for e in suites])
+
+    assert p90_total(wandering) > 3 * p90_total(steady)
+    assert p90_total(fid.without_drift(wandering)) == p90_total(steady)
+    text = fid.format_perfect(wandering, [{"workload": "light", "runs": 3,
+                                           "rel_error": {k: 0.0 for k in fid.METRICS}}],
+                              {"light": [{k: 0.0 for k in fid.METRICS}]})
+    assert "step_sigma 1.0%, drifting 15.0% inside runs over 2.0 s) in 1 synthetic" in text

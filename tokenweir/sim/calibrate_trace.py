@@ -39,7 +39,8 @@ The profile is calibrate.py's format with, in addition:
     "machine_speed": [per trace: machine_speed(...)] (measured / fitted runner time per step
                      kind, over the run and its range over windows: the machine's drift),
     "stalls": {"num_steps": n, "seconds": s (their measured cycle time)},
-    "variability": {"step_sigma": s, "run_sigma": s, "num_steps": n, "num_run_kinds": n}
+    "variability": {"step_sigma": s, "run_sigma": s, "num_steps": n, "num_run_kinds": n,
+                    "drift_sigma": s, "drift_tau_s": s, "num_windows": n}
                    (log-space scatter of step times around the model: `variability`),
 and the TTFT predictor (a, b, c: quadratic) fitted to the model's own solo-TTFT curve (no
 hand-built grid points).
@@ -234,6 +235,17 @@ def variability(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedSt
             "num_run_kinds": len(run_logs)}
 
 
+def with_drift(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedStep]],
+               stalled: Sequence[Sequence[bool]]) -> dict:
+    """`variability` and the drift inside runs (`drift.fit_drift`: "drift_sigma",
+    "drift_tau_s", "num_windows"), stalls left out of both."""
+    from tokenweir.sim.drift import fit_drift
+
+    v = variability(model, per_trace, stalled)
+    kept = [[s for s, f in zip(steps, flags) if not f] for steps, flags in zip(per_trace, stalled)]
+    return {**v, **fit_drift(model, kept, step_kind, v["step_sigma"])}
+
+
 def find_stalls(model: FittedLatencyModel, steps: Sequence[TracedStep]) -> list[bool]:
     """Per step of one run: True for a stall (see STALL_LOCAL_RATIO, STALL_OVERHEAD_S)."""
     local = local_ratios(model, steps)
@@ -333,7 +345,7 @@ def calibrate_from_traces(paths: Sequence[str], holdout_every: int = 5) -> dict:
                     "max_rel_error": fit.max_rel_error, "num_points": len(fit_steps)},
             "heldout": heldout_errors(model, held, held_local),
             "machine_speed": [machine_speed(model, t) for t in per_trace],
-            "variability": variability(model, per_trace, _per_trace(stalled, per_trace)),
+            "variability": with_drift(model, per_trace, _per_trace(stalled, per_trace)),
             "stalls": {"num_steps": sum(stalled),
                        "seconds": sum(s.cycle for s, f in zip(steps, stalled) if f)},
             "ttft": _ttft_curve(model, budget, int(meta.get("max_model_len") or 2048)),
@@ -455,7 +467,10 @@ def format_heldout(profile: dict) -> str:
     if v:
         lines.append(f"machine variability (log-space sigma, `variability`): step to step "
                      f"{100 * v['step_sigma']:.1f}% over {v['num_steps']} steps, run to run "
-                     f"{100 * v['run_sigma']:.1f}% over {v['num_run_kinds']} (run, kind) pairs")
+                     f"{100 * v['run_sigma']:.1f}% over {v['num_run_kinds']} (run, kind) pairs"
+                     + (f"; drift inside runs {100 * v['drift_sigma']:.1f}%, correlation "
+                        f"time {v['drift_tau_s']:.1f} s over {v['num_windows']} windows "
+                        f"(`drift.fit_drift`)" if "drift_sigma" in v else ""))
     names = [Path(t).name for t in profile.get("traces", [])]
     lines += [format_speed(f"machine speed in {name}", speed)
               for name, speed in zip(names, profile.get("machine_speed", []))]

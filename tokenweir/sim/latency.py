@@ -168,15 +168,19 @@ class NoisyLatencyModel:
     so a run stays deterministic for a given seed. `scale` multiplies every drawn step (a
     machine running slower or faster than the model all run long: `sample_machines`).
     `predict` and `step_time` return the noise-free, unscaled mean: what a scheduler
-    forecasting a step, or a fit of solo TTFTs, sees.
+    forecasting a step, or a fit of solo TTFTs, sees. `drift` (a `drift.DriftProcess`)
+    multiplies each drawn step by the machine's slow wander inside the run as well, its clock
+    advanced by the drawn step; None (the default) draws exactly as without it.
     """
 
-    def __init__(self, base, sigma: float, seed: int = 0, scale: float = 1.0) -> None:
+    def __init__(self, base, sigma: float, seed: int = 0, scale: float = 1.0,
+                 drift=None) -> None:
         if sigma < 0 or scale <= 0:
             raise ValueError(f"need sigma >= 0 and scale > 0, got {sigma}, {scale}")
         self.base = base
         self.sigma = sigma
         self.scale = scale
+        self.drift = drift  # a drift.DriftProcess (its own random stream), or None
         self._rng = random.Random(seed)
         self._mu = -sigma * sigma / 2  # E[exp(N(mu, sigma))] = 1
 
@@ -184,8 +188,13 @@ class NoisyLatencyModel:
         return getattr(self.base, name)
 
     def predict_totals(self, totals: StepTotals) -> float:
-        return (self.base.predict_totals(totals) * self.scale
-                * math.exp(self._rng.gauss(self._mu, self.sigma)))
+        seconds = (self.base.predict_totals(totals) * self.scale
+                   * math.exp(self._rng.gauss(self._mu, self.sigma)))
+        if self.drift is None:
+            return seconds
+        seconds *= self.drift.factor()
+        self.drift.advance(seconds)  # the drift's clock: the steps' own (busy) time
+        return seconds
 
     def predict(self, scheduler_output: SchedulerOutput,
                 context_lens: Mapping[str, int]) -> float:
