@@ -32,6 +32,9 @@ Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
   --preimport MODULE     imported by the child before the command starts (counted in `import`),
                          e.g. tokenweir.server.serve: serve's server stack up front, not
                          overlapped with the engine's build
+  --first-request N      serve: once /health answers 200, time one completion of a ~N-token
+                         prompt (max_tokens 1) sent at once: column "first req", the seconds
+                         from sending it to its answer (what a warm-up moves before `ready`)
   --timeline             after each row, the start's events: when each watched module's import
                          (TIMELINE_MODULES) and each watched call (TIMELINE_CALLS) began and
                          ended, on which thread, in seconds from process start (a diagnosis
@@ -53,7 +56,8 @@ import time
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("import", "model read", "weights", "packed", "kernels", "warm-up", "ready")
+PHASES = ("import", "model read", "weights", "packed", "kernels", "warm-up", "ready",
+          "first req")
 PROMPTS = ["What is the capital of France?", "Write a haiku about a river."]
 # --timeline: imports whose span is recorded (the first import of each, nested ones included)
 TIMELINE_MODULES = ("numpy", "torch", "jinja2", "llguidance", "tokenizers", "fastapi",
@@ -281,7 +285,8 @@ def _free_port() -> int:
 
 
 def run_once(command: str, model: str, cache_dir: str, patches: list[str],
-             extra_env: list[str], preimports: list[str], timeline: bool = False) -> dict:
+             extra_env: list[str], preimports: list[str], timeline: bool = False,
+             first_request: int = 0) -> dict:
     """One start's row of phase times; with timeline, its events under "timeline"."""
     out = tempfile.mktemp(prefix="tokenweir-startup-", suffix=".json")
     port = _free_port()
@@ -304,6 +309,8 @@ def run_once(command: str, model: str, cache_dir: str, patches: list[str],
         try:
             ready = _wait_health(port, proc)
             row = {**_read_json(out + ".engine"), "ready": ready - started}
+            if first_request:
+                row["first req"] = _time_request(port, model, first_request)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -333,6 +340,18 @@ def _wait_health(port: int, proc: subprocess.Popen) -> float:
         time.sleep(0.02)
 
 
+def _time_request(port: int, model: str, prompt_tokens: int) -> float:
+    """Seconds to answer one completion of ~prompt_tokens tokens (max_tokens 1)."""
+    import httpx
+
+    body = {"model": model, "prompt": "river " * prompt_tokens, "max_tokens": 1}
+    sent = time.time()
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120,
+                       trust_env=False)
+    reply.raise_for_status()
+    return time.time() - sent
+
+
 def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
@@ -354,6 +373,7 @@ def main() -> None:
     parser.add_argument("--preimport", action="append", default=[])
     parser.add_argument("--cache-dir")
     parser.add_argument("--timeline", action="store_true")
+    parser.add_argument("--first-request", type=int, default=0)
     args = parser.parse_args()
     if args.child:
         sys.exit(child(args.child, args.model, args.started, args.out, args.port, args.patch,
@@ -368,7 +388,7 @@ def main() -> None:
             try:
                 for mode in modes:
                     row = run_once(command, args.model, cache_dir, args.patch, args.env,
-                                   args.preimport, args.timeline)
+                                   args.preimport, args.timeline, args.first_request)
                     cells = "  ".join(f"{row[p]:>9.2f}s" if p in row else f"{'-':>10}"
                                       for p in PHASES)
                     numbers[mode] += 1
