@@ -32,6 +32,13 @@ Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
   --preimport MODULE     imported by the child before the command starts (counted in `import`),
                          e.g. tokenweir.server.serve: serve's server stack up front, not
                          overlapped with the engine's build
+  --first-request N      serve: once /health answers 200, time one completion of a ~N-token
+                         prompt (max_tokens 1) sent at once: column "first req", the seconds
+                         from sending it to its answer (what a warm-up moves before `ready`)
+  --timeline             after each row, the start's events: when each watched module's import
+                         (TIMELINE_MODULES) and each watched call (TIMELINE_CALLS) began and
+                         ended, on which thread, in seconds from process start (a diagnosis
+                         aid: the wrappers cost a little, so a row with it is not a figure)
 """
 
 from __future__ import annotations
@@ -44,11 +51,27 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("import", "model read", "weights", "packed", "kernels", "warm-up", "ready")
+PHASES = ("import", "model read", "weights", "packed", "kernels", "warm-up", "ready",
+          "first req")
 PROMPTS = ["What is the capital of France?", "Write a haiku about a river."]
+# --timeline: imports whose span is recorded (the first import of each, nested ones included)
+TIMELINE_MODULES = ("numpy", "torch", "jinja2", "llguidance", "tokenizers", "fastapi",
+                    "pydantic", "uvicorn", "starlette", "prometheus_client",
+                    "tokenweir.model.load_cache", "tokenweir.engine.llm_engine",
+                    "tokenweir.server.serve", "tokenweir.server.app")
+# --timeline: "module:Owner.attribute" calls whose first span is recorded
+TIMELINE_CALLS = (
+    "tokenweir.cli.parser:build_parser", "tokenweir.engine.llm_engine:LLMEngine.__init__",
+    "tokenweir.model.loader:load_model", "tokenweir.model.tokenizer:Tokenizer.from_cache",
+    "tokenweir.model.tokenizer:_compile_template",
+    "tokenweir.runner.model_runner:ModelRunner.warm_up",
+    "tokenweir.engine.llm_engine:LLMEngine.step", "tokenweir.server.app:create_app",
+    "uvicorn.server:Server.startup", "uvicorn.server:Server.serve")
 
 
 # ---- child: one timed start ---------------------------------------------------------------
@@ -73,15 +96,18 @@ def _instrument_loader(loader, times: dict) -> None:
     _timed(loader, "_attach_packed", "packed", times)
 
 
-def _on_import(hooks: dict) -> None:
+def _on_import(hooks: dict, spans: tuple = ()) -> None:
     """Call hooks[name](module) right after the module `name` is first imported (a finder
-    ahead of the others that wraps the found loader's exec_module)."""
+    ahead of the others that wraps the found loader's exec_module). spans: (events, started):
+    also append (start, end, thread, "import NAME") to events for each TIMELINE_MODULES
+    import, from its execution's start to its end (the imports it makes included)."""
     import importlib.abc
     import importlib.machinery
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name not in hooks:
+            timed = bool(spans) and name in TIMELINE_MODULES
+            if name not in hooks and not timed:
                 return None
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             if spec is None or spec.loader is None:
@@ -89,8 +115,12 @@ def _on_import(hooks: dict) -> None:
             execute = spec.loader.exec_module
 
             def exec_module(module):
+                begun = time.time()
                 execute(module)
-                hooks.pop(name)(module)
+                if timed:
+                    spans[0].append(_event(begun, spans[1], f"import {name}"))
+                if name in hooks:
+                    hooks.pop(name)(module)
 
             spec.loader.exec_module = exec_module
             return spec
@@ -98,24 +128,94 @@ def _on_import(hooks: dict) -> None:
     sys.meta_path.insert(0, Finder())
 
 
-def _instrument(times: dict, started: float, on_engine) -> None:
+def _event(begun: float, started: float, label: str) -> tuple:
+    """(start, end, thread, label): seconds from process start, ended now."""
+    return (begun - started, time.time() - started, threading.current_thread().name, label)
+
+
+def _call_span(owner, attribute: str, label: str, events: list, started: float) -> None:
+    """Wrap owner.attribute so that its first call's span lands in events."""
+    raw = owner.__dict__.get(attribute)
+    real = getattr(owner, attribute)  # bound already where raw is a class/static method
+
+    def wrapper(*args, **kwargs):
+        begun = time.time()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            if not any(e[3] == label for e in events):
+                events.append(_event(begun, started, label))
+
+    async def async_wrapper(*args, **kwargs):
+        begun = time.time()
+        try:
+            return await real(*args, **kwargs)
+        finally:
+            if not any(e[3] == label for e in events):
+                events.append(_event(begun, started, label))
+
+    import inspect
+
+    chosen = async_wrapper if inspect.iscoroutinefunction(real) else wrapper
+    bound = isinstance(raw, (classmethod, staticmethod))
+    setattr(owner, attribute, staticmethod(chosen) if bound else chosen)
+
+
+def _timeline_hooks(events: list, started: float) -> dict:
+    """module name -> hook installing _call_span on that module's TIMELINE_CALLS."""
+    by_module: dict = {}
+    for path in TIMELINE_CALLS:
+        module, _, dotted = path.partition(":")
+        by_module.setdefault(module, []).append(dotted)
+
+    def installer(dotted_names: list):
+        def install(module):
+            for dotted in dotted_names:
+                owner_name, _, attribute = dotted.rpartition(".")
+                owner = getattr(module, owner_name) if owner_name else module
+                _call_span(owner, attribute, dotted + "()", events, started)
+        return install
+
+    return {module: installer(names) for module, names in by_module.items()}
+
+
+def _merge_hooks(*tables: dict) -> dict:
+    merged: dict = {}
+    for table in tables:
+        for name, hook in table.items():
+            before = merged.get(name)
+            merged[name] = hook if before is None else (
+                lambda m, a=before, b=hook: (a(m), b(m)))
+    return merged
+
+
+def _instrument(times: dict, started: float, on_engine, events: Optional[list],
+                more_hooks: dict) -> None:
     def engine_imported(module):
         times["import"] = time.time() - started
         on_engine(module.LLMEngine)
 
-    _on_import({
+    hooks = {
         "tokenweir.model.loader": lambda m: _instrument_loader(m, times),
         "tokenweir.model.kernels": lambda m: _timed(m, "_build", "kernels", times),
         "tokenweir.runner.model_runner": lambda m: _timed(m.ModelRunner, "warm_up", "warm-up",
                                                          times),
-        "tokenweir.engine.llm_engine": engine_imported})
+        "tokenweir.engine.llm_engine": engine_imported, **more_hooks}
+    if events is None:
+        _on_import(hooks)
+        return
+    _on_import(_merge_hooks(hooks, _timeline_hooks(events, started)), (events, started))
 
 
 def _write(times: dict, started: float, out: str) -> None:
     row = {k: v for k, v in times.items()}
     row["ready"] = time.time() - started
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(row, f)
+    _dump(row, out)
+
+
+def _dump(data, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
 
 
 def _apply_patches(patches: list[str]) -> None:
@@ -130,10 +230,14 @@ def _apply_patches(patches: list[str]) -> None:
 
 
 def child(command: str, model: str, started: float, out: str, port: int,
-          patches: list[str], preimports: list[str]) -> int:
+          patches: list[str], preimports: list[str], timeline: bool = False) -> int:
+    import atexit
     import importlib
 
     times: dict = {}
+    events: Optional[list] = [] if timeline else None
+    if timeline:  # read by the parent once this process has ended
+        atexit.register(lambda: _dump(sorted(events), out + ".events"))
 
     def on_engine(engine_class) -> None:
         if command != "generate":
@@ -150,7 +254,16 @@ def child(command: str, model: str, started: float, out: str, port: int,
 
         engine_class.step = step
 
-    _instrument(times, started, on_engine)
+    def on_serve(serve_module) -> None:  # imported when the command imports it, not before
+        real_serve = serve_module.serve
+
+        def serve(engine, settings, host, port_, log_level):
+            _write(times, started, out + ".engine")  # phases so far; `ready`: the parent's
+            return real_serve(engine, settings, host, port_, log_level)
+
+        serve_module.serve = serve
+
+    _instrument(times, started, on_engine, events, {"tokenweir.server.serve": on_serve})
     from tokenweir.cli import main
 
     for module in preimports:
@@ -161,15 +274,6 @@ def child(command: str, model: str, started: float, out: str, port: int,
         for prompt in PROMPTS:
             args += ["--prompt", prompt]
         return main(args)
-    from tokenweir.server import serve as serve_module
-
-    real_serve = serve_module.serve
-
-    def serve(engine, settings, host, port_, log_level):
-        _write(times, started, out + ".engine")  # phases so far; `ready` comes from the parent
-        return real_serve(engine, settings, host, port_, log_level)
-
-    serve_module.serve = serve
     return main(["serve", model, "--port", str(port), "--log-level", "warning"])
 
 
@@ -181,7 +285,9 @@ def _free_port() -> int:
 
 
 def run_once(command: str, model: str, cache_dir: str, patches: list[str],
-             extra_env: list[str], preimports: list[str]) -> dict:
+             extra_env: list[str], preimports: list[str], timeline: bool = False,
+             first_request: int = 0) -> dict:
+    """One start's row of phase times; with timeline, its events under "timeline"."""
     out = tempfile.mktemp(prefix="tokenweir-startup-", suffix=".json")
     port = _free_port()
     env = {**os.environ, "TOKENWEIR_CACHE_DIR": cache_dir, "PYTHONPATH": ROOT,
@@ -194,18 +300,29 @@ def run_once(command: str, model: str, cache_dir: str, patches: list[str],
         cmd += ["--patch", patch]
     for module in preimports:
         cmd += ["--preimport", module]
+    cmd += ["--timeline"] if timeline else []
     if command == "generate":
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-        with open(out, encoding="utf-8") as f:
-            return json.load(f)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
-    try:
-        ready = _wait_health(port, proc)
-        row = {**_read_json(out + ".engine"), "ready": ready - started}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        row = _read_json(out)
+    else:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        try:
+            ready = _wait_health(port, proc)
+            row = {**_read_json(out + ".engine"), "ready": ready - started}
+            if first_request:
+                row["first req"] = _time_request(port, model, first_request)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    if timeline:
+        row["timeline"] = _read_json(out + ".events")
     return row
+
+
+def format_timeline(events: list) -> str:
+    """One line per event: start-end seconds, thread, label (sorted by start)."""
+    return "\n".join(f"    {a:6.3f} -{b:6.3f} s  ({b - a:5.3f})  {thread:18} {label}"
+                     for a, b, thread, label in events)
 
 
 def _wait_health(port: int, proc: subprocess.Popen) -> float:
@@ -221,6 +338,18 @@ def _wait_health(port: int, proc: subprocess.Popen) -> float:
         except httpx.HTTPError:
             pass
         time.sleep(0.02)
+
+
+def _time_request(port: int, model: str, prompt_tokens: int) -> float:
+    """Seconds to answer one completion of ~prompt_tokens tokens (max_tokens 1)."""
+    import httpx
+
+    body = {"model": model, "prompt": "river " * prompt_tokens, "max_tokens": 1}
+    sent = time.time()
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120,
+                       trust_env=False)
+    reply.raise_for_status()
+    return time.time() - sent
 
 
 def _read_json(path: str) -> dict:
@@ -243,10 +372,12 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[])
     parser.add_argument("--preimport", action="append", default=[])
     parser.add_argument("--cache-dir")
+    parser.add_argument("--timeline", action="store_true")
+    parser.add_argument("--first-request", type=int, default=0)
     args = parser.parse_args()
     if args.child:
         sys.exit(child(args.child, args.model, args.started, args.out, args.port, args.patch,
-                       args.preimport))
+                       args.preimport, args.timeline))
     print(f"{'command':9} {'start':5} {'run':>3}  " + "  ".join(f"{p:>10}" for p in PHASES))
     for command in args.commands:
         numbers = {"cold": 0, "warm": 0}
@@ -257,11 +388,13 @@ def main() -> None:
             try:
                 for mode in modes:
                     row = run_once(command, args.model, cache_dir, args.patch, args.env,
-                                   args.preimport)
+                                   args.preimport, args.timeline, args.first_request)
                     cells = "  ".join(f"{row[p]:>9.2f}s" if p in row else f"{'-':>10}"
                                       for p in PHASES)
                     numbers[mode] += 1
                     print(f"{command:9} {mode:5} {numbers[mode]:>3}  {cells}", flush=True)
+                    if "timeline" in row:
+                        print(format_timeline(row["timeline"]), flush=True)
             finally:
                 if not args.cache_dir:
                     shutil.rmtree(cache_dir, ignore_errors=True)

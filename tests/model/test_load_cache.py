@@ -448,3 +448,27 @@ def test_load_weights_takes_fused_and_unfused_alike(gguf_path, monkeypatch, dtyp
                if n != "model.layers.1.mlp.gate_up_proj.weight"]
     with pytest.raises(ValueError, match="gate_up_proj"):  # probe: a missing whole is missed
         loader._build(arch, iter(partial), dtype, torch.device("cpu"))
+
+
+@needs_packed_kernel
+def test_no_cpu_warm_up_when_the_packed_weights_are_mapped(gguf_path, cache, packs,
+                                                           monkeypatch):
+    """TOKENWEIR_WARMUP unset: an engine whose packed weights come from the load cache runs
+    no warm-up (it bought nothing there: llm_engine.py, WARM_UP_CPU_TOKENS), one that packs
+    them lazily still does, and TOKENWEIR_WARMUP=1 forces it; the same greedy tokens."""
+    from tokenweir.runner.model_runner import ModelRunner
+
+    calls, warm_up = [], ModelRunner.warm_up
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, *a: calls.append(a)
+                        or warm_up(self, *a))
+    monkeypatch.delenv("TOKENWEIR_WARMUP", raising=False)
+    reference = uncached(gguf_path, monkeypatch)
+    assert reference.packed_cache == ""
+    lazy_ids = _greedy_ids(reference)
+    assert len(calls) == 1  # probe: weights packed lazily, so it warms up
+    load(gguf_path)  # writes the entry
+    mapped = load(gguf_path)
+    assert mapped.packed_cache == "hit"
+    assert _greedy_ids(mapped) == lazy_ids and len(calls) == 1  # no warm-up
+    monkeypatch.setenv("TOKENWEIR_WARMUP", "1")
+    assert _greedy_ids(mapped) == lazy_ids and len(calls) == 2  # forced

@@ -21,6 +21,36 @@ _FLAG_FIELDS = ENGINE_FIELD_NAMES | {"temperature", "top_p", "top_k", "max_token
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenweir import startup_gc
+
+    with startup_gc.paused():  # imports and the build: no collector passes (startup_gc.py)
+        built = _start(args)
+    if isinstance(built, int):
+        return built
+    llm, params, load_seconds = built
+    from tokenweir.usage_errors import refuse
+
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    started = time.perf_counter()
+    try:
+        if args.no_chat:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            conversations = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+    except ValueError as exc:  # a request refused (e.g. --max-tokens beyond the context)
+        return refuse("generate", exc, _FLAG_FIELDS)
+    seconds = time.perf_counter() - started
+    for prompt, output in zip(prompts, outputs):
+        print(f"\n>>> {prompt}\n{output.outputs[0].text.strip()}")
+    if args.summary:
+        print_summary(llm, outputs, seconds, load_seconds)
+    llm.llm_engine.close()  # writes the end of a --trace file and its Chrome form
+    return 0
+
+
+def _start(args: argparse.Namespace):
+    """(LLM, SamplingParams, load seconds), or the exit status of a refusal."""
     from tokenweir import SamplingParams
     from tokenweir.usage_errors import refuse
     from tokenweir.engine.preflight import check_before_load
@@ -43,24 +73,7 @@ def run(args: argparse.Namespace) -> int:
         llm = LLM.from_engine(LLMEngine(EngineConfig.from_kwargs(**kwargs), cpu_warm_up=False))
     except ValueError as exc:  # what only the load can tell (e.g. a --kv-cache-space pool)
         return refuse("generate", exc, _FLAG_FIELDS)
-    load_seconds = time.perf_counter() - started
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
-    started = time.perf_counter()
-    try:
-        if args.no_chat:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        else:
-            conversations = [[{"role": "user", "content": p}] for p in prompts]
-            outputs = llm.chat(conversations, params, use_tqdm=False)
-    except ValueError as exc:  # a request refused (e.g. --max-tokens beyond the context)
-        return refuse("generate", exc, _FLAG_FIELDS)
-    seconds = time.perf_counter() - started
-    for prompt, output in zip(prompts, outputs):
-        print(f"\n>>> {prompt}\n{output.outputs[0].text.strip()}")
-    if args.summary:
-        print_summary(llm, outputs, seconds, load_seconds)
-    llm.llm_engine.close()  # writes the end of a --trace file and its Chrome form
-    return 0
+    return llm, params, time.perf_counter() - started
 
 
 def dtype_line(engine) -> str:

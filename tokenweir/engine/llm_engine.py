@@ -158,6 +158,13 @@ def _token_ids(ids: object, what: str) -> list[int]:
 # --cache-dir, 2 runs each): 256 tokens 0.63-0.89 s of warm-up, ready - import 1.69-1.96 s;
 # 64 tokens 0.23-0.25 s, 1.37-1.39 s; no warm-up 1.14-1.19 s (serve: 1.29-1.40 s of warm-up at
 # 256 tokens; /health 3.97-4.45 s without any).
+# Not at all on CPU when the packed weights are mapped from the load cache (unless
+# TOKENWEIR_WARMUP=1): then `tokenweir serve` (which builds the engine while its main thread
+# imports the server) paid 0.9-1.2 s of warm-up for nothing measurable. benchmarks/startup.py
+# --first-request 420, warm serve, exclusive lock, 4 interleaved pairs: ready 4.64 4.71 4.29
+# 4.19 s with it, 3.80 4.08 3.66 4.12 s without; the first 420-token request (max_tokens 1)
+# 1.58 1.20 1.28 1.28 s with, 1.18 1.28 1.42 1.46 s without (mean 1.34 both); a 20-token one
+# 0.12-0.18 s either way.
 # On CUDA, where it costs milliseconds, it stays one step of the whole budget in requests of
 # 256 tokens (at most WARM_UP_MAX_SEQS), as vLLM's profile run. TOKENWEIR_WARMUP=0 skips it (the
 # test suite does: it builds hundreds of engines).
@@ -238,10 +245,15 @@ def warm_up_enabled() -> bool:
     return os.environ.get("TOKENWEIR_WARMUP", "1") != "0"
 
 
-def warms_up(device: torch.device, cpu_warm_up: Optional[bool]) -> bool:
-    """Whether an engine on `device` runs the start-up warm-up (LLMEngine's `cpu_warm_up`)."""
+def warms_up(device: torch.device, cpu_warm_up: Optional[bool],
+             prepacked: bool = False) -> bool:
+    """Whether an engine on `device` runs the start-up warm-up (LLMEngine's `cpu_warm_up`;
+    else TOKENWEIR_WARMUP=0 never, =1 always). Unset on CPU: only when the weights still need
+    packing, i.e. not `prepacked` (mapped packed from the load cache), see WARM_UP_CPU_TOKENS."""
     if device.type == "cpu" and cpu_warm_up is not None:
         return cpu_warm_up
+    if device.type == "cpu" and prepacked and "TOKENWEIR_WARMUP" not in os.environ:
+        return False
     return warm_up_enabled()
 
 
@@ -256,7 +268,7 @@ class LLMEngine:
         """`loaded` lets callers (tests, sweeps) share one set of weights between engines;
         it must match the config's model, dtype and device. `cpu_warm_up`: on CPU, whether to
         run the start-up warm-up (see WARM_UP_CPU_TOKENS); None follows TOKENWEIR_WARMUP
-        (default on). On CUDA the warm-up (milliseconds, and the decode graphs' capture)
+        (unset: on unless the packed weights were mapped from the load cache). On CUDA the warm-up (milliseconds, and the decode graphs' capture)
         always follows TOKENWEIR_WARMUP."""
         config.validate()
         self.config = config
@@ -285,8 +297,8 @@ class LLMEngine:
                             num_host_blocks=num_host_blocks)
         scheduler = Scheduler(config.scheduler, kv, self.max_model_len)  # refuses a tiny pool
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        runner = self._make_runner(config, loaded, num_blocks, num_host_blocks,
-                                   warms_up(self.device, cpu_warm_up))
+        warm_up = warms_up(self.device, cpu_warm_up, prepacked=bool(loaded.packed_cache))
+        runner = self._make_runner(config, loaded, num_blocks, num_host_blocks, warm_up)
         if needs_measured_costs(config):
             scheduler.costs = runner.measure_preemption_costs()
             logger.info("measured preemption costs: %s", scheduler.costs)

@@ -12,6 +12,25 @@ from tokenweir.config import DEFAULT_MODEL, engine_kwargs
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from tokenweir import startup_gc
+
+    with startup_gc.paused():  # imports and the build: no collector passes (startup_gc.py)
+        started = _start(args)
+    if isinstance(started, int):
+        return started
+    engine, settings, profile = started
+    from tokenweir.server.serve import serve
+
+    status = serve(engine, settings, args.host, args.port, args.log_level)
+    if profile is not None:
+        from tokenweir.engine.serving_profile import format_profile
+
+        print(format_profile(profile.snapshot()), file=sys.stderr, flush=True)
+    return status
+
+
+def _start(args: argparse.Namespace):
+    """(AsyncEngine, ServerSettings, ServingProfile or None), or a refusal's exit status."""
     from tokenweir.usage_errors import refuse
     from tokenweir.config import EngineConfig
     from tokenweir.engine.preflight import check_before_load
@@ -37,8 +56,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # The server's imports (fastapi, pydantic, uvicorn: ~0.5-1 s) run meanwhile, on this thread
     # while the engine thread sits in torch calls that release the GIL.
     from tokenweir.engine.async_engine import AsyncEngine
-    from tokenweir.engine.serving_profile import ServingProfile, format_profile
-    from tokenweir.server.serve import serve
+    from tokenweir.engine.serving_profile import ServingProfile
+    import tokenweir.server.serve  # noqa: F401 (the server stack, imported meanwhile)
     from tokenweir.server.settings import ServerSettings
 
     profile = ServingProfile() if args.profile_serving else None
@@ -56,8 +75,4 @@ def run_serve(args: argparse.Namespace) -> int:
     names = tuple(args.served_model_name or ()) or (kwargs["model"],)
     if engine.model_name not in names:
         names = (*names, engine.model_name)
-    settings = ServerSettings.from_serve_args(args, names)
-    status = serve(engine, settings, args.host, args.port, args.log_level)
-    if profile is not None:
-        print(format_profile(profile.snapshot()), file=sys.stderr, flush=True)
-    return status
+    return engine, ServerSettings.from_serve_args(args, names), profile
