@@ -239,9 +239,12 @@ def _serve(path: str):
           flush=True)
     children: dict[int, socket.socket] = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
     while True:
         ready, _, _ = select.select([listener], [], [], 0.05)
         _reap(children)
+        if os.getppid() != parent:  # the test process died without stopping us
+            sys.exit(0)
         if not ready:
             continue
         conn, _ = listener.accept()
