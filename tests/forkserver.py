@@ -9,15 +9,17 @@ interpreter would build it). Not one tokenweir module is imported before the for
 own import-time code (env reads, preflight, prefetch thread) runs in the child as in a fresh
 process. What differs: the third-party modules of PRELOAD are already in sys.modules.
 Environment variables that those libraries read at import (OMP_*, MKL_*, TORCH*, TRITON*, ...:
-see `_import_env`) must equal the fork server's, else the process is started the ordinary way.
+see `_import_env`) are the fork server's own: one fork server per distinct set of them (started
+with the first request's environment; at most MAX_SERVERS, then processes start the ordinary
+way).
 
     proc = forkserver.popen(argv, env=..., cwd=..., stdout=PIPE, stderr=STDOUT)
 
 returns a `subprocess.Popen`-like object (pid, args, returncode, stdout, poll, wait,
 send_signal, terminate, kill). `popen` falls back to `subprocess.Popen` when the fork server
-cannot serve the call (TOKENWEIR_TEST_FORKSERVER=0, an interpreter flag other than -P, an
-import-time variable that differs, a fork server that failed to start or has more than one
-thread). One fork server per test process, started on first use, stopped at exit.
+cannot serve the call (TOKENWEIR_TEST_FORKSERVER=0, an interpreter flag other than -P, a fork
+server that failed to start or has more than one thread). Fork servers belong to the test
+process: started on first use, stopped at exit.
 
 Its children's CPU time (from wait4) is summed in CHILD_CPU (a test-run profiler reads it; the
 children are not the test process's own, so RUSAGE_CHILDREN does not see them)."""
@@ -45,7 +47,8 @@ IMPORT_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "TRI
                        "PYTHON")
 ENABLED = os.environ.get("TOKENWEIR_TEST_FORKSERVER", "1") != "0"
 CHILD_CPU = [0.0]  # CPU seconds of every reaped child (user + sys)
-_SERVER: dict = {}
+MAX_SERVERS = 4
+_SERVERS: dict = {}  # the import-time environment (sorted items) -> {path, proc}
 _LOCK = threading.Lock()
 
 
@@ -102,32 +105,35 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _start_server() -> Optional[str]:
-    """The fork server's socket path (started on first use), or None if it cannot start."""
-    if "path" in _SERVER:
-        return _SERVER["path"]
-    path = os.path.join(tempfile.mkdtemp(prefix="tw-forkserver-"), "sock")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["OMP_NUM_THREADS"] = "1"  # every caller's setting: libgomp reads it when torch loads
-    proc = subprocess.Popen([sys.executable, __file__, path], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-    line = proc.stdout.readline().decode().strip()  # "ready", or why not
-    _SERVER.update(path=path if line == "ready" else None, proc=proc, env=_import_env(env))
-    atexit.register(_stop_server)
-    return _SERVER["path"]
+def _start_server(env: dict) -> Optional[str]:
+    """The socket path of the fork server whose import-time environment is env's (started,
+    with env less PYTHONPATH, on first use), or None if it cannot start."""
+    key = tuple(sorted(_import_env(env).items()))
+    if key not in _SERVERS:
+        if len(_SERVERS) >= MAX_SERVERS:
+            return None
+        path = os.path.join(tempfile.mkdtemp(prefix="tw-forkserver-"), "sock")
+        proc = subprocess.Popen([sys.executable, __file__, path],
+                                env={k: v for k, v in env.items() if k != "PYTHONPATH"},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        line = proc.stdout.readline().decode().strip()  # "ready", or why not
+        if not _SERVERS:
+            atexit.register(stop_servers)
+        _SERVERS[key] = {"path": path if line == "ready" else None, "proc": proc}
+    return _SERVERS[key]["path"]
 
 
-def _stop_server() -> None:
-    proc = _SERVER.get("proc")
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        proc.wait(timeout=30)
+def stop_servers() -> None:
+    """Stop every fork server of this process (their children are not waited for)."""
+    for server in _SERVERS.values():
+        if server["proc"].poll() is None:
+            server["proc"].terminate()
+            server["proc"].wait(timeout=30)
 
 
-def _servable(argv: list, env: dict) -> bool:
+def _servable(argv: list) -> bool:
     return (ENABLED and len(argv) >= 2 and argv[0] == sys.executable
-            and all(not a.startswith("-") or a in ("-m", "-P") for a in _flags(argv))
-            and _import_env(env) == _SERVER.get("env", _import_env(env)))
+            and all(not a.startswith("-") or a in ("-m", "-P") for a in _flags(argv)))
 
 
 def _flags(argv: list) -> list:
@@ -147,8 +153,8 @@ def popen(argv: list, env: Optional[dict] = None, cwd: Optional[str] = None,
     can serve the call (see the module doc), else with subprocess.Popen."""
     env = dict(os.environ if env is None else env)
     with _LOCK:
-        path = _start_server() if _servable(argv, env) else None
-    if path is None or not _servable(argv, env):
+        path = _start_server(env) if _servable(argv) else None
+    if path is None:
         return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                 stdout=stdout, stderr=stderr)
     return _spawn(path, argv, env, cwd or os.getcwd(), stdout, stderr)
