@@ -5,18 +5,17 @@ profiles written in the real runs' format, so the expected figures are known exa
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
 from pathlib import Path
 
 import pytest
+from fidelity_module import loaded_sim_fidelity  # tests/sim/fidelity_module.py
 
 from tokenweir.sim.latency import FittedLatencyModel
 from tokenweir.timeline.records import write_jsonl
 
-ROOT = Path(__file__).resolve().parents[2]
 PROFILE = {"format": "tokenweir-step-profile/1", "coefficients": {"const": 0.010, "prefill_tokens": 0.0004, "decode_rows": 0.001},
            "overhead": {"const": 0.0004}, "kv_bytes_per_token": 1024, "block_size": 16,
            "max_model_len": 1024, "model": "test", "num_layers": 30}
@@ -25,15 +24,7 @@ SCALES = (1.0, 1.25, 0.9)  # "real" validation runs 1..3: the machine at these s
 
 @pytest.fixture(scope="module")
 def fid():
-    spec = importlib.util.spec_from_file_location("sim_fidelity_under_test",
-                                                  ROOT / "benchmarks" / "sim_fidelity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    yield from loaded_sim_fidelity("sim_fidelity_under_test")
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,13 @@ real run, and read back by the replay, so the engine and the simulator see the s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 import types
 from pathlib import Path
 
 import pytest
+from fidelity_module import loaded_sim_fidelity  # tests/sim/fidelity_module.py
 
-ROOT = Path(__file__).resolve().parents[2]
 PROFILE = {"format": "tokenweir-step-profile/1",
            "coefficients": {"const": 0.012, "prefill_tokens": 0.0011, "decode_rows": 0.0004,
                             "prefill_attention": 2e-8, "decode_context": 2e-7},
@@ -23,15 +21,7 @@ PROFILE = {"format": "tokenweir-step-profile/1",
 
 @pytest.fixture(scope="module")
 def fid():
-    spec = importlib.util.spec_from_file_location("sim_fidelity_slo_line",
-                                                  ROOT / "benchmarks" / "sim_fidelity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    yield from loaded_sim_fidelity("sim_fidelity_slo_line")
 
 
 def deadlines(fid, line: dict, seed: int = 1) -> list[float]:
