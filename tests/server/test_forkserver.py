@@ -16,6 +16,9 @@ import pytest
 
 import forkserver  # tests/forkserver.py
 
+pytestmark = pytest.mark.skipif(
+    not forkserver.ENABLED, reason="TOKENWEIR_TEST_FORKSERVER=0: the fork server is off")
+
 SCRIPT = r'''
 import json, os, sys
 preloaded = "torch" in sys.modules  # before this script imports anything heavy
