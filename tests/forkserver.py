@@ -184,26 +184,23 @@ def _stream_fds(stdout, stderr):
     close = [null_in]
     reader = None
     if stdout == subprocess.PIPE:
-        r, w = os.pipe()
-        reader, out = os.fdopen(r, "rb"), w
-        close.append(w)
-    elif stdout == subprocess.DEVNULL:
-        out = os.open(os.devnull, os.O_WRONLY)
+        r, out = os.pipe()
+        reader = os.fdopen(r, "rb")
         close.append(out)
-    elif hasattr(stdout, "fileno"):
-        out = stdout.fileno()
     else:
-        out = 1  # inherited, as Popen does
-    if stderr == subprocess.STDOUT:
-        err = out
-    elif stderr == subprocess.DEVNULL:
-        err = os.open(os.devnull, os.O_WRONLY)
-        close.append(err)
-    elif hasattr(stderr, "fileno"):
-        err = stderr.fileno()
-    else:
-        err = 2
+        out = _plain_fd(stdout, 1, close)
+    err = out if stderr == subprocess.STDOUT else _plain_fd(stderr, 2, close)
     return [null_in, out, err], reader, close
+
+
+def _plain_fd(stream, inherited: int, close: list) -> int:
+    """The fd a DEVNULL / file-like / None stream argument stands for (None: `inherited`, as
+    Popen does); an fd opened here is added to `close`."""
+    if stream == subprocess.DEVNULL:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        close.append(fd)
+        return fd
+    return stream.fileno() if hasattr(stream, "fileno") else inherited
 
 
 def _spawn(path, argv, env, cwd, stdout, stderr) -> ForkedProcess:
