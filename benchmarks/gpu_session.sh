@@ -15,7 +15,7 @@
 #   5. (only when STEPS names `suite`) the whole suite with CUDA visible, -n 8 ($SUITE_S, 300):
 #      test files needing what the machine lacks (openai, schemathesis, ...) skip or fail there
 # STEPS (default tests,profile,bench) picks some of 2-4; BENCH_ARGS adds flags to step 3
-# (e.g. "--models smollm2-135m --skip-transformers"); TESTS_S caps step 2.
+# (e.g. "--models smollm2-135m --skip-transformers"); TESTS_S caps step 2, TESTS_N its workers (4).
 # Output under $OUT (default /tmp/gpu-out): env.txt, cuda_tests.txt, step_profile.txt,
 # gpu_throughput.txt/.json.
 set -u
@@ -37,7 +37,7 @@ fi
 STEPS="${STEPS:-tests,profile,bench}"
 BUDGET_S="${BUDGET_S:-300}"
 if [[ "$STEPS" == *tests* ]]; then
-timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m cuda -p no:cacheprovider -n 4 -rfE \
+timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m cuda -p no:cacheprovider -n "${TESTS_N:-4}" -rfE \
   tests/model/test_attention_backends.py tests/model/test_triton_ops.py tests/model/test_cuda_parity.py tests/model/test_transfer.py tests/engine/test_host_swap.py \
   tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py tests/engine/test_warm_up.py \
   tests/model/test_triton_batch_invariant.py tests/engine/test_batch_invariance.py \

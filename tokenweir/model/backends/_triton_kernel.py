@@ -1,8 +1,28 @@
 """The Triton sources of the paged attention kernel (see triton_paged.py for its contract) and
 of the batch-invariant matmul (triton_matmul.py). Imported only when they are used; jitted
-there, lazily, in the mode that TRITON_INTERPRET names at first use."""
+there, lazily, in the mode that TRITON_INTERPRET names at first use (`jit_for_mode`)."""
+
+import types
 
 import triton.language as tl
+
+
+def jit_for_mode(kernel_fn, **jit_kwargs):
+    """`kernel_fn` jitted in the mode TRITON_INTERPRET names now, with its helper `sum_dot`
+    jitted in that same mode. Compiled Triton rejects a kernel that names a plain Python
+    function, even in a branch a constexpr switches off (its dependency finder hashes every
+    global a kernel reads: "Unsupported function referenced", seen on an H200 with triton
+    3.6); the interpreter runs either. Each call gets its own copy of this module's globals,
+    so an interpreted and a compiled kernel can live in one process (a GPU machine's test run
+    has both)."""
+    import triton
+    namespace = dict(kernel_fn.__globals__)
+    namespace["sum_dot"] = triton.jit(sum_dot)
+    fn = types.FunctionType(kernel_fn.__code__, namespace, kernel_fn.__name__,
+                            kernel_fn.__defaults__, kernel_fn.__closure__)
+    fn.__module__, fn.__qualname__, fn.__doc__ = (
+        kernel_fn.__module__, kernel_fn.__qualname__, kernel_fn.__doc__)
+    return triton.jit(fn, **jit_kwargs)
 
 
 def sum_dot(a, b):

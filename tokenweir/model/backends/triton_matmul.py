@@ -32,12 +32,10 @@ _JITTED: dict[bool, object] = {}
 
 def kernel():
     """The jitted kernel for the current TRITON_INTERPRET mode (once per mode)."""
-    import triton
-
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if interpret not in _JITTED:
-        from tokenweir.model.backends._triton_kernel import invariant_matmul_kernel
-        _JITTED[interpret] = triton.jit(invariant_matmul_kernel, do_not_specialize=["M"])
+        from tokenweir.model.backends._triton_kernel import invariant_matmul_kernel, jit_for_mode
+        _JITTED[interpret] = jit_for_mode(invariant_matmul_kernel, do_not_specialize=["M"])
     return _JITTED[interpret]
 
 

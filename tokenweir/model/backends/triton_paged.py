@@ -43,15 +43,13 @@ _JITTED: dict[bool, object] = {}
 
 def kernel():
     """The jitted kernel for the current TRITON_INTERPRET mode (jitted once per mode)."""
-    import triton
-
-    from tokenweir.model.backends._triton_kernel import paged_attention_kernel
+    from tokenweir.model.backends._triton_kernel import jit_for_mode, paged_attention_kernel
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if interpret not in _JITTED:
         # the block-table width changes from step to step (and is 1 for short contexts):
         # specialising on it (== 1, % 16) would compile new variants mid-serving
-        _JITTED[interpret] = triton.jit(paged_attention_kernel,
-                                        do_not_specialize=["stride_bt", "scale"])
+        _JITTED[interpret] = jit_for_mode(paged_attention_kernel,
+                                          do_not_specialize=["stride_bt", "scale"])
     return _JITTED[interpret]
 
 
