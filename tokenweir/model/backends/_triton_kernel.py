@@ -22,6 +22,10 @@ def jit_for_mode(kernel_fn, **jit_kwargs):
                             kernel_fn.__defaults__, kernel_fn.__closure__)
     fn.__module__, fn.__qualname__, fn.__doc__ = (
         kernel_fn.__module__, kernel_fn.__qualname__, kernel_fn.__doc__)
+    # the tl.constexpr annotations say which parameters are compile-time constants (without
+    # them an H200 refused tl.arange(0, BLOCK_M)); a new function object has none of its own
+    fn.__annotations__ = dict(kernel_fn.__annotations__)
+    fn.__kwdefaults__ = kernel_fn.__kwdefaults__
     return triton.jit(fn, **jit_kwargs)
 
 
