@@ -59,10 +59,11 @@ def fit_step_model(totals: Sequence[StepTotals], seconds: Sequence[float],
 # windows at 0.8-1.4x), and what a run does drifts with it: its decode contexts grow as its
 # requests age, its batches fill and drain. A plain fit takes part of the drift for the terms
 # that move with it. On fid5's suite (ten calibration runs of five workloads) it fitted decode
-# attention at 0.56 us per context token (-0.38 us on decode steps alone); fitted within
-# windows, ~7 us, and the validation runs' decode steps of the prefix workload (3,000-token
-# contexts) had run 1.06-1.30x the plain profile. `fit_within_windows` fits the shape from the
-# differences inside each window: one free speed factor per window.
+# attention at 0.56 us per context token (-0.38 us on decode steps alone), while the
+# validation runs' decode steps of the prefix workload (3,000-token contexts) ran 1.06-1.30x
+# that profile; within 3-s windows (calibrate_trace.fit_runner) 2.74 us, and 1.5-7.6 us for
+# windows of 0.5-6 s: weakly identified, but nowhere near 0.56. `fit_within_windows` fits the
+# shape from the differences inside each window: one free speed factor per window.
 MIN_WINDOW_FIT_STEPS = 5  # a window with fewer steps gets no factor of its own (1)
 _LEVEL_WEIGHT = 1e3  # the level constraint's row, relative to the largest step row
 
@@ -112,17 +113,27 @@ def fit_within_windows(totals: Sequence[StepTotals], seconds: Sequence[float],
         coef = _within_windows_solve(x, y, where, big[where], group, scale)
         predicted = x @ coef
         scale = np.where(predicted > 0, predicted, y) ** weight_power
-    factor = np.where(big, np.bincount(where, y, len(keys))
-                      / np.maximum(np.bincount(where, predicted, len(keys)), 1e-300), 1.0)
-    per_step = factor[where]
-    for g in range(len(group_keys)):
-        mine = group == g
-        per_step[mine] /= float(np.sum(per_step[mine] * predicted[mine])
-                                / max(np.sum(predicted[mine]), 1e-300))
+    per_step = _step_factors(y, predicted, where, big, group)
     normalised = y / per_step
     fit = Fit({f: float(c) for f, c in zip(FITTED_FEATURES, coef)}, _r2(normalised, predicted),
               *_relative_errors(normalised, predicted), [float(p) for p in predicted])
     return WindowFit(fit, [float(f) for f in per_step], 1 + reweight_rounds, int(big.sum()))
+
+
+def _step_factors(y, predicted, where, big, group):
+    """Per step, its window's measured over modelled seconds (1 in a window too small),
+    scaled to a time-weighted mean of 1 over each level group."""
+    import numpy as np
+
+    n = len(big)
+    factor = np.where(big, np.bincount(where, y, n)
+                      / np.maximum(np.bincount(where, predicted, n), 1e-300), 1.0)
+    per_step = factor[where]
+    for g in range(group.max() + 1):
+        mine = group == g
+        per_step[mine] /= float(np.sum(per_step[mine] * predicted[mine])
+                                / max(np.sum(predicted[mine]), 1e-300))
+    return per_step
 
 
 def _within_windows_solve(x, y, where, in_big, group, scale):
