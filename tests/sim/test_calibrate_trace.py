@@ -29,11 +29,12 @@ def known_model() -> FittedLatencyModel:
                               overhead=OVERHEAD)
 
 
-def engine_like_trace(path, seed: int, noise: float = 0.0):
+def engine_like_trace(path, seed: int, noise: float = 0.0, rate: float = 1e7):
     """A simulated run written as a real engine's trace: all requests arrive at once (steps
-    back to back), each step's phases = the runner's known share + the overhead."""
+    back to back; or Poisson at `rate` per second), each step's phases = the runner's known
+    share + the overhead."""
     model = known_model()
-    specs = synthetic(120, 1e7, seed=seed, prompt="lognormal:200:0.7", output="uniform:2:80",
+    specs = synthetic(120, rate, seed=seed, prompt="lognormal:200:0.7", output="uniform:2:80",
                       num_prefix_groups=3, prefix_len=64, max_model_len=2048)
     timing = NoisyLatencyModel(model, noise, seed=seed) if noise else model
     sim = build_simulation(ENGINE, specs, latency_model=timing)
@@ -209,12 +210,16 @@ def test_runner_fit_weights_each_step_by_the_square_root_of_its_time(tmp_path, m
     plain = fit_step_model(shapes, seconds, 0.0)
     assert fit_step_model(shapes, seconds).coefficients == fits[1.0].coefficients  # default
     assert np.all(np.array(list(plain.coefficients.values())) >= 0)
+    from tokenweir.sim.step_fit import fit_within_windows
+
     used = []
-    monkeypatch.setattr("tokenweir.sim.step_fit.fit_step_model",
-                        lambda t, s, w=1.0, r=0: used.append((w, r)) or fit_step_model(t, s, w, r))
+    monkeypatch.setattr("tokenweir.sim.step_fit.fit_within_windows",
+                        lambda t, s, k, w=1.0, r=0, lv=None: used.append((w, r))
+                        or fit_within_windows(t, s, k, w, r, lv))
     engine_like_trace(tmp_path / "t.jsonl", seed=1)
     calibrate_from_traces([str(tmp_path / "t.jsonl")])
-    # probe: the trace fit used the weighting, scaled by predicted times
+    # probe: the trace fit (within windows since fid6) used the weighting, scaled by
+    # predicted times
     assert used and set(used) == {(ct.RUNNER_WEIGHT_POWER, ct.RUNNER_REWEIGHT_ROUNDS)}
     assert ct.RUNNER_WEIGHT_POWER == 0.5 and ct.RUNNER_REWEIGHT_ROUNDS > 0
 

@@ -277,7 +277,11 @@ def format_report(profile: dict) -> str:
              "step seconds = " + " + ".join(f"{coef[f]:.4g}*{f}" for f in FITTED_FEATURES)
              + (" + few_rows[num_tokens]" if profile.get("few_rows") else ""),
              f"fit: R^2 {fit['r2']:.4f}, relative error mean {100 * fit['mean_rel_error']:.1f}% "
-             f"max {100 * fit['max_rel_error']:.1f}%",
+             f"max {100 * fit['max_rel_error']:.1f}%"
+             + (f"; within {fit['num_windows']} windows of {fit['window_s']:g} s per run and "
+                f"step kind (speed factors {fit['window_factor_min']:.2f}-"
+                f"{fit['window_factor_max']:.2f}: calibrate_trace.fit_windows)"
+                if fit.get("num_windows") else ""),
              f"TTFT line: {1000 * ttft['a']:.3f} ms/token * uncached prompt tokens + "
              + (f"{1e6 * ttft['b']:.4g} us/token^2 * tokens^2 + " if ttft.get("b") else "")
              + f"{1000 * ttft['c']:.1f} ms (R^2 {ttft['r2']:.4f})"]
