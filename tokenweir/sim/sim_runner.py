@@ -130,18 +130,8 @@ class SimRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._forget(out.finished_req_ids)
         self._forget(out.preempted_req_ids)
-        state, targets = self._state, self.target_output_len
-        for new in out.scheduled_new_reqs:
-            rid = new.req_id
-            if self._base.pop(rid, None) is not None:  # never without a _forget first
-                del self._left[rid]
-            target = targets.get(rid)
-            eos_at = _NEVER if target is None else new.num_prompt_tokens + target - 1
-            known = len(new.token_ids)
-            state[rid] = _Tracked(new.num_computed_tokens, known, eos_at,
-                                  self._regular_token(rid, known))
-            if self.check:
-                self.num_blocks[rid] = len(new.block_ids)
+        self._track_new(out)
+        state = self._state
         if self.check:
             self._check_cached(out)
         if not out.num_scheduled_tokens:
@@ -160,6 +150,21 @@ class SimRunner:
             sampled, totals = self._advance(out, fast)
             seconds = predict_totals(totals)
         return ModelRunnerOutput(sampled_token_ids=sampled, step_seconds=seconds)
+
+    def _track_new(self, out: SchedulerOutput) -> None:
+        """Per-row state for each request the output brings in full (new or re-admitted)."""
+        state, targets = self._state, self.target_output_len
+        for new in out.scheduled_new_reqs:
+            rid = new.req_id
+            if self._base.pop(rid, None) is not None:  # never without a _forget first
+                del self._left[rid]
+            target = targets.get(rid)
+            eos_at = _NEVER if target is None else new.num_prompt_tokens + target - 1
+            known = len(new.token_ids)
+            state[rid] = _Tracked(new.num_computed_tokens, known, eos_at,
+                                  self._regular_token(rid, known))
+            if self.check:
+                self.num_blocks[rid] = len(new.block_ids)
 
     def _check_cached(self, out: SchedulerOutput) -> None:
         """The scheduler's view of each running request matches the runner's."""
@@ -219,6 +224,24 @@ class SimRunner:
         start = (computed + 1) * _TOKEN_STRIDE + len(request.request_id)
         return list(map(ids.__getitem__, map(span.__rmod__, range(
             start, start + count * _TOKEN_STRIDE, _TOKEN_STRIDE))))
+
+    def execute_beside(self, out: SchedulerOutput, num_decodes: int,
+                       decode_context: int) -> ModelRunnerOutput:
+        """`execute` of a step whose output lists only the requests admitted in it (all new),
+        beside `num_decodes` decoding requests on the fast path that a stretch advances itself
+        (their computed tokens summing to `decode_context`): the same forgetting, samples and
+        state as `execute` of the whole step on the fast path, and the whole step's time
+        (`_totals` of the whole step: the rows' counts added to the admitted requests' sums).
+        Only where `fast_path_possible` and every other request is on the fast path."""
+        self._forget(out.finished_req_ids)
+        self._forget(out.preempted_req_ids)
+        self._track_new(out)
+        sampled: dict[str, list[int]] = {}
+        scheduled = out.num_scheduled_tokens
+        sums = self._advance_rows(scheduled.items(), sampled, True)
+        totals = self._totals(len(scheduled) + num_decodes, decode_context, sums)
+        return ModelRunnerOutput(sampled_token_ids=sampled,
+                                 step_seconds=self.latency_model.predict_totals(totals))
 
     def fast_path_possible(self) -> bool:
         """Whether a step may ever take the decoding fast path (`_fast_path_for`'s standing
