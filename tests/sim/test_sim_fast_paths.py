@@ -14,6 +14,8 @@ from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.hardware import get_hardware, get_shape
 from tokenweir.sim.latency import RooflineLatencyModel, StepTotals
 from tokenweir.sim.metrics import describe, percentile, summarize
+from tokenweir.sim.sim_engine import make_request
+from tokenweir.sim.sim_runner import _TOKEN_STRIDE, SimRunner
 from tokenweir.sim.workload import synthetic
 
 SMALL = "smollm2-135m"
@@ -260,3 +262,24 @@ def test_the_hot_decode_run_schedules_what_the_general_loop_schedules(monkeypatc
     assert fast == plain and fast_preemptions == plain_preemptions > 0
     # the probe: the hot run scheduled most decodes, in runs of several
     assert sum(taken) > 50_000 and sum(taken) > 3 * len(taken)
+
+
+def test_a_stretch_tokens_slice_of_the_walk_is_the_runners_rule():
+    """`regular_token_ids` (one slice of `shared_token_walk`) gives, object for object, the
+    tokens of the runner's rule, across the walk's period and beyond it."""
+    runner = SimRunner(RooflineLatencyModel(get_shape(SMALL), get_hardware("h100")))
+    ids = runner._regular_ids
+    span = len(ids)
+    rng = random.Random(11)
+    long = [span - 1, span, span + 5, 2 * span + 3]
+    for i in range(400):
+        request = make_request("r" * rng.randint(1, 12), [5, 6], 4, 100, 0.0)
+        computed = rng.randint(0, 3 * span) if i % 2 else span - rng.randint(0, 40)
+        count = long[i // 100] if i % 100 == 0 else rng.choice([0, 1, 2, 16, 300])
+        start = (computed + 1) * _TOKEN_STRIDE + len(request.request_id)
+        want = [ids[(start + k * _TOKEN_STRIDE) % span] for k in range(count)]
+        got = runner.regular_token_ids(request, computed, count)
+        assert got == want and all(a is b for a, b in zip(got, want))
+    for k in range(1, 6):  # each position's token is `_regular_token`'s id
+        assert runner.regular_token_ids(make_request("abc", [1], 9, 99, 0.0), k, 1) == \
+            [runner._regular_token("abc", k + 1)]

@@ -56,6 +56,18 @@ def shared_regular_ids(vocab_size: int) -> list[int]:
     return [sample[0] for sample in shared_regular_samples(vocab_size)]
 
 
+@lru_cache(maxsize=None)
+def shared_token_walk(vocab_size: int, offset: int) -> list[int]:
+    """The regular token ids of consecutive positions for a request id of length `offset`:
+    entry p is `shared_regular_ids(vocab_size)[(p * STRIDE + offset) % span]` (the same int
+    objects), for p in [0, 2 * span): position k's token is entry k % span, and a run of up
+    to span positions is one slice (the sequence repeats every span positions)."""
+    ids = shared_regular_ids(vocab_size)
+    span = len(ids)
+    walk = [ids[(p * _TOKEN_STRIDE + offset) % span] for p in range(span)]
+    return walk + walk
+
+
 class _Tracked:
     """The runner's state of one request: `computed` tokens whose KV it has written, `known`
     tokens (prompt + outputs so far), `eos_at` (the `known` count at which the next sample is
@@ -106,6 +118,7 @@ class SimRunner:
         # position k's regular sample is this list's [(k * STRIDE + len(id)) % span]
         self._regular_samples = shared_regular_samples(vocab_size)
         self._regular_ids = shared_regular_ids(vocab_size)  # the same ints, unwrapped
+        self._walks: dict[int, list[int]] = {}  # request id length -> shared_token_walk
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -218,12 +231,17 @@ class SimRunner:
     def regular_token_ids(self, request, computed: int, count: int) -> list[int]:
         """The tokens `count` decode steps sample for `request` from `computed` computed tokens
         on, none of them EOS (the caller knows): the shared int objects `_advance` samples,
-        `_regular_samples[((c + 1) * STRIDE + len(id)) % span]` for each computed count c, in
-        C-level passes."""
-        ids, span = self._regular_ids, len(self._regular_ids)
-        start = (computed + 1) * _TOKEN_STRIDE + len(request.request_id)
-        return list(map(ids.__getitem__, map(span.__rmod__, range(
-            start, start + count * _TOKEN_STRIDE, _TOKEN_STRIDE))))
+        `_regular_samples[((c + 1) * STRIDE + len(id)) % span]` for each computed count c:
+        one slice of the id length's `shared_token_walk` (positions c + 1 on)."""
+        offset = len(request.request_id)
+        walk = self._walks.get(offset)
+        if walk is None:
+            walk = self._walks[offset] = shared_token_walk(self.vocab_size, offset)
+        span = len(self._regular_ids)
+        if count > span:  # longer than the walk's period: position by position
+            return [walk[p % span] for p in range(computed + 1, computed + 1 + count)]
+        start = (computed + 1) % span
+        return walk[start:start + count]
 
     def execute_beside(self, out: SchedulerOutput, num_decodes: int,
                        decode_context: int) -> ModelRunnerOutput:
