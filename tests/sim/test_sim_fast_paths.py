@@ -193,6 +193,8 @@ def test_runner_decoding_fast_path_gives_what_the_per_row_path_gives():
               "max_num_batched_tokens": 256, "scheduler_reserve_full_isl": False}
     sims = [build_simulation(engine, _specs(), SMALL, "h100", itl_counts=True)
             for _ in range(3)]
+    for sim in sims:  # every step through `execute` (a decode stretch would bypass it)
+        sim.instance.stretch = None
     fast, plain, toggled = sims
     plain.runner._fast_path_for = lambda out, predict_totals: False
     moved, steps, left = [0], [0], [0]
@@ -264,10 +266,14 @@ def test_the_hot_decode_run_schedules_what_the_general_loop_schedules(monkeypatc
     assert sum(taken) > 50_000 and sum(taken) > 3 * len(taken)
 
 
-def test_a_stretch_tokens_slice_of_the_walk_is_the_runners_rule():
+@pytest.mark.parametrize("vocab_size", [32000, 2 * 7919 + 3])
+def test_a_stretch_tokens_slice_of_the_walk_is_the_runners_rule(vocab_size):
     """`regular_token_ids` (one slice of `shared_token_walk`) gives, object for object, the
-    tokens of the runner's rule, across the walk's period and beyond it."""
-    runner = SimRunner(RooflineLatencyModel(get_shape(SMALL), get_hardware("h100")))
+    tokens of the runner's rule, across the walk's period and beyond it; and where STRIDE
+    divides the span (no walk), position by position."""
+    model = RooflineLatencyModel(get_shape(SMALL), get_hardware("h100"))
+    runner = SimRunner(model, vocab_size=vocab_size)
+    assert bool(runner._walk) == (vocab_size == 32000)
     ids = runner._regular_ids
     span = len(ids)
     rng = random.Random(11)

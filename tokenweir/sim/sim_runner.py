@@ -22,6 +22,7 @@ per-row path (`_Tracked`).
 from __future__ import annotations
 
 from functools import lru_cache
+from math import gcd
 from typing import Mapping, Optional
 
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
@@ -37,8 +38,31 @@ _UNBOUNDED = 1 << 40  # regular samples left for a decoding request without a ta
 @lru_cache(maxsize=None)
 def shared_token_lists(vocab_size: int) -> list[list[int]]:
     """[[0], [1], ..., [vocab_size - 1]], one per vocabulary size for the whole process: a
-    step's sampled token as `ModelRunnerOutput.sampled_token_ids` holds it (read-only)."""
-    return [(t,) for t in range(vocab_size)]
+    step's sampled token as `ModelRunnerOutput.sampled_token_ids` holds it (read-only). The
+    regular ids' int objects are `shared_token_walk`'s."""
+    objects: list[int] = list(range(vocab_size))
+    walk = shared_token_walk(vocab_size)
+    for token in walk[:len(walk) // 2]:
+        objects[token] = token
+    return [(t,) for t in objects]
+
+
+@lru_cache(maxsize=None)
+def shared_token_walk(vocab_size: int) -> list[int]:
+    """The regular token ids in the order consecutive positions sample them: entry m is
+    FIRST + (m * STRIDE) % span, for m in [0, 2 * span) (the sequence repeats every span
+    entries; empty when STRIDE and span share a factor: it would not cover every id). A
+    request id of length L samples at position k entry (k + L * STRIDE^-1) % span (mod span),
+    so a run of up to span positions is one slice. Its int objects are made here one after
+    another, in this order, and are THE objects of these ids in the process
+    (`shared_token_lists` holds them): a run of positions then touches neighbouring objects
+    (extending a token list increments each one's count), not one scattered object each."""
+    span = vocab_size - _FIRST_REGULAR_TOKEN
+    if span < 1 or gcd(_TOKEN_STRIDE, span) != 1:
+        return []
+    values = [_FIRST_REGULAR_TOKEN + (m * _TOKEN_STRIDE) % span for m in range(span)]
+    walk = [v + 0 for v in values]  # fresh objects (CPython), allocated in walk order
+    return walk + walk
 
 
 @lru_cache(maxsize=None)
@@ -51,21 +75,8 @@ def shared_regular_samples(vocab_size: int) -> list[tuple[int]]:
 
 @lru_cache(maxsize=None)
 def shared_regular_ids(vocab_size: int) -> list[int]:
-    """The ints of `shared_regular_samples(vocab_size)` (the same objects), for a decode
-    stretch's tokens (`regular_token_ids`)."""
+    """The ints of `shared_regular_samples(vocab_size)` (the same objects)."""
     return [sample[0] for sample in shared_regular_samples(vocab_size)]
-
-
-@lru_cache(maxsize=None)
-def shared_token_walk(vocab_size: int, offset: int) -> list[int]:
-    """The regular token ids of consecutive positions for a request id of length `offset`:
-    entry p is `shared_regular_ids(vocab_size)[(p * STRIDE + offset) % span]` (the same int
-    objects), for p in [0, 2 * span): position k's token is entry k % span, and a run of up
-    to span positions is one slice (the sequence repeats every span positions)."""
-    ids = shared_regular_ids(vocab_size)
-    span = len(ids)
-    walk = [ids[(p * _TOKEN_STRIDE + offset) % span] for p in range(span)]
-    return walk + walk
 
 
 class _Tracked:
@@ -118,7 +129,9 @@ class SimRunner:
         # position k's regular sample is this list's [(k * STRIDE + len(id)) % span]
         self._regular_samples = shared_regular_samples(vocab_size)
         self._regular_ids = shared_regular_ids(vocab_size)  # the same ints, unwrapped
-        self._walks: dict[int, list[int]] = {}  # request id length -> shared_token_walk
+        self._walk = shared_token_walk(vocab_size)  # the same ints, in sampling order
+        self._inverse_stride = pow(_TOKEN_STRIDE, -1, len(self._regular_ids)) \
+            if self._walk else 0
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -232,16 +245,15 @@ class SimRunner:
         """The tokens `count` decode steps sample for `request` from `computed` computed tokens
         on, none of them EOS (the caller knows): the shared int objects `_advance` samples,
         `_regular_samples[((c + 1) * STRIDE + len(id)) % span]` for each computed count c:
-        one slice of the id length's `shared_token_walk` (positions c + 1 on)."""
-        offset = len(request.request_id)
-        walk = self._walks.get(offset)
-        if walk is None:
-            walk = self._walks[offset] = shared_token_walk(self.vocab_size, offset)
-        span = len(self._regular_ids)
-        if count > span:  # longer than the walk's period: position by position
-            return [walk[p % span] for p in range(computed + 1, computed + 1 + count)]
-        start = (computed + 1) % span
-        return walk[start:start + count]
+        one slice of `shared_token_walk` (or, where it is empty or the run longer than its
+        period, position by position)."""
+        walk, span = self._walk, len(self._regular_ids)
+        first = computed + 1
+        if walk and count <= span:
+            start = (first + len(request.request_id) * self._inverse_stride) % span
+            return walk[start:start + count]
+        ids, offset = self._regular_ids, len(request.request_id)
+        return [ids[(k * _TOKEN_STRIDE + offset) % span] for k in range(first, first + count)]
 
     def execute_beside(self, out: SchedulerOutput, num_decodes: int,
                        decode_context: int) -> ModelRunnerOutput:
