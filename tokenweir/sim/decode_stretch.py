@@ -11,16 +11,18 @@ Per step, what the general path does and the stretch does instead:
   SimEngine records: one gap value (this step's end minus the previous one's: every row's
     previous token came then) counted n times (or appended n times in order); finishes as
     `_finished`; `_last_token` caught up at the end.
-A step that admits requests (the scheduler's real admission, beside the rows) hands their
-output to `SimRunner.execute_beside`, which samples and times them as `execute` would within
-the whole step (the rows' sums added), and, when the step ends, to `complete_step` after the
-rows' update (the step's order: rows first); each admitted request that came out a decode on
-the runner's fast path joins the stretch (`DecodeStretch.join`).
+A step that schedules more than the rows (the tail, requests admitted: the scheduler's real
+passes, beside the rows) hands their output to `SimRunner.execute_beside`, which samples and
+times them as `execute` would within the whole step (the rows' sums added), and, when the step
+ends, to `complete_step` after the rows' update (the step's order: rows first); from the front
+of the tail, each request that came out a decode on the runner's fast path joins the stretch
+(`DecodeStretch.join`) until one did not.
 Only on an instance where the runner's decoding fast path applies, with no pipeline, no SLO
 cutter, no gap end times, no checks, mixed role, and a policy without per-step hooks
-(`stands`). The stretch starts where every running request is a decode on the runner's fast
-path whose last token came at the end of the step just completed (`now`), and ends (`leave`)
-before any step it cannot prove: the instance then takes the general path.
+(`stands`). The stretch starts where the leading running requests are decodes on the runner's
+fast path whose last token came at the end of the step just completed (`now`): they are its
+rows. It ends (`leave`) before any step it cannot prove: the instance then takes the general
+path.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ class StretchDriver:
                                   runner.eos_token_id)
         self._predict = runner.latency_model.predict_totals
         self._prev_end = 0.0
-        # the step in flight's admitted requests: their output and the runner's, or None
-        self._admitted: Optional[tuple[SchedulerOutput, ModelRunnerOutput]] = None
+        # the step in flight's output of the tail and admitted requests and the runner's, or None
+        self._beside: Optional[tuple[SchedulerOutput, ModelRunnerOutput]] = None
         itl = inst.itl if inst.record_itl else None
         # a step's gaps: n equal values appended in order, or counted (None: not kept)
         self._gaps_in_order = itl if isinstance(itl, array) else None
@@ -71,39 +73,42 @@ class StretchDriver:
             self._leave()
         if not core.active and not self._enter(now):
             return None
-        finished, admitted = core.plan_step(now)
+        finished, beside = core.plan_step(now)
         n, context = core.n, core.context
-        if admitted is None:
-            self._admitted = None
+        if beside is None:
+            self._beside = None
             if finished:
                 self.runner.forget(finished)
             return self._predict(StepTotals(n, n, n, context, context, n, context))
-        runner_out = self.runner.execute_beside(admitted, n, context)
-        self._admitted = (admitted, runner_out)
+        runner_out = self.runner.execute_beside(beside, n, context)
+        self._beside = (beside, runner_out)
         return runner_out.step_seconds
 
     def step_shape(self) -> tuple[int, int, int]:
         """The step in flight's (requests, requests computing one token, tokens)."""
         n = self.core.n
-        if self._admitted is None:
+        if self._beside is None:
             return n, n, n
-        counts = self._admitted[0].num_scheduled_tokens
+        out = self._beside[0]
+        counts = out.num_scheduled_tokens
         return (n + len(counts), n + list(counts.values()).count(1),
-                n + self._admitted[0].total_num_scheduled_tokens)
+                n + out.total_num_scheduled_tokens)
 
     def _enter(self, now: float) -> bool:
+        """Start a stretch over the leading running requests that may be rows: on the
+        runner's fast path, their last token at `now` (False: none, no stretch)."""
         inst = self.inst
-        rows = eligible_rows(inst.scheduler)
-        if rows is None:
-            return False
         left_of, last_token = self.runner.decoding_left, inst._last_token
-        eos_steps = []
-        for r in rows:
+        rows, eos_steps = [], []
+        for r in eligible_rows(inst.scheduler):
             rid = r.request_id
             left = left_of(rid)
             if left is None or last_token.get(rid) != now:
-                return False
+                break
+            rows.append(r)
             eos_steps.append(left if left > 0 else 0)
+        if not rows:
+            return False
         self.core.enter(rows, eos_steps)
         self._prev_end = now
         if self.core.can_continue():
@@ -112,9 +117,10 @@ class StretchDriver:
         return False
 
     def complete(self, now: float) -> list[EngineCoreOutput]:
-        """The stretch step in flight ends at `now`: its update and records, then the admitted
-        requests' (which join the stretch where they can); returns the outputs of the rows
-        that took the stop rules (every finish among them), then the admitted requests'."""
+        """The stretch step in flight ends at `now`: the rows' update and records, then the
+        tail's and the admitted requests' (which join the rows where they can); returns the
+        outputs of the rows that took the stop rules (every finish among them), then
+        theirs."""
         core, inst = self.core, self.inst
         n = core.n
         done = core.update_step(now)
@@ -131,25 +137,24 @@ class StretchDriver:
             if eco.finish_reason is not None:
                 self.runner.advance_decoding(rid, core.steps_in(i))  # it decoded every one
                 inst._finished(eco, now)
-        if self._admitted is not None:
-            out, runner_out = self._admitted
-            self._admitted = None
+        if self._beside is not None:
+            out, runner_out = self._beside
+            self._beside = None
             outputs.extend(inst.complete_step(out, runner_out, now))
-            self._join(out.scheduled_requests, now)
+            self._join(now)
         return outputs
 
-    def _join(self, admitted, now: float) -> None:
-        """Each admitted request still running that is a plain decode on the runner's fast path
-        joins, in running order; the first that is not ends the joining (`running` then holds
-        a request that is no row: `can_continue` fails)."""
+    def _join(self, now: float) -> None:
+        """From the front of the tail, each request that is a plain decode on the runner's
+        fast path with its last token at `now` joins the rows, until one is not."""
+        core, running = self.core, self.inst.scheduler.running
         left_of, last_token = self.runner.decoding_left, self.inst._last_token
-        for r in admitted:
-            if r.is_finished:
-                continue
+        while len(running) > core.n:
+            r = running[core.n]
             left = left_of(r.request_id)
             if left is None or not is_plain_decode(r) or last_token.get(r.request_id) != now:
                 return
-            self.core.join(r, left)
+            core.join(r, left)
 
     def _leave(self) -> None:
         kept = self.core.leave()

@@ -257,21 +257,19 @@ class SimRunner:
 
     def execute_beside(self, out: SchedulerOutput, num_decodes: int,
                        decode_context: int) -> ModelRunnerOutput:
-        """`execute` of a step whose output lists only the requests admitted in it (all new),
-        beside `num_decodes` decoding requests on the fast path that a stretch advances itself
-        (their computed tokens summing to `decode_context`): the same forgetting, samples and
-        state as `execute` of the whole step on the fast path, and the whole step's time
-        (`_totals` of the whole step: the rows' counts added to the admitted requests' sums).
-        Only where `fast_path_possible` and every other request is on the fast path."""
+        """`execute` of a step whose output lists only some of its requests (new ones, and
+        running ones after a decode stretch's rows), beside `num_decodes` decoding requests on
+        the fast path that the stretch advances itself (their computed tokens summing to
+        `decode_context`): the same forgetting, samples and state as `execute` of the whole
+        step on the fast path, and the whole step's time (the rows counted in its sums).
+        Only where `fast_path_possible`."""
         self._forget(out.finished_req_ids)
         self._forget(out.preempted_req_ids)
         self._track_new(out)
-        sampled: dict[str, list[int]] = {}
-        scheduled = out.num_scheduled_tokens
-        sums = self._advance_rows(scheduled.items(), sampled, True)
-        totals = self._totals(len(scheduled) + num_decodes, decode_context, sums)
-        return ModelRunnerOutput(sampled_token_ids=sampled,
-                                 step_seconds=self.latency_model.predict_totals(totals))
+        predict_totals = self.latency_model.predict_totals
+        assert self._fast_path_for(out, predict_totals), "a stretch stands only on the fast path"
+        sampled, totals = self._advance(out, True, num_decodes, decode_context)
+        return ModelRunnerOutput(sampled_token_ids=sampled, step_seconds=predict_totals(totals))
 
     def fast_path_possible(self) -> bool:
         """Whether a step may ever take the decoding fast path (`_fast_path_for`'s standing
@@ -309,13 +307,15 @@ class SimRunner:
         self._left.clear()
         self._base.clear()
 
-    def _advance(self, out: SchedulerOutput,
-                 fast: bool) -> tuple[dict[str, list[int]], StepTotals]:
+    def _advance(self, out: SchedulerOutput, fast: bool, beside: int = 0,
+                 beside_context: int = 0) -> tuple[dict[str, list[int]], StepTotals]:
         """Advance computed counts, sample where a step reaches the known tokens, and sum the
         step's shape for the latency model (context = computed before the step, capped at the
         model's sliding window): with `fast` (`_fast_path_for` this step; without it no
         request is on the fast path), decoding requests on the fast path, the others row by
-        row."""
+        row; with `fast`, `beside` more decoding requests the output does not list (a decode
+        stretch's rows, computed tokens summing to `beside_context`) are counted in the
+        sums."""
         scheduled = out.num_scheduled_tokens
         sampled: dict[str, list[int]] = {}
         if not fast:
@@ -336,9 +336,9 @@ class SimRunner:
             sampled[rid] = regular[((c + 1) * _TOKEN_STRIDE + len(rid)) % span] \
                 if left > 0 else eos
             left_of[rid] = left - 1
-        decode_context = sum(out.cached_num_computed_tokens) - row_context
+        decode_context = sum(out.cached_num_computed_tokens) - row_context + beside_context
         sums = self._advance_rows(rows.items(), sampled, True) if rows else _NO_ROWS
-        return sampled, self._totals(len(scheduled), decode_context, sums)
+        return sampled, self._totals(len(scheduled) + beside, decode_context, sums)
 
     @staticmethod
     def _totals(num_scheduled: int, decode_context: int, sums: tuple) -> StepTotals:

@@ -1,39 +1,43 @@
-"""A decode stretch: consecutive steps of one Scheduler that provably schedule every running
-request for exactly one decode token and nothing else, advanced by touching only the requests
-that have something to do in a step. The simulator's fast path (sim/decode_stretch.py drives
-it); torch-free, the KV manager through its public API only.
+"""A decode stretch: consecutive steps of one Scheduler in which a prefix of the running list
+(the rows) provably decodes one token each and nothing else, advanced by touching only the rows
+that have something to do in a step; the requests after them (the tail: prefills, and decodes
+behind a prefill) and the waiting ones go through the scheduler's real passes. The simulator's
+fast path (sim/decode_stretch.py drives it); torch-free, the KV manager through its public API.
 
-Entry (`DecodeStretch.enter`, when `eligible_rows` returns the running list): the running
-requests fit the token budget; every running request owes exactly one token and has
-sampled its first (a decode), has a fast length cap (no stop token ids), is no parallel-sampling
-sample, and if ever preempted is at its high-water mark (it recomputes nothing more); no
-registration lags (no swap-out behind); no fresh fork; prefills are not prioritized and the
-policy's per-step hooks are the base (fcfs) no-ops.
+Entry (`DecodeStretch.enter`, with rows from `eligible_rows`: the leading running requests
+that are plain decodes): the rows fit the token budget; each row owes exactly one token and has
+sampled its first (a decode), has a fast length cap (no stop token ids), is no
+parallel-sampling sample, and if ever preempted is at its high-water mark (it recomputes
+nothing more); no registration lags (no swap-out behind); no fresh fork; prefills are not
+prioritized and the policy's per-step hooks are the base (fcfs) no-ops.
 
 Contract. While `can_continue()` holds, step j (0-based from entry) of the stretch does exactly
 what `schedule()` then `update_from_output()` do for such a step, in their order:
-  plan (`plan_step`): each row (a running request of the stretch) whose computed tokens end on
-    a block boundary gets `allocate_slots(request, 1)`, in running order; then, when requests
-    wait, the real admission (`Admission.admit_waiting`) runs with the budget the rows leave,
-    as `schedule()` runs it after its running pass (admitted requests join `running` after the
-    rows); the step is counted (`count_step`) and the ids finished since the last step are
-    handed over (returned, with the admitted requests' output, if any).
+  plan (`plan_step`): each row whose computed tokens end on a block boundary gets
+    `allocate_slots(request, 1)`, in running order; then, with the budget the rows leave, the
+    scheduler's own running pass (`_schedule_running`) over the tail, and its admission
+    (`Admission.admit_waiting`: admitted requests join `running` after the tail); the step is
+    counted (`count_step`) and the ids finished since the last step are handed over
+    (returned, with the output of the tail and the admitted requests, if any: it lists only
+    them).
   update (`update_step`): in running order, each row whose token fills a block is published
     (`register_computed_blocks`), and each row whose token leaves the decode fast path (its
     EOS, or the length cap) takes the stop rules (`_append_tokens`), which finish it (freed,
     removed from `running`); every other row's token is counted and its appending deferred.
-    The caller then runs `update_from_output` on the admitted requests' output (they follow
-    the rows in `running`, as in the step's order) and `join`s each that came out a decode.
+    The caller then runs `update_from_output` on the output of the tail and the admitted
+    requests (they follow the rows, as in the step's order) and `join`s, from the front of
+    the tail, each that came out a plain decode, until one did not.
 A row is caught up (`_sync`: computed tokens, output tokens, high-water mark) when it has an
 event, and every row when the stretch ends (`leave`). Between steps, what others read of the
 scheduler (requests, waiting queue, running membership and order, the KV pool, stats) is exactly
 the per-step path's; a row's own counters lag until `leave`: nobody may read them before
-(admission reads only `len(running)` and, for the partial-prefill cap, whether a running request
-owes more than one token: a lagging row never does).
-`can_continue()` fails, and the caller must `leave()` and take the general path, when `running`
-holds a request that is not a row (an admitted request not `join`ed: a chunked prefill, a
-fork), a slow-path token did not finish its request, or the pool might not hold one block for
-every row on a boundary this step (an allocation could then preempt).
+(the passes over the tail and the waiting queue read only `len(running)` and, for the
+partial-prefill cap, whether a running request owes more than one token: a lagging row never
+does). `running` is always the alive rows, in order, then the tail.
+`can_continue()` fails, and the caller must `leave()` and take the general path, when no row is
+left, a slow-path token did not finish its request, a fork is fresh, or an allocation might
+fail (and so preempt): the pool might not hold one block for every row on a boundary this step
+plus the blocks the tail's chunks take.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Callable, Optional
 from tokenweir.core.outputs import EngineCoreOutput, SchedulerOutput
 from tokenweir.core.sched import stats as count
 from tokenweir.core.sched.policies.base import SchedulingPolicy
+from tokenweir.core.sched.policy import num_tokens_to_schedule
 from tokenweir.core.sched.step_plan import StepPlan
 from tokenweir.request import Request
 
@@ -58,17 +63,20 @@ def policy_allows(policy: SchedulingPolicy) -> bool:
     return all(getattr(type(policy), h) is getattr(SchedulingPolicy, h) for h in _HOOKS)
 
 
-def eligible_rows(sched) -> Optional[list[Request]]:
-    """The running requests if a stretch may start now (the entry conditions above), else
-    None. The caller checks `policy_allows` once."""
+def eligible_rows(sched) -> list[Request]:
+    """The leading running requests that may be a stretch's rows now (the entry conditions
+    above; none when a condition on the scheduler fails). The caller checks `policy_allows`
+    once."""
     running, config, kv = sched.running, sched.config, sched.kv
-    if not running or len(running) > config.max_num_batched_tokens \
-            or config.prioritize_prefill or kv.has_lagging_registrations() or kv.fresh_forks():
-        return None
-    for r in running:
+    if not running or config.prioritize_prefill or kv.has_lagging_registrations() \
+            or kv.fresh_forks():
+        return []
+    n = 0
+    for r in running[:config.max_num_batched_tokens]:
         if not is_plain_decode(r):
-            return None
-    return running
+            break
+        n += 1
+    return running[:n]
 
 
 def is_plain_decode(r: Request) -> bool:
@@ -82,13 +90,14 @@ def is_plain_decode(r: Request) -> bool:
 
 class DecodeStretch:
     """One scheduler's stretch state (see the module docstring); `num_steps` and
-    `num_admitting_steps` are probes."""
+    `num_beside_steps` are probes."""
 
     def __init__(self, sched, tokens: TokenRule, eos_token_id: int) -> None:
         self.sched, self._tokens, self._eos = sched, tokens, eos_token_id
         self.active = False
         self.num_steps = 0  # steps advanced in stretches (probe)
-        self.num_admitting_steps = 0  # of those, steps that admitted requests (probe)
+        self.num_beside_steps = 0  # of those, steps that scheduled more than the rows (probe)
+        self.num_tail_steps = 0  # of those, steps with a tail (probe)
         self._clear()
 
     def _clear(self) -> None:
@@ -117,9 +126,9 @@ class DecodeStretch:
             self._add_row(r, eos_step)
 
     def join(self, request: Request, left: int) -> None:
-        """`request`, admitted by the step just updated and now a plain decode
-        (`is_plain_decode`) following every row in `running`, becomes a row: it samples EOS
-        after `left` more regular tokens (<= 0: at the next step)."""
+        """`request`, the tail's first (`running[n]`) after the step just updated, and a plain
+        decode (`is_plain_decode`), becomes a row: it samples EOS after `left` more regular
+        tokens (<= 0: at the next step)."""
         self._add_row(request, self.j + max(left, 0))
 
     def _add_row(self, r: Request, eos_step: int) -> None:
@@ -140,31 +149,69 @@ class DecodeStretch:
 
     def can_continue(self) -> bool:
         sched = self.sched
-        return (not self._broken and self.n > 0 and len(sched.running) == self.n
-                and sched.kv.num_free_blocks >= len(self._buckets[self.j % len(self._buckets)]))
+        if self._broken or self.n == 0:
+            return False
+        free = sched.kv.num_free_blocks - len(self._buckets[self.j % len(self._buckets)])
+        if len(sched.running) == self.n:
+            return free >= 0
+        return free >= 0 and not sched.kv.fresh_forks() and self._tail_blocks() <= free
+
+    def _tail_blocks(self) -> int:
+        """Blocks the scheduler's running pass over the tail will allocate this step: each
+        tail request's for what it gets (a decode one token; a prefill its chunk, clamped by
+        the threshold and by the budget the rows and the requests before it leave), in
+        running order while budget is left."""
+        sched = self.sched
+        kv, threshold = sched.kv, sched.config.long_prefill_token_threshold
+        budget, blocks = sched.config.max_num_batched_tokens - self.n, 0
+        for r in sched.running[self.n:]:
+            if budget <= 0:
+                break
+            computed = r.num_computed_tokens
+            owed = len(r.all_token_ids) - computed
+            q = 1 if owed == 1 else num_tokens_to_schedule(owed, budget, threshold)
+            blocks += kv.num_new_blocks_needed(r, computed + q)
+            budget -= q
+        return blocks
 
     def plan_step(self, now: float) -> tuple[set[str], Optional[SchedulerOutput]]:
         """Step j's plan at `now` (caller checked `can_continue`): returns the ids finished
-        since the last step (for the runner to forget), and the output of the requests
-        admitted this step (None: none), which lists only them, with the finished ids."""
+        since the last step (for the runner to forget), and the output of the tail and the
+        admitted requests (None: none scheduled), which lists only them, with those ids."""
         sched, j = self.sched, self.j
         allocate = sched.kv.allocate_slots
         for i in self._buckets[j % len(self._buckets)]:
             self._sync_computed(i, j)  # what allocate_slots reads
             assert allocate(self.rows[i], 1) is not None, "can_continue checked the pool"
         plan = None
-        if sched.waiting:  # after the running pass, with the budget the rows leave
+        if sched.waiting or len(sched.running) > self.n:
             plan = StepPlan(sched.config.max_num_batched_tokens - self.n, now)
+            self._schedule_tail(plan)
             sched.admission.admit_waiting(plan)
-        new_tokens = sum(plan.num_scheduled.values()) if plan is not None else 0
-        count.count_step(sched.stats, plan.num_chunked if new_tokens else 0, self.n + new_tokens)
+        tokens = sum(plan.num_scheduled.values()) if plan is not None else 0
+        count.count_step(sched.stats, plan.num_chunked if tokens else 0, self.n + tokens)
         finished, sched._finished_since_last_step = sched._finished_since_last_step, set()
         self.num_steps += 1
-        if not new_tokens:
+        if not tokens:
             return finished, None
-        self.num_admitting_steps += 1
-        return finished, plan.to_output(sched.kv, new_tokens, sched.stats.num_steps,
+        self.num_beside_steps += 1
+        return finished, plan.to_output(sched.kv, tokens, sched.stats.num_steps,
                                         sched.preemption.take_preempted_ids(), finished)
+
+    def _schedule_tail(self, plan: StepPlan) -> None:
+        """The scheduler's running pass over the tail alone (`running` rebound to it for the
+        call, as the simulator's pipeline hides requests in flight): the rows before it took
+        one token each, and `can_continue` checked that it allocates without preempting."""
+        sched = self.sched
+        running = sched.running
+        if len(running) == self.n:
+            return
+        self.num_tail_steps += 1
+        sched.running = running[self.n:]
+        try:
+            sched._schedule_running(plan, prefills=True, decodes=True)
+        finally:
+            sched.running = running
 
     def update_step(self, now: float) -> list[tuple[int, EngineCoreOutput]]:
         """Step j's update of the rows at `now`; returns (row, output) of each row that took
