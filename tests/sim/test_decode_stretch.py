@@ -15,12 +15,15 @@ import dataclasses
 
 import pytest
 
+from tokenweir.core.sched import decode_stretch as stretch_module
 from tokenweir.core.sched.decode_stretch import DecodeStretch
+from tokenweir.core.sched.step_plan import StepPlan
 from tokenweir.sim.build import build_simulation
 from tokenweir.sim.cluster import build_cluster
 from tokenweir.sim.digest import cluster_digest, instance_digest
 from tokenweir.sim.hardware import get_hardware, get_shape
 from tokenweir.sim.latency import NoisyLatencyModel, RooflineLatencyModel
+from tokenweir.sim.sim_runner import SimRunner
 from tokenweir.sim.sessions import synthetic_sessions
 from tokenweir.sim.workload import synthetic
 
@@ -29,8 +32,15 @@ CRAMPED = {"max_model_len": 1024, "num_gpu_blocks_override": 130,
            "max_num_batched_tokens": 256, "scheduler_reserve_full_isl": False}
 
 
-def _specs(seed: int, n: int = 160, rate: float = 300.0, **kw):
-    return synthetic(n, rate, seed=seed, prompt="lognormal:90:0.7", output="lognormal:40:0.9",
+# benchmarks/vs_vidur.py's engine (Sarathi-like: a small budget, chunked prompts, no prefix cache)
+VIDURISH = {"max_num_batched_tokens": 128, "max_num_seqs": 32, "enable_prefix_caching": False,
+            "scheduler_reserve_full_isl": False, "max_num_partial_prefills": 32,
+            "watermark": 0.01, "preemption_mode": "recompute", "max_model_len": 1024}
+
+
+def _specs(seed: int, n: int = 160, rate: float = 300.0, prompt: str = "lognormal:90:0.7",
+           **kw):
+    return synthetic(n, rate, seed=seed, prompt=prompt, output="lognormal:40:0.9",
                      num_prefix_groups=3, prefix_len=48, max_model_len=1024, **kw)
 
 
@@ -53,6 +63,12 @@ CASES = {
         dict(CRAMPED, scheduling_policy="slo", num_gpu_blocks_override=400,
              max_num_batched_tokens=512),
         {"slo_mix": True}, {"itl_counts": True}, ("slo", "preemptions"), False),
+    "chunked prefills beside the rows": (
+        dict(CRAMPED, num_gpu_blocks_override=400, long_prefill_token_threshold=64), {},
+        {"itl_counts": True}, ("prefix_hits", "tail"), True),
+    "vs_vidur's engine, no prefix cache": (
+        dict(VIDURISH, num_gpu_blocks_override=160), {"prompt": "lognormal:300:0.8"}, {},
+        ("preemptions", "tail"), True),
     "pipelined, chunked (declines)": (
         dict(CRAMPED, num_gpu_blocks_override=400, long_prefill_token_threshold=64), {},
         {"pp_size": 2}, ("prefix_hits",), False),
@@ -90,8 +106,8 @@ def _everything(sim, result) -> dict:
             "digest": instance_digest(result)}
 
 
-def _stretch_steps(instances) -> int:
-    return sum(i.stretch.num_steps for i in instances if i.stretch is not None)
+def _stretch_steps(instances, probe: str = "num_steps") -> int:
+    return sum(getattr(i.stretch.core, probe) for i in instances if i.stretch is not None)
 
 
 def _check_happened(what, stats, result) -> None:
@@ -116,8 +132,11 @@ def _compare(case: str, seed: int) -> None:
         assert got[key] == want[key], key
     _check_happened(what, result.stats, result)
     steps = _stretch_steps([fast.instance])
-    if stretches:  # probe: stretches advanced steps, the general path took the others
-        assert 0 < steps < result.stats.num_steps
+    if stretches:  # probe: stretches advanced steps (some beside the rows), the general path
+        assert 0 < steps < result.stats.num_steps  # took the others
+        assert _stretch_steps([fast.instance], "num_beside_steps") > 0
+        if "tail" in what:
+            assert _stretch_steps([fast.instance], "num_tail_steps") > 0
     else:
         assert steps == 0
 
@@ -183,23 +202,30 @@ def test_a_cluster_with_sessions_decides_as_the_general_path():
     _compare_clusters(_specs(5, n=200, rate=400.0), sessions)
 
 
-def _broken_run_differs(monkeypatch, breaking) -> bool:
-    engine, workload, build, _, _ = CASES["recompute+prefix, gaps in order"]
+def _differs_when(case: str, breaking) -> bool:
+    """The case's run with stretches and `breaking()` applied (a monkeypatch) differs from,
+    or crashes against, the general path's."""
+    engine, workload, build, _, _ = CASES[case]
     plain = _simulation(engine, workload, build, 1, on=False)
     want = _everything(plain, plain.run())
+    breaking()
+    fast = _simulation(engine, workload, build, 1, on=True)
+    try:
+        got = _everything(fast, fast.run())
+    except (AssertionError, IndexError, KeyError, ValueError):  # caught by crashing
+        return True
+    return got != want
+
+
+def _broken_run_differs(monkeypatch, breaking) -> bool:
     enter = DecodeStretch.enter
 
     def broken_enter(self, rows, eos_steps):
         enter(self, rows, eos_steps)
         breaking(self)
 
-    monkeypatch.setattr(DecodeStretch, "enter", broken_enter)
-    fast = _simulation(engine, workload, build, 1, on=True)
-    try:
-        got = _everything(fast, fast.run())
-    except (AssertionError, IndexError, KeyError):  # caught by crashing
-        return True
-    return got != want
+    return _differs_when("recompute+prefix, gaps in order",
+                         lambda: monkeypatch.setattr(DecodeStretch, "enter", broken_enter))
 
 
 def test_a_stretch_sampling_eos_a_step_late_is_caught(monkeypatch):
@@ -216,3 +242,25 @@ def test_a_stretch_allocating_a_step_late_is_caught(monkeypatch):
     def late(stretch):
         stretch._buckets.insert(0, stretch._buckets.pop())
     assert _broken_run_differs(monkeypatch, late)
+
+
+def test_a_joined_row_sampling_eos_a_step_late_is_caught(monkeypatch):
+    join = DecodeStretch.join
+    late = lambda: monkeypatch.setattr(DecodeStretch, "join",  # noqa: E731
+                                       lambda self, r, left: join(self, r, left + 1))
+    assert _differs_when("roomy, no gaps", late)
+
+
+def test_passes_beside_the_rows_given_the_rows_budget_too_are_caught(monkeypatch):
+    """The tail's running pass and admission with one token more than the rows leave."""
+    def one_more(budget, now):
+        return StepPlan(budget + 1, now)
+    wide = lambda: monkeypatch.setattr(stretch_module, "StepPlan", one_more)  # noqa: E731
+    assert _differs_when("vs_vidur's engine, no prefix cache", wide)
+
+
+def test_a_step_beside_the_rows_timed_without_them_is_caught(monkeypatch):
+    execute_beside = SimRunner.execute_beside
+    without = lambda: monkeypatch.setattr(  # noqa: E731
+        SimRunner, "execute_beside", lambda self, out, n, context: execute_beside(self, out, 0, 0))
+    assert _differs_when("chunked prefills beside the rows", without)

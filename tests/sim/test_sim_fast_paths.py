@@ -14,6 +14,8 @@ from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.hardware import get_hardware, get_shape
 from tokenweir.sim.latency import RooflineLatencyModel, StepTotals
 from tokenweir.sim.metrics import describe, percentile, summarize
+from tokenweir.sim.sim_engine import make_request
+from tokenweir.sim.sim_runner import _TOKEN_STRIDE, SimRunner
 from tokenweir.sim.workload import synthetic
 
 SMALL = "smollm2-135m"
@@ -87,6 +89,7 @@ def test_sim_runner_totals_match_the_step_it_ran():
     engine = {"max_model_len": 1024, "num_gpu_blocks_override": 400,
               "max_num_batched_tokens": 256, "long_prefill_token_threshold": 64}
     sim = build_simulation(engine, _specs(), SMALL, "h100")
+    sim.instance.stretch = None  # its steps' outputs list only the requests beside the rows
     seen = []
     runner = sim.runner
     original = runner._advance
@@ -191,6 +194,8 @@ def test_runner_decoding_fast_path_gives_what_the_per_row_path_gives():
               "max_num_batched_tokens": 256, "scheduler_reserve_full_isl": False}
     sims = [build_simulation(engine, _specs(), SMALL, "h100", itl_counts=True)
             for _ in range(3)]
+    for sim in sims:  # every step through `execute` (a decode stretch would bypass it)
+        sim.instance.stretch = None
     fast, plain, toggled = sims
     plain.runner._fast_path_for = lambda out, predict_totals: False
     moved, steps, left = [0], [0], [0]
@@ -260,3 +265,28 @@ def test_the_hot_decode_run_schedules_what_the_general_loop_schedules(monkeypatc
     assert fast == plain and fast_preemptions == plain_preemptions > 0
     # the probe: the hot run scheduled most decodes, in runs of several
     assert sum(taken) > 50_000 and sum(taken) > 3 * len(taken)
+
+
+@pytest.mark.parametrize("vocab_size", [32000, 2 * 7919 + 3])
+def test_a_stretch_tokens_slice_of_the_walk_is_the_runners_rule(vocab_size):
+    """`regular_token_ids` (one slice of `shared_token_walk`) gives, object for object, the
+    tokens of the runner's rule, across the walk's period and beyond it; and where STRIDE
+    divides the span (no walk), position by position."""
+    model = RooflineLatencyModel(get_shape(SMALL), get_hardware("h100"))
+    runner = SimRunner(model, vocab_size=vocab_size)
+    assert bool(runner._walk) == (vocab_size == 32000)
+    ids = runner._regular_ids
+    span = len(ids)
+    rng = random.Random(11)
+    long = [span - 1, span, span + 5, 2 * span + 3]
+    for i in range(400):
+        request = make_request("r" * rng.randint(1, 12), [5, 6], 4, 100, 0.0)
+        computed = rng.randint(0, 3 * span) if i % 2 else span - rng.randint(0, 40)
+        count = long[i // 100] if i % 100 == 0 else rng.choice([0, 1, 2, 16, 300])
+        start = (computed + 1) * _TOKEN_STRIDE + len(request.request_id)
+        want = [ids[(start + k * _TOKEN_STRIDE) % span] for k in range(count)]
+        got = runner.regular_token_ids(request, computed, count)
+        assert got == want and all(a is b for a, b in zip(got, want))
+    for k in range(1, 6):  # each position's token is `_regular_token`'s id
+        assert runner.regular_token_ids(make_request("abc", [1], 9, 99, 0.0), k, 1) == \
+            [runner._regular_token("abc", k + 1)]

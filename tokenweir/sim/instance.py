@@ -137,9 +137,11 @@ class Instance(SimEngine):
         self.step_again, self._empty_steps = False, 0
         end = self._through_pipeline(now, seconds)
         if self.record_steps:
-            n, scheduler = self.stretch.core.n, self.scheduler
-            self.steps.append(StepRecord(now, seconds, n, n, n, self.kv.usage(),
-                                         scheduler.num_running, scheduler.num_waiting))
+            num_reqs, num_decodes, num_tokens = self.stretch.step_shape()
+            scheduler = self.scheduler
+            self.steps.append(StepRecord(now, seconds, num_reqs, num_decodes, num_tokens,
+                                         self.kv.usage(), scheduler.num_running,
+                                         scheduler.num_waiting))
         batch = Batch(None, None, now, end)
         self.in_flight.append(batch)
         self.max_in_flight = max(self.max_in_flight, 1)

@@ -22,6 +22,7 @@ per-row path (`_Tracked`).
 from __future__ import annotations
 
 from functools import lru_cache
+from math import gcd
 from typing import Mapping, Optional
 
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
@@ -37,8 +38,31 @@ _UNBOUNDED = 1 << 40  # regular samples left for a decoding request without a ta
 @lru_cache(maxsize=None)
 def shared_token_lists(vocab_size: int) -> list[list[int]]:
     """[[0], [1], ..., [vocab_size - 1]], one per vocabulary size for the whole process: a
-    step's sampled token as `ModelRunnerOutput.sampled_token_ids` holds it (read-only)."""
-    return [(t,) for t in range(vocab_size)]
+    step's sampled token as `ModelRunnerOutput.sampled_token_ids` holds it (read-only). The
+    regular ids' int objects are `shared_token_walk`'s."""
+    objects: list[int] = list(range(vocab_size))
+    walk = shared_token_walk(vocab_size)
+    for token in walk[:len(walk) // 2]:
+        objects[token] = token
+    return [(t,) for t in objects]
+
+
+@lru_cache(maxsize=None)
+def shared_token_walk(vocab_size: int) -> list[int]:
+    """The regular token ids in the order consecutive positions sample them: entry m is
+    FIRST + (m * STRIDE) % span, for m in [0, 2 * span) (the sequence repeats every span
+    entries; empty when STRIDE and span share a factor: it would not cover every id). A
+    request id of length L samples at position k entry (k + L * STRIDE^-1) % span (mod span),
+    so a run of up to span positions is one slice. Its int objects are made here one after
+    another, in this order, and are THE objects of these ids in the process
+    (`shared_token_lists` holds them): a run of positions then touches neighbouring objects
+    (extending a token list increments each one's count), not one scattered object each."""
+    span = vocab_size - _FIRST_REGULAR_TOKEN
+    if span < 1 or gcd(_TOKEN_STRIDE, span) != 1:
+        return []
+    values = [_FIRST_REGULAR_TOKEN + (m * _TOKEN_STRIDE) % span for m in range(span)]
+    walk = [v + 0 for v in values]  # fresh objects (CPython), allocated in walk order
+    return walk + walk
 
 
 @lru_cache(maxsize=None)
@@ -51,8 +75,7 @@ def shared_regular_samples(vocab_size: int) -> list[tuple[int]]:
 
 @lru_cache(maxsize=None)
 def shared_regular_ids(vocab_size: int) -> list[int]:
-    """The ints of `shared_regular_samples(vocab_size)` (the same objects), for a decode
-    stretch's tokens (`regular_token_ids`)."""
+    """The ints of `shared_regular_samples(vocab_size)` (the same objects)."""
     return [sample[0] for sample in shared_regular_samples(vocab_size)]
 
 
@@ -106,6 +129,9 @@ class SimRunner:
         # position k's regular sample is this list's [(k * STRIDE + len(id)) % span]
         self._regular_samples = shared_regular_samples(vocab_size)
         self._regular_ids = shared_regular_ids(vocab_size)  # the same ints, unwrapped
+        self._walk = shared_token_walk(vocab_size)  # the same ints, in sampling order
+        self._inverse_stride = pow(_TOKEN_STRIDE, -1, len(self._regular_ids)) \
+            if self._walk else 0
         self.num_blocks: dict[str, int] = {}  # block-table lengths, tracked only with `check`
         # Mid-step cuts (slo policy): keep what the last step advanced, so `cut` can undo it.
         self.keep_undo = False
@@ -130,18 +156,8 @@ class SimRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._forget(out.finished_req_ids)
         self._forget(out.preempted_req_ids)
-        state, targets = self._state, self.target_output_len
-        for new in out.scheduled_new_reqs:
-            rid = new.req_id
-            if self._base.pop(rid, None) is not None:  # never without a _forget first
-                del self._left[rid]
-            target = targets.get(rid)
-            eos_at = _NEVER if target is None else new.num_prompt_tokens + target - 1
-            known = len(new.token_ids)
-            state[rid] = _Tracked(new.num_computed_tokens, known, eos_at,
-                                  self._regular_token(rid, known))
-            if self.check:
-                self.num_blocks[rid] = len(new.block_ids)
+        self._track_new(out)
+        state = self._state
         if self.check:
             self._check_cached(out)
         if not out.num_scheduled_tokens:
@@ -160,6 +176,21 @@ class SimRunner:
             sampled, totals = self._advance(out, fast)
             seconds = predict_totals(totals)
         return ModelRunnerOutput(sampled_token_ids=sampled, step_seconds=seconds)
+
+    def _track_new(self, out: SchedulerOutput) -> None:
+        """Per-row state for each request the output brings in full (new or re-admitted)."""
+        state, targets = self._state, self.target_output_len
+        for new in out.scheduled_new_reqs:
+            rid = new.req_id
+            if self._base.pop(rid, None) is not None:  # never without a _forget first
+                del self._left[rid]
+            target = targets.get(rid)
+            eos_at = _NEVER if target is None else new.num_prompt_tokens + target - 1
+            known = len(new.token_ids)
+            state[rid] = _Tracked(new.num_computed_tokens, known, eos_at,
+                                  self._regular_token(rid, known))
+            if self.check:
+                self.num_blocks[rid] = len(new.block_ids)
 
     def _check_cached(self, out: SchedulerOutput) -> None:
         """The scheduler's view of each running request matches the runner's."""
@@ -213,12 +244,32 @@ class SimRunner:
     def regular_token_ids(self, request, computed: int, count: int) -> list[int]:
         """The tokens `count` decode steps sample for `request` from `computed` computed tokens
         on, none of them EOS (the caller knows): the shared int objects `_advance` samples,
-        `_regular_samples[((c + 1) * STRIDE + len(id)) % span]` for each computed count c, in
-        C-level passes."""
-        ids, span = self._regular_ids, len(self._regular_ids)
-        start = (computed + 1) * _TOKEN_STRIDE + len(request.request_id)
-        return list(map(ids.__getitem__, map(span.__rmod__, range(
-            start, start + count * _TOKEN_STRIDE, _TOKEN_STRIDE))))
+        `_regular_samples[((c + 1) * STRIDE + len(id)) % span]` for each computed count c:
+        one slice of `shared_token_walk` (or, where it is empty or the run longer than its
+        period, position by position)."""
+        walk, span = self._walk, len(self._regular_ids)
+        first = computed + 1
+        if walk and count <= span:
+            start = (first + len(request.request_id) * self._inverse_stride) % span
+            return walk[start:start + count]
+        ids, offset = self._regular_ids, len(request.request_id)
+        return [ids[(k * _TOKEN_STRIDE + offset) % span] for k in range(first, first + count)]
+
+    def execute_beside(self, out: SchedulerOutput, num_decodes: int,
+                       decode_context: int) -> ModelRunnerOutput:
+        """`execute` of a step whose output lists only some of its requests (new ones, and
+        running ones after a decode stretch's rows), beside `num_decodes` decoding requests on
+        the fast path that the stretch advances itself (their computed tokens summing to
+        `decode_context`): the same forgetting, samples and state as `execute` of the whole
+        step on the fast path, and the whole step's time (the rows counted in its sums).
+        Only where `fast_path_possible`."""
+        self._forget(out.finished_req_ids)
+        self._forget(out.preempted_req_ids)
+        self._track_new(out)
+        predict_totals = self.latency_model.predict_totals
+        assert self._fast_path_for(out, predict_totals), "a stretch stands only on the fast path"
+        sampled, totals = self._advance(out, True, num_decodes, decode_context)
+        return ModelRunnerOutput(sampled_token_ids=sampled, step_seconds=predict_totals(totals))
 
     def fast_path_possible(self) -> bool:
         """Whether a step may ever take the decoding fast path (`_fast_path_for`'s standing
@@ -256,13 +307,15 @@ class SimRunner:
         self._left.clear()
         self._base.clear()
 
-    def _advance(self, out: SchedulerOutput,
-                 fast: bool) -> tuple[dict[str, list[int]], StepTotals]:
+    def _advance(self, out: SchedulerOutput, fast: bool, beside: int = 0,
+                 beside_context: int = 0) -> tuple[dict[str, list[int]], StepTotals]:
         """Advance computed counts, sample where a step reaches the known tokens, and sum the
         step's shape for the latency model (context = computed before the step, capped at the
         model's sliding window): with `fast` (`_fast_path_for` this step; without it no
         request is on the fast path), decoding requests on the fast path, the others row by
-        row."""
+        row; with `fast`, `beside` more decoding requests the output does not list (a decode
+        stretch's rows, computed tokens summing to `beside_context`) are counted in the
+        sums."""
         scheduled = out.num_scheduled_tokens
         sampled: dict[str, list[int]] = {}
         if not fast:
@@ -283,9 +336,9 @@ class SimRunner:
             sampled[rid] = regular[((c + 1) * _TOKEN_STRIDE + len(rid)) % span] \
                 if left > 0 else eos
             left_of[rid] = left - 1
-        decode_context = sum(out.cached_num_computed_tokens) - row_context
+        decode_context = sum(out.cached_num_computed_tokens) - row_context + beside_context
         sums = self._advance_rows(rows.items(), sampled, True) if rows else _NO_ROWS
-        return sampled, self._totals(len(scheduled), decode_context, sums)
+        return sampled, self._totals(len(scheduled) + beside, decode_context, sums)
 
     @staticmethod
     def _totals(num_scheduled: int, decode_context: int, sums: tuple) -> StepTotals:
