@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver  # tests/forkserver.py: the scripts start with torch already imported
+
 ROOT = Path(__file__).resolve().parents[2]
-# One torch thread, as the suite's servers run: the dry runs check code paths, not speed.
+# One torch thread, as the suite's servers run (and what the fork server preloaded torch with);
+# the dry runs check code paths, not speed.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def test_gpu_benchmark_dry_run(tmp_path):
     out = tmp_path / "gpu.json"
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--device", "cpu",
-         "--tiny", "--json", str(out)], env=ENV, capture_output=True, text=True, timeout=600,
-        cwd=ROOT)
+         "--tiny", "--json", str(out)], env=ENV, timeout=600, cwd=str(ROOT))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert set(results["models"]) == {"smollm2-135m", "qwen3-0.6b"}
@@ -44,10 +45,10 @@ def test_full_plans_construct():
 def test_step_profile_dry_run():
     """benchmarks/gpu_step_profile.py on CPU with a tiny model: the per-step wall time and the
     host table for a single stream and a batch."""
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_step_profile.py"), "--device", "cpu",
          "--tiny", "--steps", "3", "--top", "5", "--batches", "1,4"], env=ENV,
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        timeout=600, cwd=str(ROOT))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1 decodes per step: wall" in done.stdout and "4 decodes per step" in done.stdout
     assert "host functions by own time" in done.stdout

@@ -12,6 +12,8 @@ from typing import Optional
 
 import httpx
 
+import forkserver  # tests/forkserver.py
+
 API_KEY = "router-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "smollm2-135m"
@@ -34,8 +36,8 @@ def start(args: list[str], port: int, ready_s: float = 600) -> subprocess.Popen:
     """`python -m tokenweir ARGS --port PORT`, returned once its /health answers 200."""
     cmd = [sys.executable, "-m", "tokenweir", *args, "--host", "127.0.0.1", "--port",
            str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = forkserver.popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # tests/forkserver.py: torch preloaded
     wait_healthy(proc, f"http://127.0.0.1:{port}", ready_s)
     return proc
 

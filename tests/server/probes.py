@@ -21,6 +21,9 @@ from typing import Any, Iterator, Optional
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import forkserver  # noqa: E402  (tests/forkserver.py)
+
 API_KEY = "probe-key"
 MODEL = "smollm2-135m"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -44,8 +47,8 @@ def start_server(root: str, *extra: str, drain_timeout: float = 10.0,
            "--max-model-len", "1024", "--num-gpu-blocks-override", "512", "--host",
            "127.0.0.1", "--port", str(port), "--drain-timeout", str(drain_timeout),
            "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = forkserver.popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # tests/forkserver.py: torch preloaded
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 400
     while True:

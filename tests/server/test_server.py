@@ -20,6 +20,8 @@ import pytest
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+import forkserver  # noqa: E402  (tests/forkserver.py)
+
 API_KEY = "test-key"
 MODEL = "smollm2-135m"
 MAX_WAITING = 80
@@ -41,7 +43,8 @@ def server():
            "--max-model-len", "1024", "--num-gpu-blocks-override", "512", "--host",
            "127.0.0.1", "--port", str(port), "--max-waiting-requests", str(MAX_WAITING),
            "--drain-timeout", "10", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = forkserver.popen(cmd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # tests/forkserver.py: torch preloaded
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 400  # a first kernel build on a busy machine
