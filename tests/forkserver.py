@@ -30,6 +30,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,11 +53,18 @@ _SERVERS: dict = {}  # the import-time environment (sorted items) -> {path, proc
 _LOCK = threading.Lock()
 
 
+# Read by the child after the fork, from the request's environment, so no part of the key:
+# PYTHONPATH and PYTHONSAFEPATH build its sys.path (_become); breakpoint() reads
+# PYTHONBREAKPOINT when called; torch's inductor reads TORCHINDUCTOR_CACHE_DIR when it first
+# needs its cache. The last two are set in the test process itself (by `ray.init`, and by the
+# inductor's first use): as keys they started a second fork server (~6.5 CPU-s) in a worker.
+READ_AFTER_FORK = ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONBREAKPOINT", "TORCHINDUCTOR_CACHE_DIR")
+
+
 def _import_env(env: dict) -> dict:
-    """The variables the preloaded libraries may read at import (PYTHONPATH excepted: the
-    child builds its sys.path from the request's)."""
+    """The variables the preloaded libraries may read at import (READ_AFTER_FORK excepted)."""
     return {k: v for k, v in env.items()
-            if k.startswith(IMPORT_ENV_PREFIXES) and k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+            if k.startswith(IMPORT_ENV_PREFIXES) and k not in READ_AFTER_FORK}
 
 
 # ---------------------------------------------------------------- client (the test process)
@@ -112,23 +120,27 @@ def _start_server(env: dict) -> Optional[str]:
     if key not in _SERVERS:
         if len(_SERVERS) >= MAX_SERVERS:
             return None
-        path = os.path.join(tempfile.mkdtemp(prefix="tw-forkserver-"), "sock")
+        folder = tempfile.mkdtemp(prefix="tw-forkserver-")
+        path = os.path.join(folder, "sock")
         proc = subprocess.Popen([sys.executable, __file__, path],
                                 env={k: v for k, v in env.items() if k != "PYTHONPATH"},
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
         line = proc.stdout.readline().decode().strip()  # "ready", or why not
         if not _SERVERS:
             atexit.register(stop_servers)
-        _SERVERS[key] = {"path": path if line == "ready" else None, "proc": proc}
+        _SERVERS[key] = {"path": path if line == "ready" else None, "proc": proc,
+                         "folder": folder}
     return _SERVERS[key]["path"]
 
 
 def stop_servers() -> None:
-    """Stop every fork server of this process (their children are not waited for)."""
+    """Stop every fork server of this process (their children are not waited for) and remove
+    its socket's folder."""
     for server in _SERVERS.values():
         if server["proc"].poll() is None:
             server["proc"].terminate()
             server["proc"].wait(timeout=30)
+        shutil.rmtree(server["folder"], ignore_errors=True)
 
 
 def _servable(argv: list) -> bool:

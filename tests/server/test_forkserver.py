@@ -31,6 +31,10 @@ if sys.argv[1:2] == ["threads"]:
     import torch
     print(json.dumps({"preloaded": preloaded, "threads": torch.get_num_threads()}))
     sys.exit(0)
+if sys.argv[1:2] == ["breakpoint"]:
+    breakpoint("hook called")  # sys.breakpointhook reads PYTHONBREAKPOINT now
+    print(json.dumps({"preloaded": preloaded}))
+    sys.exit(0)
 if sys.argv[1:2] == ["sleep"]:
     print("sleeping", flush=True)
     import time; time.sleep(60)
@@ -116,3 +120,45 @@ def test_an_import_time_setting_that_differs_is_never_forked_from_another_settin
         preloaded = got.pop("preloaded")
         assert preloaded or threads != "1"  # probe: the 1-thread calls were forked
         assert got == want and got["threads"] == int(threads)
+
+
+def test_a_setting_read_after_the_fork_is_served_by_the_same_fork_server(script, tmp_path):
+    """PYTHONBREAKPOINT is read when breakpoint() is called, not at import (`ray.init` sets it
+    in the test process; as part of the fork server's key it started a second fork server):
+    the call is forked from the fork server already there, and its child honours the hook as
+    a fresh interpreter does."""
+    assert forkserver.run([sys.executable, str(script), "a"], env=_env(),
+                          cwd=str(tmp_path)).returncode == 0  # this setting's fork server is up
+    servers = len(forkserver._SERVERS)
+    argv = [sys.executable, str(script), "breakpoint"]
+    forked, fresh = _both(argv, _env(PYTHONBREAKPOINT="builtins.print"), str(tmp_path))
+    assert len(forkserver._SERVERS) == servers  # no fork server of its own
+    got, want = forked.stdout.splitlines(), fresh.stdout.splitlines()
+    assert got[0] == want[0] == "hook called"  # the child read the variable when called
+    assert json.loads(got[1])["preloaded"] is True  # probe: forked
+    assert json.loads(want[1])["preloaded"] is False
+
+
+def test_what_ray_and_torch_set_in_the_test_process_starts_no_second_fork_server():
+    """`ray.init` sets PYTHONBREAKPOINT in the test process, the inductor's first use sets
+    TORCHINDUCTOR_CACHE_DIR: both are read after the fork, so neither changes the key."""
+    env = _env()
+    for name, value in (("PYTHONBREAKPOINT", "ray.util.rpdb._driver_set_trace"),
+                        ("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_root")):
+        assert forkserver._import_env({**env, name: value}) == forkserver._import_env(env), name
+    # probe: a setting read at import still is a key of its own
+    assert forkserver._import_env({**env, "OMP_NUM_THREADS": "2"}) != forkserver._import_env(env)
+
+
+def test_stopping_a_fork_server_removes_its_socket_folder(tmp_path, monkeypatch):
+    """Each fork server's socket lives in a folder of its own under the temporary directory:
+    stop_servers (run at exit) removes it, so runs leave no tw-forkserver-* folders behind."""
+    folder = tmp_path / "tw-forkserver-x"
+    folder.mkdir()
+    (folder / "sock").write_text("")
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(forkserver, "_SERVERS",
+                        {(): {"path": str(folder / "sock"), "proc": stand_in, "folder": str(folder)}})
+    forkserver.stop_servers()
+    assert stand_in.returncode == -signal.SIGTERM  # probe: the server was stopped
+    assert not folder.exists()
