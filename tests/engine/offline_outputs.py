@@ -78,7 +78,8 @@ def run_generate(path: str) -> list:
 
 def run_mixed(path: str) -> list:
     """LLMEngine.step by hand: final-only steps, full (non-delta) outputs at steps 9-11 and
-    delta outputs at 15, an abort at step 13; every output any step returned, in order."""
+    delta outputs at 15 and 21, aborts before steps 13 (full) and 14 (delta); every output
+    any step returned, in order."""
     engine = LLM(path, **ENGINE).llm_engine
     for i, (prompt, params) in enumerate(workload()):
         engine.add_request(*engine.make_request(prompt, params, request_id=f"r{i}"))
@@ -86,8 +87,10 @@ def run_mixed(path: str) -> list:
     while engine.has_unfinished_requests():
         if step == 13:
             steps.append([encode(o) for o in engine.abort_requests(["r10", "r5"])])
-        final_only = step not in (9, 10, 11, 15)
-        outs = engine.step(delta=step == 15, final_only=final_only)
+        if step == 14:
+            steps.append([encode(o) for o in engine.abort_requests(["r2", "r1"], delta=True)])
+        final_only = step not in (9, 10, 11, 15, 21)
+        outs = engine.step(delta=step in (15, 21), final_only=final_only)
         steps.append([encode(o) for o in outs])
         step += 1
     return steps

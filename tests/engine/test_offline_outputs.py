@@ -14,6 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offline_outputs as oo  # noqa: E402
+from tokenweir.engine.output_processor import OutputProcessor  # noqa: E402
+from tokenweir.model.tokenizer import IncrementalDetokenizer  # noqa: E402
 
 GOLDEN = json.loads(oo.GOLDEN.read_text(encoding="utf-8"))
 
@@ -39,9 +41,31 @@ def test_recording_is_not_trivial():
     assert any(not o["finished"] for o in mixed), "probe: full outputs mid-way were recorded"
 
 
-def test_generate_outputs_are_the_recorded_ones(tiny_path):
+@pytest.fixture
+def deferrals(monkeypatch) -> dict[str, int]:
+    """Probe that text really was deferred: tokens the bulk path listed by id, and catch-ups
+    that fed more than one held token at once."""
+    seen = {"bulk": 0, "catch_up": 0}
+    defer, add_each = OutputProcessor.defer, IncrementalDetokenizer.add_each
+
+    def counting_defer(self, request_ids, now):
+        seen["bulk"] += len(request_ids)
+        return defer(self, request_ids, now)
+
+    def counting_add_each(self, token_ids):
+        seen["catch_up"] += len(token_ids) > 1
+        return add_each(self, token_ids)
+
+    monkeypatch.setattr(OutputProcessor, "defer", counting_defer)
+    monkeypatch.setattr(IncrementalDetokenizer, "add_each", counting_add_each)
+    return seen
+
+
+def test_generate_outputs_are_the_recorded_ones(tiny_path, deferrals):
     assert json.loads(json.dumps(oo.run_generate(tiny_path))) == GOLDEN["generate"]
+    assert deferrals["bulk"] > 100 and deferrals["catch_up"] > 10, deferrals
 
 
-def test_mixed_mode_steps_are_the_recorded_ones(tiny_path):
+def test_mixed_mode_steps_are_the_recorded_ones(tiny_path, deferrals):
     assert json.loads(json.dumps(oo.run_mixed(tiny_path))) == GOLDEN["mixed"]
+    assert deferrals["bulk"] > 50 and deferrals["catch_up"] > 10, deferrals
