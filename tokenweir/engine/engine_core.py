@@ -137,9 +137,12 @@ class EngineCore:
         else:
             if runner_output.request_errors:
                 failed += self.fail_requests(runner_output.request_errors)
-            outputs = self.scheduler.update_from_output(
-                scheduler_output, runner_output, now=self.clock(),
-                decoded=None if self.step_observers else decoded)
+            if decoded is None or self.step_observers:
+                outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                            now=self.clock())
+            else:
+                outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                            self.clock(), decoded)
         self.metrics.record_step(scheduler_output, runner_output, self.scheduler)
         if self.step_observers:  # [trace]
             times = (started, scheduled, executed, self.clock())
