@@ -378,6 +378,11 @@ class Request:
     # Parallel sampling (n / best_of > 1): the group this request is sample `sample_index` of.
     group: Optional["SampleGroup"] = None
     sample_index: int = 0
+    # True: each token must come back as an EngineCoreOutput (the engine folds it at once:
+    # stop strings, logprobs, parallel sampling). False: a decode no stop rule ends may be
+    # listed by id instead (Scheduler.update_from_output's `decoded`: the simulator, and
+    # offline steps whose text waits for the request's end; engine/output_processor.py).
+    needs_token_outputs: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

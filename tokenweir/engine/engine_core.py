@@ -110,7 +110,11 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 self._failed.append(self._fail_unadmitted(request, exc))
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, decoded: Optional[list[str]] = None) -> list[EngineCoreOutput]:
+        """One step's outputs. `decoded`: a list the scheduler's update appends the ids of
+        plain decodes to instead of returning their outputs (Scheduler.update_from_output;
+        only requests without `needs_token_outputs`); ignored while a step observer watches
+        the outputs (they would miss those tokens)."""
         self.admit_submitted()
         failed, self._failed = self._failed, []
         started = self.clock()  # [trace] also the scheduler's `now`
@@ -133,8 +137,12 @@ class EngineCore:
         else:
             if runner_output.request_errors:
                 failed += self.fail_requests(runner_output.request_errors)
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
-                                                        now=self.clock())
+            if decoded is None or self.step_observers:
+                outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                            now=self.clock())
+            else:
+                outputs = self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                            self.clock(), decoded)
         self.metrics.record_step(scheduler_output, runner_output, self.scheduler)
         if self.step_observers:  # [trace]
             times = (started, scheduled, executed, self.clock())

@@ -497,17 +497,23 @@ class LLMEngine:
     def step(self, delta: bool = False, final_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that got tokens
         (`final_only`: only for those that finished, and for parallel-sampling groups; what
-        offline generate uses: the rest costs host time per request per step).
+        offline generate uses: the rest costs host time per request per step. A lone request
+        without stop strings or logprobs is then not even detokenised until it finishes or a
+        later step or abort shows it: OutputProcessor.defer).
 
         Finished requests' state is released after their final output is returned. A request
         whose output processing fails (detokenization, stop strings, building the output)
         finishes alone, with finish reason "error" and the message in `RequestOutput.error`;
         so does one that failed inside the engine core (see engine_core.py).
         """
-        core_outputs = self.core.step()
-        made = self.outputs.fold_step(core_outputs, self.core.clock(), delta=delta,
+        decoded: Optional[list[str]] = [] if final_only else None  # plain decodes, by id
+        core_outputs = self.core.step(decoded)
+        now = self.core.clock()
+        made = self.outputs.fold_step(core_outputs, now, delta=delta,
                                       on_stop=self._finish_stopped, on_fail=self._fail_now,
                                       final_only=final_only)
+        if decoded:  # their text waits (OutputProcessor.defer)
+            self.outputs.defer(decoded, now)
         if self.tracer is not None:
             self.tracer.output_processed(self.core.clock())
         return list(made.values())

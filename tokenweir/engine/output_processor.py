@@ -17,7 +17,20 @@ re-indexed 0..n-1 (vLLM's ranking).
 `fold_step` is the one fold of a step's engine-core outputs into user outputs (one per request
 or group), used by LLMEngine.step and by the serving path's output side alike; what differs
 between them (finishing a request in the scheduler now, or asking the engine thread to) comes in
-as two callbacks."""
+as two callbacks.
+
+Deferred text (offline final-only steps; contract): a lone request with no stop strings and no
+logprobs ("deferrable") has nothing in its text that a final-only step shows or acts on, so
+such steps fold none of its tokens: `fold_step(final_only=True)` holds its unfinished one-token
+outputs back, and the engine's bulk path (Scheduler.update_from_output's `decoded`) does not
+even build them (`defer`); the state is then "lagging". The held tokens are fed to the same
+incremental detokenizer, one at a time and in order, before anything reads the text: the
+request's next output that is processed (its final one, or any step without final_only), or
+an abort. So the text, the deltas and the U+FFFD hold-backs are exactly the every-step ones
+(tests/engine/test_offline_outputs.py). What forces every-step folding: stop strings (they end
+the request on the output side), logprobs (decoded per token), parallel sampling (groups show
+every step), and any step without final_only (the served path never defers). A lagging
+request's "error" output from a failure inside this processor shows the text folded so far."""
 
 from __future__ import annotations
 
@@ -59,6 +72,9 @@ class _RequestState:
     new_token_ids: list[int] = field(default_factory=list)
     changed: bool = False  # got an update since its group's last output
     finish_shown: bool = False  # its finish went out in a group output
+    deferrable: bool = False  # its text may lag its tokens (module docstring: deferred text)
+    num_folded: int = 0  # output tokens fed to the detokenizer
+    lagging: bool = False  # output tokens past num_folded are in request.all_token_ids
 
 
 @dataclass
@@ -100,9 +116,12 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                        skip_special_tokens=params.skip_special_tokens)
         asked = (params if request.group is None else request.group.params).logprobs
+        deferrable = request.group is None and not params.stop and params.logprobs is None
+        request.needs_token_outputs = not deferrable
         return _RequestState(request=request, prompt=prompt, detokenizer=detok,
                              logprobs=[] if asked is not None else None,
-                             ranks_only=asked is None and params.logprobs is not None)
+                             ranks_only=asked is None and params.logprobs is not None,
+                             deferrable=deferrable)
 
     @staticmethod
     def output_id(request: Request) -> str:
@@ -127,7 +146,10 @@ class OutputProcessor:
         forward takes the GIL between requests (the output thread sets it). `final_only`: a
         lone request's output is built only when it finished (vLLM's FINAL_ONLY output kind,
         what offline generate needs: its tokens are still folded in every step, for stop
-        strings); groups and error outputs are built as usual."""
+        strings); groups and error outputs are built as usual. A deferrable request's
+        unfinished outputs are not even folded then (module docstring: deferred text)."""
+        if final_only:
+            core_outputs = self._hold_back(core_outputs, now)
         made: dict[str, Request | RequestOutput] = {}  # the request to build from, or final
         for core_output in core_outputs:
             request = core_output.request
@@ -149,6 +171,54 @@ class OutputProcessor:
         outputs = ((output_id, self._build(output_id, item, delta, on_fail))
                    for output_id, item in made.items())
         return {output_id: out for output_id, out in outputs if out is not None}
+
+    def _hold_back(self, core_outputs: Iterable[EngineCoreOutput],
+                   now: float) -> list[EngineCoreOutput]:
+        """A final-only step's outputs less the ones whose folding waits: one token, not the
+        last, of a deferrable request (its state then lags)."""
+        states, kept = self.states, []
+        for output in core_outputs:
+            state = states.get(output.request.request_id)
+            if (state is not None and state.deferrable and output.finish_reason is None
+                    and len(output.new_token_ids) == 1):
+                state.lagging, state.last_token_time = True, now
+            else:
+                kept.append(output)
+        return kept
+
+    def defer(self, request_ids: Iterable[str], now: float) -> None:
+        """These deferrable requests got a token at `now` that no output carried (the bulk
+        path, `decoded`): their text lags until it is read."""
+        states = self.states
+        for request_id in request_ids:
+            state = states.get(request_id)
+            if state is not None:
+                state.lagging, state.last_token_time = True, now
+
+    def _catch_up(self, state: _RequestState, held: int) -> None:
+        """Fold a lagging state's tokens in order, one at a time as their steps would have,
+        all but the last `held` (an output's own tokens, which _process folds next)."""
+        state.lagging = False
+        request = state.request
+        ids = request.all_token_ids
+        start, end = len(request.prompt_token_ids) + state.num_folded, len(ids) - held
+        if start >= end:
+            return
+        if faults.ARMED:
+            faults.fire("detokenize", request.request_id)
+        state.text += state.detokenizer.add_each(ids[start:end])
+        state.num_folded = end - len(request.prompt_token_ids)
+
+    def _catch_up_shown(self, state: _RequestState) -> None:
+        """Catch a lagging state up before it is shown without a new output (an abort): its
+        last token is the latest update (new text and token ids), as if folded in its step."""
+        self._catch_up(state, held=1)
+        request = state.request
+        if state.num_folded < len(request.all_token_ids) - len(request.prompt_token_ids):
+            state.new_token_ids = request.all_token_ids[-1:]
+            state.new_text = state.detokenizer.add_tokens(state.new_token_ids)
+            state.text += state.new_text
+            state.num_folded += 1
 
     def _unfinished_lone(self, output_id: str, item: Request | RequestOutput) -> bool:
         """A request outside any group, still running: its output would say nothing final."""
@@ -191,6 +261,8 @@ class OutputProcessor:
         state = self.states.get(request_id) or self._samples[request_id]
         if state.finish_reason is not None:
             return False
+        if state.lagging:
+            self._catch_up(state, held=len(output.new_token_ids))
         stopped = self._process(state, output, now)
         group = output.request.group
         if group is not None:
@@ -212,6 +284,7 @@ class OutputProcessor:
         if faults.ARMED:
             faults.fire("detokenize", output.request.request_id)
         delta = state.detokenizer.add_tokens(output.new_token_ids)
+        state.num_folded += len(output.new_token_ids)
         if output.finish_reason is not None:
             delta += state.detokenizer.flush()  # a trailing partial UTF-8 character, if any
         if output.logprobs is not None and state.logprobs is not None:
@@ -271,6 +344,8 @@ class OutputProcessor:
         if group is not None:
             return self._group_output(group, delta)
         state = self.states[request_id]
+        if state.lagging:
+            self._catch_up_shown(state)
         request = state.request
         return RequestOutput(
             request_id=request_id, prompt=state.prompt,

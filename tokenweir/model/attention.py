@@ -42,6 +42,7 @@ paged_attention_impl.h ("Fixed order"). It needs the kernel (RuntimeError withou
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import threading
@@ -53,6 +54,7 @@ import torch.nn.functional as F
 
 from tokenweir.model import kernels
 from tokenweir.model.arch import ArchConfig
+from tokenweir.model.transfer import host_long
 
 # Gathered K+V bytes per decode SDPA call: small enough to stay in the last-level cache between
 # the gather and the attention that reads it, large enough to keep the number of calls low.
@@ -204,29 +206,55 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens_before: Seq
     query_lens, ctx = list(query_lens), list(context_lens_before)
     if not (len(query_lens) == len(ctx) == len(block_tables_lists)):
         raise ValueError("query_lens, context_lens_before and block tables differ in length")
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
+    num_decodes = _leading_ones(query_lens)
     seq_lens = [c + q for c, q in zip(ctx, query_lens)]
-    width = max((len(b) for b in block_tables_lists), default=0) or 1
-    table = [list(b) + [0] * (width - len(b)) for b in block_tables_lists]
-    slots: list[int] = []
-    for blocks, c, q in zip(block_tables_lists, ctx, query_lens):
-        if _blocks_for(c + q, block_size) > len(blocks):
-            raise ValueError(f"block table of {len(blocks)} blocks is too short for {c + q} tokens")
-        slots.extend(blocks[p // block_size] * block_size + p % block_size
-                     for p in range(c, c + q))
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    flat = [x for row in table for x in row]
+    width = max(map(len, block_tables_lists), default=0) or 1
+    if min(map(len, block_tables_lists), default=1) < _blocks_for(max(seq_lens, default=0),
+                                                                   block_size):
+        _check_tables(block_tables_lists, seq_lens, block_size)
+    slots = _slots(block_tables_lists, ctx, query_lens, num_decodes, block_size)
+    flat: list[int] = []
+    for blocks in block_tables_lists:
+        flat += blocks
+        if len(blocks) < width:
+            flat += [0] * (width - len(blocks))
+    starts = [0, *itertools.accumulate(query_lens)]
     start_loc, lens, tables, slot_mapping = to_device_long(
         [starts, seq_lens, flat, slots], device)
     return AttentionMetadata(
         query_start_loc=start_loc, seq_lens=lens,
-        block_tables=tables.reshape(len(table), width), slot_mapping=slot_mapping,
+        block_tables=tables.reshape(len(block_tables_lists), width), slot_mapping=slot_mapping,
         query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, num_decodes=num_decodes,
         backend=backend, batch_invariant=batch_invariant)
+
+
+def _leading_ones(query_lens: list[int]) -> int:
+    """How many leading entries are 1 (the decodes)."""
+    if query_lens and query_lens[-1] == 1 and query_lens.count(1) == len(query_lens):
+        return len(query_lens)
+    num = 0
+    while num < len(query_lens) and query_lens[num] == 1:
+        num += 1
+    return num
+
+
+def _check_tables(tables: Sequence[Sequence[int]], seq_lens: list[int], block_size: int) -> None:
+    """ValueError naming the first table too short for its tokens."""
+    for blocks, n in zip(tables, seq_lens):
+        if _blocks_for(n, block_size) > len(blocks):
+            raise ValueError(f"block table of {len(blocks)} blocks is too short for {n} tokens")
+
+
+def _slots(tables: Sequence[Sequence[int]], ctx: list[int], query_lens: list[int],
+           num_decodes: int, block_size: int) -> list[int]:
+    """The cache slot of every token of the step, in order: a decode's one token by one
+    expression per row, a prefill chunk's by a range."""
+    slots = [blocks[c // block_size] * block_size + c % block_size
+             for blocks, c in zip(tables[:num_decodes], ctx[:num_decodes])]
+    for blocks, c, q in zip(tables[num_decodes:], ctx[num_decodes:], query_lens[num_decodes:]):
+        slots.extend(blocks[p // block_size] * block_size + p % block_size
+                     for p in range(c, c + q))
+    return slots
 
 
 def to_device_long(lists: Sequence[Sequence[int]], device: torch.device | str
@@ -236,9 +264,9 @@ def to_device_long(lists: Sequence[Sequence[int]], device: torch.device | str
     pinned memory alive until the copy has run), then split into views."""
     device = torch.device(device)
     if device.type != "cuda":
-        return [torch.tensor(xs, dtype=torch.long, device=device) for xs in lists]
+        return [host_long(xs).to(device) for xs in lists]
     sizes = [len(xs) for xs in lists]
-    packed = torch.tensor([x for xs in lists for x in xs], dtype=torch.long).pin_memory()
+    packed = host_long([x for xs in lists for x in xs]).pin_memory()
     return list(packed.to(device, non_blocking=True).split(sizes))
 
 

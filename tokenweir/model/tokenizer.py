@@ -341,6 +341,23 @@ class IncrementalDetokenizer:
         self._chunks.append(delta)
         return delta
 
+    def add_each(self, token_ids: Sequence[int]) -> str:
+        """Feed ids one at a time, exactly as `add_tokens(t)` for each t in order would (same
+        stream calls, same window and offsets after), and return their deltas joined: how a
+        deferred request's text catches up (engine/output_processor.py)."""
+        if self._stream is None:
+            return "".join([self.add_tokens(t) for t in token_ids])
+        step, backend, ids, parts = self._stream.step, self.tokenizer.backend, self.ids, []
+        for token_id in token_ids:
+            ids.append(token_id)
+            delta = step(backend, token_id)
+            if delta:  # the window slides as in _stream_one; the dropping waits for the end
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+                parts.append(delta)
+        self._drop_consumed()
+        self._chunks += parts
+        return "".join(parts)
+
     def _stream_one(self, token_id: int) -> str:
         self.ids.append(token_id)
         delta = self._stream.step(self.tokenizer.backend, token_id)

@@ -28,6 +28,7 @@ import torch
 
 from tokenweir.model.attention import AttentionMetadata
 from tokenweir.model.layers import batch_invariant
+from tokenweir.model.transfer import host_long
 
 logger = logging.getLogger("tokenweir")
 
@@ -83,8 +84,8 @@ class StaticDecodeBuffers:
             flat.extend(blocks)
             flat.extend([0] * (width - len(blocks)))
         flat.extend([0] * (pad * width))
-        rows = torch.tensor(list(input_ids) + [0] * pad + list(positions) + [0] * pad
-                            + slots + [0] * pad + seq_lens + [1] * pad + flat, dtype=torch.long)
+        rows = host_long([*input_ids, *[0] * pad, *positions, *[0] * pad, *slots, *[0] * pad,
+                          *seq_lens, *[1] * pad, *flat])
         cuda = self.device.type == "cuda"
         if cuda:
             rows = rows.pin_memory()

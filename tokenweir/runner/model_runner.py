@@ -93,6 +93,7 @@ class ModelRunner:
         # Set by the engine when the model has a tokenizer: the grammar matchers of guided
         # requests (tokenweir/guided/decoder.py). None: guided requests are not served.
         self.guided = None
+        self.guided_ids: set[str] = set()  # the requests in `requests` with a grammar
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -241,21 +242,34 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self.guided_ids.discard(req_id)
         if self.guided is not None:
             self.guided.forget(out.finished_req_ids | out.preempted_req_ids)
         for new in out.scheduled_new_reqs:
+            if new.sampling_params.guided_decoding is not None:
+                self.guided_ids.add(new.req_id)
             self.requests[new.req_id] = _RunnerRequest(
                 token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 params=new.sampling_params,
                 history=TokenHistory(new.token_ids) if new.sampling_params.uses_penalties
                 else None)
-        for cached in out.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            assert state.num_computed_tokens == cached.num_computed_tokens, (
-                f"{cached.req_id}: runner has {state.num_computed_tokens} computed tokens, "
-                f"scheduler says {cached.num_computed_tokens}")
+        self._update_cached(out)
+
+    def _update_cached(self, out: SchedulerOutput) -> None:
+        """The running requests' diffs: new blocks appended (only requests that got some are
+        visited), computed counts checked against the scheduler's in one list comparison."""
+        requests = self.requests
+        new_ids = {new.req_id for new in out.scheduled_new_reqs}
+        for req_id, block_ids in out.new_block_ids.items():
+            if block_ids and req_id not in new_ids:
+                requests[req_id].block_ids.extend(block_ids)
+        ids, computed = out.cached_req_ids, out.cached_num_computed_tokens
+        if [requests[r].num_computed_tokens for r in ids] != computed:
+            req_id, theirs = next((r, c) for r, c in zip(ids, computed)
+                                  if requests[r].num_computed_tokens != c)
+            raise AssertionError(f"{req_id}: runner has {requests[req_id].num_computed_tokens}"
+                                 f" computed tokens, scheduler says {theirs}")
 
     def _swap(self, out: SchedulerOutput) -> None:
         """Block copies before the forward (see SchedulerOutput): copy-on-write sources read,
@@ -270,10 +284,11 @@ class ModelRunner:
             scatter_blocks(self.kv_caches, [d for _, d in copies], pending)
 
     def _advance(self, batch: _Batch, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        for req_id in batch.req_ids:
-            self.requests[req_id].num_computed_tokens += out.num_scheduled_tokens[req_id]
+        requests = self.requests
+        for req_id, n in zip(batch.req_ids, batch.query_lens):
+            requests[req_id].num_computed_tokens += n
         for req_id, token_id in sampled.items():
-            state = self.requests[req_id]
+            state = requests[req_id]
             state.token_ids.append(token_id)
             if state.history is not None:
                 state.history.append(token_id)
@@ -282,6 +297,9 @@ class ModelRunner:
     def _start_guided_masks(self, batch: _Batch) -> None:
         """Start the masks of this step's guided rows (sampled rows, in sampling order)."""
         if self.guided is None:
+            return
+        if not self.guided_ids:
+            self.guided.start_masks([])  # drops a job left over from a step that never sampled
             return
         rows = []
         for row, req_id in enumerate(batch.sample_req_ids):
@@ -293,7 +311,7 @@ class ModelRunner:
 
     def _advance_guided(self, sampled: dict[str, int]) -> None:
         """Each guided request's matcher consumes its sampled token; a refusal fails it."""
-        if self.guided is None:
+        if self.guided is None or not self.guided_ids:
             return
         for req_id, token_id in sampled.items():
             if req_id not in self.sample_errors and self.guided.is_guided(req_id):
@@ -304,6 +322,8 @@ class ModelRunner:
     # ---- inputs -----------------------------------------------------------------------
     def _make_batch(self, out: SchedulerOutput) -> _Batch:
         counts = out.num_scheduled_tokens
+        if out.total_num_scheduled_tokens == len(counts):
+            return self._make_decode_batch(list(counts))
         req_ids = sorted(counts, key=lambda r: counts[r] != 1)  # decodes first, stable
         batch = _Batch(req_ids, [], [], [], [], [], [])
         for req_id in req_ids:
@@ -318,6 +338,18 @@ class ModelRunner:
                 batch.sample_req_ids.append(req_id)
                 batch.sample_rows.append(len(batch.input_ids) - 1)
         return batch
+
+    def _make_decode_batch(self, req_ids: list[str]) -> _Batch:
+        """_make_batch of a step where every request has one token (decodes, or one-token
+        prefill chunks): flat list operations, no slice or range per request."""
+        states = list(map(self.requests.__getitem__, req_ids))
+        positions = [state.num_computed_tokens for state in states]
+        input_ids = [state.token_ids[p] for state, p in zip(states, positions)]
+        rows = [i for i, state in enumerate(states)
+                if len(state.token_ids) <= state.num_computed_tokens + 1]
+        sample_req_ids = list(req_ids) if len(rows) == len(req_ids) else [req_ids[i] for i in rows]
+        return _Batch(req_ids, input_ids, positions, [1] * len(req_ids), list(positions),
+                      sample_req_ids, rows)
 
     def _decode_graphs(self, arch, num_blocks: int):
         if (self.device.type != "cuda" or getattr(self.attention_backend, "name", None) != "triton"

@@ -200,9 +200,9 @@ class Scheduler:
         Requests aborted or preempted since `scheduler_output` was made are skipped.
         Fault isolation: a request whose update raises fails alone (failure.fail_in_update);
         the other requests of the step are updated as usual.
-        `decoded` (the simulator's bulk path; not with logprobs): when given, a request that
-        got one token that is neither its first nor its last is listed there by id instead of
-        getting an EngineCoreOutput; its token is in `all_token_ids` as always.
+        `decoded` (the bulk path of the simulator and offline steps; not with logprobs): when
+        given, a request that got one token, neither its first nor its last, is listed there by
+        id (its token in `all_token_ids`) instead of an output, unless `needs_token_outputs`.
         """
         # The per-token path of engine and simulator: locals, calls only where needed.
         outputs: list[EngineCoreOutput] = []
@@ -236,7 +236,7 @@ class Scheduler:
                         and token_id not in request.eos_token_ids):
                     all_token_ids.append(token_id)
                     num_fast += 1
-                    if bulk is not None:
+                    if bulk is not None and not request.needs_token_outputs:
                         bulk(request_id)
                         continue
                     output = EngineCoreOutput(request, [token_id])
