@@ -170,7 +170,7 @@ class DecodeStretch:
             computed = r.num_computed_tokens
             owed = len(r.all_token_ids) - computed
             q = 1 if owed == 1 else num_tokens_to_schedule(owed, budget, threshold)
-            blocks += kv.num_new_blocks_needed(r, computed + q)
+            blocks += max(0, kv.blocks_for_tokens(computed + q) - kv.num_held_blocks(r.request_id))
             budget -= q
         return blocks
 
