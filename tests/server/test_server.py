@@ -99,6 +99,16 @@ def _wait_kv_free(server, timeout=30.0) -> dict:
         time.sleep(0.2)
 
 
+def _wait_metric(server, name: str, value: float, timeout=10.0) -> dict:
+    """The metrics once `name` reads `value` (or, at the timeout, as they are then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if m[name] == value or time.monotonic() >= deadline:
+            return m
+        time.sleep(0.1)
+
+
 def _assert_error(resp, status, fragment=None):
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
@@ -360,9 +370,12 @@ def test_disconnect_mid_stream_frees_kv(server):
                     break
     # probe: the stream really started and held KV blocks
     assert chunks == 3 and saw_kv_in_use
-    after = _wait_kv_free(server)
-    assert after["tokenweir:request_success_total[abort]"] == \
-        before["tokenweir:request_success_total[abort]"] + 1
+    _wait_kv_free(server)
+    # the abort is counted by the output path, which may trail the scheduler's free by a
+    # moment (seen once in CI under load: KV free, counter not yet moved)
+    abort = "tokenweir:request_success_total[abort]"
+    after = _wait_metric(server, abort, before[abort] + 1)
+    assert after[abort] == before[abort] + 1
     assert after["tokenweir:generation_tokens_total"] - \
         before["tokenweir:generation_tokens_total"] < 900  # it did not run to the end
 
