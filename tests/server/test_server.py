@@ -89,24 +89,24 @@ def _metrics(server) -> dict:
     return values
 
 
+def _poll_metrics(server, done, timeout: float, interval: float) -> dict:
+    """The metrics once `done(metrics)` holds, or as they are at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if done(m) or time.monotonic() >= deadline:
+            return m
+        time.sleep(interval)
+
+
+def _kv_free(m: dict) -> bool:
+    return m["tokenweir:kv_cache_usage_perc"] == 0 and m["tokenweir:num_requests_running"] == 0
+
+
 def _wait_kv_free(server, timeout=30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _metrics(server)
-        if m["tokenweir:kv_cache_usage_perc"] == 0 and m["tokenweir:num_requests_running"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"KV never freed: {m}"
-        time.sleep(0.2)
-
-
-def _wait_metric(server, name: str, value: float, timeout=10.0) -> dict:
-    """The metrics once `name` reads `value` (or, at the timeout, as they are then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _metrics(server)
-        if m[name] == value or time.monotonic() >= deadline:
-            return m
-        time.sleep(0.1)
+    m = _poll_metrics(server, _kv_free, timeout, 0.2)
+    assert _kv_free(m), f"KV never freed: {m}"
+    return m
 
 
 def _assert_error(resp, status, fragment=None):
@@ -374,7 +374,7 @@ def test_disconnect_mid_stream_frees_kv(server):
     # the abort is counted by the output path, which may trail the scheduler's free by a
     # moment (seen once in CI under load: KV free, counter not yet moved)
     abort = "tokenweir:request_success_total[abort]"
-    after = _wait_metric(server, abort, before[abort] + 1)
+    after = _poll_metrics(server, lambda m: m[abort] == before[abort] + 1, 10.0, 0.1)
     assert after[abort] == before[abort] + 1
     assert after["tokenweir:generation_tokens_total"] - \
         before["tokenweir:generation_tokens_total"] < 900  # it did not run to the end
