@@ -160,6 +160,12 @@ def test_a_client_that_leaves_aborts_on_the_replica(router, replicas):
     assert metric(scrape(base), "tokenweir:num_requests_running", replica=replica) == 0
 
 
+# replica A's stream in the hung/killed tests: long enough to be in flight when B's stream
+# has its first two chunks (B's prefill and two steps against A's 80 decode steps), not
+# longer (150 cost ~70 more decode steps in each test, run to the end after B is cut)
+A_TOKENS = 80
+
+
 def _stream_in_thread(base: str, max_tokens: int, results: dict, key: str) -> threading.Thread:
     """A stream on its own thread, returned once its client has received two chunks (so a
     replica failing after this is a failure mid-stream, not before the first byte)."""
@@ -227,7 +233,7 @@ def test_a_hung_replica_is_taken_out_and_back_in(router, replicas):
     base = router()
     (_, a_url), (b_proc, b_url) = replicas
     results: dict = {}
-    threads = [_stream_in_thread(base, 150, results, "a")]
+    threads = [_stream_in_thread(base, A_TOKENS, results, "a")]
     threads.append(_stream_in_thread(base, 480, results, "b"))  # still running when cut
     assert _in_flight(base, a_url) == 1 and _in_flight(base, b_url) == 1  # round-robin
     os.kill(b_proc.pid, signal.SIGSTOP)
@@ -261,7 +267,7 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_rest_succeed(router
     unaware = router("round-robin", "--health-interval", "600")  # will not notice by itself
     (_, a_url), (b_proc, b_url) = replicas
     results: dict = {}
-    threads = [_stream_in_thread(base, 150, results, "a")]
+    threads = [_stream_in_thread(base, A_TOKENS, results, "a")]
     threads.append(_stream_in_thread(base, 480, results, "b"))  # still running when cut
     assert _in_flight(base, a_url) == 1 and _in_flight(base, b_url) == 1  # round-robin
     b_proc.kill()
