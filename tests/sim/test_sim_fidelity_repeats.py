@@ -62,7 +62,8 @@ def run_main(fid, monkeypatch, tmp_path, *argv) -> dict:
     if "--sim-samples" not in argv:
         # PROFILE has no variability, so each of the default 32 draws is the profile's own
         # deterministic model (latency.sample_machines): one draw has the same mean. The
-        # draws themselves: test_sim_samples_draw_the_profiles_variability.
+        # draws themselves: test_sim_samples_draw_the_profiles_variability. A test that
+        # replays a profile WITH variability passes its own --sim-samples.
         argv = (*argv, "--sim-samples", "1")
     monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--json", str(out)])
     fid.main()
