@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.kv_cache_manager import KVCacheManager, block_key_packer, block_tokens_key
 from tokenweir.sim.build import build_simulation
 from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.hardware import get_hardware, get_shape
@@ -290,3 +290,28 @@ def test_a_stretch_tokens_slice_of_the_walk_is_the_runners_rule(vocab_size):
     for k in range(1, 6):  # each position's token is `_regular_token`'s id
         assert runner.regular_token_ids(make_request("abc", [1], 9, 99, 0.0), k, 1) == \
             [runner._regular_token("abc", k + 1)]
+
+
+@pytest.mark.parametrize("vocab_size", [32000, 2 * 7919 + 3])
+def test_the_block_key_rule_keys_the_regular_tokens_of_a_block(vocab_size):
+    """`regular_block_rule(bs)(request, k)` is `block_tokens_key` of block k of the tokens
+    `regular_token_ids` gives (positions from k * bs on); None where block k holds a prompt
+    position; no rule without a walk."""
+    model = RooflineLatencyModel(get_shape(SMALL), get_hardware("h100"))
+    runner = SimRunner(model, vocab_size=vocab_size)
+    if not runner._walk:
+        assert runner.regular_block_rule(16) is None
+        return
+    rng = random.Random(5)
+    for bs in (16, 32):
+        rule, pack = runner.regular_block_rule(bs), block_key_packer(bs)
+        for _ in range(300):
+            prompt = [7] * rng.randint(1, 200)
+            request = make_request("q" * rng.randint(1, 30), prompt, 4, 9999, 0.0)
+            k = rng.randint(0, 60)
+            got = rule(request, k)
+            if k * bs < len(prompt):
+                assert got is None
+            else:  # the token at position p is sampled from p - 1 computed tokens
+                tokens = runner.regular_token_ids(request, k * bs - 1, bs)
+                assert got == block_tokens_key(pack, tokens)

@@ -51,7 +51,8 @@ class StretchDriver:
         runner = inst.runner
         self.inst, self.runner = inst, runner
         self.core = DecodeStretch(inst.scheduler, runner.regular_token_ids,
-                                  runner.eos_token_id)
+                                  runner.eos_token_id,
+                                  runner.regular_block_rule(inst.kv.block_size))
         self._predict = runner.latency_model.predict_totals
         self._prev_end = 0.0
         # the step in flight's output of the tail and admitted requests and the runner's, or None
