@@ -53,7 +53,12 @@ class StretchDriver:
         self.core = DecodeStretch(inst.scheduler, runner.regular_token_ids,
                                   runner.eos_token_id,
                                   runner.regular_block_rule(inst.kv.block_size))
-        self._predict = runner.latency_model.predict_totals
+        model = runner.latency_model
+        self._predict = model.predict_totals
+        # the model's own pure-decode shortcut, where its class has one (a wrapper that
+        # forwards attributes, e.g. NoisyLatencyModel, must draw through predict_totals)
+        self._predict_decodes = model.predict_decodes \
+            if hasattr(type(model), "predict_decodes") else None
         self._prev_end = 0.0
         # the step in flight's output of the tail and admitted requests and the runner's, or None
         self._beside: Optional[tuple[SchedulerOutput, ModelRunnerOutput]] = None
@@ -80,6 +85,8 @@ class StretchDriver:
             self._beside = None
             if finished:
                 self.runner.forget(finished)
+            if self._predict_decodes is not None:
+                return self._predict_decodes(n, context)
             return self._predict(StepTotals(n, n, n, context, context, n, context))
         runner_out = self.runner.execute_beside(beside, n, context)
         self._beside = (beside, runner_out)

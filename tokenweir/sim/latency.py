@@ -132,6 +132,12 @@ class RooflineLatencyModel:
         kv_tokens = t.sum_context + 2 * t.num_tokens
         return self._combine(t.num_tokens, t.num_reqs, attn_units, kv_tokens)
 
+    def predict_decodes(self, n: int, context: int) -> float:
+        """`predict_totals` of n requests computing one token each on `context` cached tokens
+        in all (StepTotals(n, n, n, context, context, n, context)), the same operations
+        without building it: a decode stretch's step (sim/decode_stretch.py)."""
+        return self._combine(n, n, 2 * context + n + n, context + 2 * n)
+
     def _combine(self, tokens: int, rows: int, attn_units: int, kv_tokens: int) -> float:
         if tokens == 0:
             return 0.0
