@@ -12,7 +12,8 @@ from tokenweir.core.kv_cache_manager import KVCacheManager, block_key_packer, bl
 from tokenweir.sim.build import build_simulation
 from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.hardware import get_hardware, get_shape
-from tokenweir.sim.latency import NoisyLatencyModel, RooflineLatencyModel, StepTotals
+from tokenweir.sim.latency import (NoisyLatencyModel, RooflineLatencyModel, StepTotals,
+                                   decode_predictor)
 from tokenweir.sim.metrics import describe, percentile, summarize
 from tokenweir.sim.sim_engine import make_request
 from tokenweir.sim.sim_runner import _TOKEN_STRIDE, SimRunner
@@ -76,8 +77,10 @@ def test_roofline_totals_equal_the_per_request_prediction(tp):
 @pytest.mark.parametrize("shape,tp", [("llama-7b", 1), ("llama-7b", 4), ("mixtral-8x7b", 2)])
 def test_a_pure_decode_prediction_is_the_totals_prediction(shape, tp):
     """`predict_decodes(n, context)` (a decode stretch's step) returns, bit for bit,
-    `predict_totals` of the StepTotals it stands for, and the per-request roofline; a noisy
-    wrapper has no such method of its own (its draws go through predict_totals)."""
+    `predict_totals` of the StepTotals it stands for, and the per-request roofline; the
+    stretch takes it (`decode_predictor`) only from the roofline itself: not through a noisy
+    wrapper (its draws go through predict_totals), nor from a subclass overriding
+    predict_totals."""
     model = RooflineLatencyModel(get_shape(shape), get_hardware("h100"), tp)
     rng = random.Random(7)
     for _ in range(300):
@@ -86,7 +89,14 @@ def test_a_pure_decode_prediction_is_the_totals_prediction(shape, tp):
         want = model.predict_totals(StepTotals(n, n, n, context, context, n, context))
         assert model.predict_decodes(n, context) == want
         assert want == _roofline_by_hand(model, [(1, c) for c in contexts])
-    assert not hasattr(NoisyLatencyModel, "predict_decodes")
+    assert decode_predictor(model) is not None
+
+    class Overriding(RooflineLatencyModel):  # e.g. benchmarks/vs_vidur.py's op-time model
+        def predict_totals(self, t: StepTotals) -> float:
+            return 1.0
+    noisy = NoisyLatencyModel(model, 0.1)
+    assert decode_predictor(noisy) is None  # it forwards predict_decodes to its base
+    assert decode_predictor(Overriding(get_shape(shape), get_hardware("h100"), tp)) is None
 
 
 def _roofline_by_hand(model: RooflineLatencyModel, chunks) -> float:

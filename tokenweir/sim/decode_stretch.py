@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 from tokenweir.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.decode_stretch import (DecodeStretch, eligible_rows, is_plain_decode,
                                                  policy_allows)
-from tokenweir.sim.latency import StepTotals
+from tokenweir.sim.latency import StepTotals, decode_predictor
 
 if TYPE_CHECKING:
     from tokenweir.sim.instance import Instance
@@ -55,10 +55,7 @@ class StretchDriver:
                                   runner.regular_block_rule(inst.kv.block_size))
         model = runner.latency_model
         self._predict = model.predict_totals
-        # the model's own pure-decode shortcut, where its class has one (a wrapper that
-        # forwards attributes, e.g. NoisyLatencyModel, must draw through predict_totals)
-        self._predict_decodes = model.predict_decodes \
-            if hasattr(type(model), "predict_decodes") else None
+        self._predict_decodes = decode_predictor(model)  # None: through predict_totals
         self._prev_end = 0.0
         # the step in flight's output of the tail and admitted requests and the runner's, or None
         self._beside: Optional[tuple[SchedulerOutput, ModelRunnerOutput]] = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Protocol
+from typing import Callable, Iterable, Mapping, Optional, Protocol
 
 from tokenweir.core.outputs import SchedulerOutput
 from tokenweir.sim.hardware import HardwareProfile, ModelShape
@@ -149,6 +149,17 @@ class RooflineLatencyModel:
         attention = max(attn_units * self._s_per_attn_unit, kv_tokens * self._s_per_kv_token)
         comm = tokens * self._s_allreduce_per_token + self._s_allreduce_fixed
         return self._overhead + linear + attention + comm
+
+
+def decode_predictor(model) -> Optional[Callable[[int, int], float]]:
+    """`model.predict_decodes` where it is exactly `model.predict_totals` of pure-decode totals
+    (the roofline's own pair); None for any other model, a subclass that overrides either, and
+    a wrapper that forwards attributes (NoisyLatencyModel must draw in predict_totals)."""
+    cls = type(model)
+    if getattr(cls, "predict_totals", None) is RooflineLatencyModel.predict_totals and \
+            getattr(cls, "predict_decodes", None) is RooflineLatencyModel.predict_decodes:
+        return model.predict_decodes
+    return None
 
 
 class ConstantLatencyModel:
