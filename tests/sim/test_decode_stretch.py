@@ -103,7 +103,13 @@ def _everything(sim, result) -> dict:
             "itl_times": list(engine.itl_times or ()), "itl_ids": engine.itl_ids,
             "end": result.end_time, "prefix": (result.prefix_hit_tokens,
                                                 result.prefix_query_tokens),
-            "digest": instance_digest(result)}
+            "digest": instance_digest(result), "cached": _content_map(sim.instance)}
+
+
+def _content_map(instance) -> dict:
+    """The instance's prefix cache: published key -> block id (a stretch publishes output
+    blocks by the runner's block-key rule, without their token lists)."""
+    return {key: block.block_id for key, block in instance.kv.pool.cached.items()}
 
 
 def _stretch_steps(instances, probe: str = "num_steps") -> int:
@@ -180,11 +186,13 @@ def _cluster(on: bool, specs, sessions=None, num_instances: int = 6):
 
 
 def _compare_clusters(specs, sessions=None) -> None:
-    plain = _cluster(False, specs, sessions).run()
+    plain_sim = _cluster(False, specs, sessions)
+    plain, plain_insts = plain_sim.run(), plain_sim.instances
     sim = _cluster(True, specs, sessions)
     fast = sim.run()
     assert cluster_digest(fast) == cluster_digest(plain)
     assert fast.routed == plain.routed
+    assert [_content_map(i) for i in sim.instances] == [_content_map(i) for i in plain_insts]
     assert [dataclasses.asdict(r) for r in fast.overall.requests] == \
         [dataclasses.asdict(r) for r in plain.overall.requests]
     assert 0 < _stretch_steps(sim.instances) < fast.overall.stats.num_steps
@@ -264,3 +272,35 @@ def test_a_step_beside_the_rows_timed_without_them_is_caught(monkeypatch):
     without = lambda: monkeypatch.setattr(  # noqa: E731
         SimRunner, "execute_beside", lambda self, out, n, context: execute_beside(self, out, 0, 0))
     assert _differs_when("chunked prefills beside the rows", without)
+
+
+def test_a_stretch_publishing_a_blocks_neighbour_key_is_caught(monkeypatch):
+    """A block-key rule one position off (the next block's walk offset) publishes keys no
+    token list holds: the content maps differ (and, where later prompts would hit, the
+    records)."""
+    rule = SimRunner.regular_block_rule
+
+    def shifted(self, block_size):
+        key = rule(self, block_size)
+        return lambda request, k: key(request, k + 1) if k * block_size >= \
+            request.num_prompt_tokens else None
+    off = lambda: monkeypatch.setattr(SimRunner, "regular_block_rule", shifted)  # noqa: E731
+    assert _differs_when("roomy, no gaps", off)
+
+
+def test_stretches_publish_most_output_blocks_by_the_block_key_rule(monkeypatch):
+    """Probe for the comparisons above: the rule's keys, not token lists, published most of
+    a stretch run's output blocks."""
+    rule, given = SimRunner.regular_block_rule, []
+
+    def counting(self, block_size):
+        key = rule(self, block_size)
+
+        def counted(request, k):
+            ids = key(request, k)
+            given.append(ids is not None)
+            return ids
+        return counted
+    monkeypatch.setattr(SimRunner, "regular_block_rule", counting)
+    _compare("roomy, no gaps", 1)
+    assert sum(given) > 0.6 * len(given) > 100

@@ -8,11 +8,12 @@ import random
 
 import pytest
 
-from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.kv_cache_manager import KVCacheManager, block_key_packer, block_tokens_key
 from tokenweir.sim.build import build_simulation
 from tokenweir.sim.counts import ValueCounts
 from tokenweir.sim.hardware import get_hardware, get_shape
-from tokenweir.sim.latency import RooflineLatencyModel, StepTotals
+from tokenweir.sim.latency import (NoisyLatencyModel, RooflineLatencyModel, StepTotals,
+                                   decode_predictor)
 from tokenweir.sim.metrics import describe, percentile, summarize
 from tokenweir.sim.sim_engine import make_request
 from tokenweir.sim.sim_runner import _TOKEN_STRIDE, SimRunner
@@ -71,6 +72,31 @@ def test_roofline_totals_equal_the_per_request_prediction(tp):
         reference = _roofline_by_hand(model, chunks)
         assert model.step_time(chunks) == reference
         assert model.predict_totals(StepTotals.of_chunks(chunks)) == reference
+
+
+@pytest.mark.parametrize("shape,tp", [("llama-7b", 1), ("llama-7b", 4), ("mixtral-8x7b", 2)])
+def test_a_pure_decode_prediction_is_the_totals_prediction(shape, tp):
+    """`predict_decodes(n, context)` (a decode stretch's step) returns, bit for bit,
+    `predict_totals` of the StepTotals it stands for, and the per-request roofline; the
+    stretch takes it (`decode_predictor`) only from the roofline itself: not through a noisy
+    wrapper (its draws go through predict_totals), nor from a subclass overriding
+    predict_totals."""
+    model = RooflineLatencyModel(get_shape(shape), get_hardware("h100"), tp)
+    rng = random.Random(7)
+    for _ in range(300):
+        contexts = [rng.randint(1, 4000) for _ in range(rng.randint(1, 256))]
+        n, context = len(contexts), sum(contexts)
+        want = model.predict_totals(StepTotals(n, n, n, context, context, n, context))
+        assert model.predict_decodes(n, context) == want
+        assert want == _roofline_by_hand(model, [(1, c) for c in contexts])
+    assert decode_predictor(model) is not None
+
+    class Overriding(RooflineLatencyModel):  # e.g. benchmarks/vs_vidur.py's op-time model
+        def predict_totals(self, t: StepTotals) -> float:
+            return 1.0
+    noisy = NoisyLatencyModel(model, 0.1)
+    assert decode_predictor(noisy) is None  # it forwards predict_decodes to its base
+    assert decode_predictor(Overriding(get_shape(shape), get_hardware("h100"), tp)) is None
 
 
 def _roofline_by_hand(model: RooflineLatencyModel, chunks) -> float:
@@ -290,3 +316,28 @@ def test_a_stretch_tokens_slice_of_the_walk_is_the_runners_rule(vocab_size):
     for k in range(1, 6):  # each position's token is `_regular_token`'s id
         assert runner.regular_token_ids(make_request("abc", [1], 9, 99, 0.0), k, 1) == \
             [runner._regular_token("abc", k + 1)]
+
+
+@pytest.mark.parametrize("vocab_size", [32000, 2 * 7919 + 3])
+def test_the_block_key_rule_keys_the_regular_tokens_of_a_block(vocab_size):
+    """`regular_block_rule(bs)(request, k)` is `block_tokens_key` of block k of the tokens
+    `regular_token_ids` gives (positions from k * bs on); None where block k holds a prompt
+    position; no rule without a walk."""
+    model = RooflineLatencyModel(get_shape(SMALL), get_hardware("h100"))
+    runner = SimRunner(model, vocab_size=vocab_size)
+    if not runner._walk:
+        assert runner.regular_block_rule(16) is None
+        return
+    rng = random.Random(5)
+    for bs in (16, 32):
+        rule, pack = runner.regular_block_rule(bs), block_key_packer(bs)
+        for _ in range(300):
+            prompt = [7] * rng.randint(1, 200)
+            request = make_request("q" * rng.randint(1, 30), prompt, 4, 9999, 0.0)
+            k = rng.randint(0, 60)
+            got = rule(request, k)
+            if k * bs < len(prompt):
+                assert got is None
+            else:  # the token at position p is sampled from p - 1 computed tokens
+                tokens = runner.regular_token_ids(request, k * bs - 1, bs)
+                assert got == block_tokens_key(pack, tokens)

@@ -41,6 +41,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_key_packer(block_size: int) -> Callable[..., bytes]:
+    """The `pack` of `block_tokens_key` for blocks of `block_size` ids (int64s)."""
+    return struct.Struct(f"{block_size}q").pack
+
+
 def block_tokens_key(pack: Callable[..., bytes], tokens: list[int]) -> Union[bytes, tuple]:
     """A full block's token ids as its prefix-cache key holds them: packed as int64s by
     `pack`, or their tuple when one does not fit (such a block can match only blocks of the
@@ -144,7 +149,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self._num_skipped: dict[str, int] = {}  # leading blocks freed for the window, per request
-        self._pack = struct.Struct(f"{block_size}q").pack  # a full block's ids (block_tokens_key)
+        self._pack = block_key_packer(block_size)  # a full block's ids (block_tokens_key)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
@@ -231,14 +236,22 @@ class KVCacheManager:
         bs = self.block_size
         return (*parent, block_tokens_key(self._pack, tokens[k * bs:(k + 1) * bs]))
 
-    def register_computed_blocks(self, request: Request) -> None:
-        """Publish the request's full blocks whose K/V is computed (`num_computed_tokens`)."""
+    def register_computed_blocks(self, request: Request,
+                                 filled_ids: Union[bytes, tuple, None] = None) -> None:
+        """Publish the request's full blocks whose K/V is computed (`num_computed_tokens`).
+
+        `filled_ids`: the last full block's ids as `block_tokens_key` gives them, from a caller
+        whose `all_token_ids` lags the computed tokens (a decode stretch appends its rows'
+        tokens late); only when that block is the one not yet published."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
         full = request.num_computed_tokens // self.block_size
         start = self.num_registered.get(rid, 0)
         if full <= start:
+            return
+        if filled_ids is not None:
+            self._register_filled(rid, full, start, filled_ids)
             return
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
         register, pack = self.pool.register, self._pack
@@ -252,6 +265,20 @@ class KVCacheManager:
                     break
                 key = (parent.block_id, parent.generation, ids)
             register(blocks[k], key)
+        self.num_registered[rid] = full
+        self.registration_behind.discard(rid)
+
+    def _register_filled(self, rid: str, full: int, start: int,
+                         ids: Union[bytes, tuple]) -> None:
+        """`register_computed_blocks`'s loop for its one block `full - 1`, keyed by `ids`."""
+        assert start == full - 1, f"{rid}: {full - start} blocks to publish, one key given"
+        blocks = self.req_to_blocks[rid]
+        if full == 1:
+            self.pool.register(blocks[0], (*ROOT_PARENT, ids))
+        else:
+            parent = blocks[full - 2]
+            if parent.block_id != 0:  # else freed for the window: no key (the loop's break)
+                self.pool.register(blocks[full - 1], (parent.block_id, parent.generation, ids))
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
 

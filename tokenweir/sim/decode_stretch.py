@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 from tokenweir.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.decode_stretch import (DecodeStretch, eligible_rows, is_plain_decode,
                                                  policy_allows)
-from tokenweir.sim.latency import StepTotals
+from tokenweir.sim.latency import StepTotals, decode_predictor
 
 if TYPE_CHECKING:
     from tokenweir.sim.instance import Instance
@@ -51,8 +51,11 @@ class StretchDriver:
         runner = inst.runner
         self.inst, self.runner = inst, runner
         self.core = DecodeStretch(inst.scheduler, runner.regular_token_ids,
-                                  runner.eos_token_id)
-        self._predict = runner.latency_model.predict_totals
+                                  runner.eos_token_id,
+                                  runner.regular_block_rule(inst.kv.block_size))
+        model = runner.latency_model
+        self._predict = model.predict_totals
+        self._predict_decodes = decode_predictor(model)  # None: through predict_totals
         self._prev_end = 0.0
         # the step in flight's output of the tail and admitted requests and the runner's, or None
         self._beside: Optional[tuple[SchedulerOutput, ModelRunnerOutput]] = None
@@ -79,6 +82,8 @@ class StretchDriver:
             self._beside = None
             if finished:
                 self.runner.forget(finished)
+            if self._predict_decodes is not None:
+                return self._predict_decodes(n, context)
             return self._predict(StepTotals(n, n, n, context, context, n, context))
         runner_out = self.runner.execute_beside(beside, n, context)
         self._beside = (beside, runner_out)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Protocol
+from typing import Callable, Iterable, Mapping, Optional, Protocol
 
 from tokenweir.core.outputs import SchedulerOutput
 from tokenweir.sim.hardware import HardwareProfile, ModelShape
@@ -132,6 +132,12 @@ class RooflineLatencyModel:
         kv_tokens = t.sum_context + 2 * t.num_tokens
         return self._combine(t.num_tokens, t.num_reqs, attn_units, kv_tokens)
 
+    def predict_decodes(self, n: int, context: int) -> float:
+        """`predict_totals` of n requests computing one token each on `context` cached tokens
+        in all (StepTotals(n, n, n, context, context, n, context)), the same operations
+        without building it: a decode stretch's step (sim/decode_stretch.py)."""
+        return self._combine(n, n, 2 * context + n + n, context + 2 * n)
+
     def _combine(self, tokens: int, rows: int, attn_units: int, kv_tokens: int) -> float:
         if tokens == 0:
             return 0.0
@@ -143,6 +149,17 @@ class RooflineLatencyModel:
         attention = max(attn_units * self._s_per_attn_unit, kv_tokens * self._s_per_kv_token)
         comm = tokens * self._s_allreduce_per_token + self._s_allreduce_fixed
         return self._overhead + linear + attention + comm
+
+
+def decode_predictor(model) -> Optional[Callable[[int, int], float]]:
+    """`model.predict_decodes` where it is exactly `model.predict_totals` of pure-decode totals
+    (the roofline's own pair); None for any other model, a subclass that overrides either, and
+    a wrapper that forwards attributes (NoisyLatencyModel must draw in predict_totals)."""
+    cls = type(model)
+    if getattr(cls, "predict_totals", None) is RooflineLatencyModel.predict_totals and \
+            getattr(cls, "predict_decodes", None) is RooflineLatencyModel.predict_decodes:
+        return model.predict_decodes
+    return None
 
 
 class ConstantLatencyModel:

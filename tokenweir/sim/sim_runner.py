@@ -25,6 +25,7 @@ from functools import lru_cache
 from math import gcd
 from typing import Mapping, Optional
 
+from tokenweir.core.kv_cache_manager import block_key_packer, block_tokens_key
 from tokenweir.core.outputs import CutReport, ModelRunnerOutput, SchedulerOutput
 from tokenweir.sim.latency import StepTotals
 
@@ -77,6 +78,14 @@ def shared_regular_samples(vocab_size: int) -> list[tuple[int]]:
 def shared_regular_ids(vocab_size: int) -> list[int]:
     """The ints of `shared_regular_samples(vocab_size)` (the same objects)."""
     return [sample[0] for sample in shared_regular_samples(vocab_size)]
+
+
+@lru_cache(maxsize=None)
+def shared_block_keys(vocab_size: int, block_size: int) -> dict:
+    """Walk offset m -> the prefix-cache key ids (`block_tokens_key`) of the `block_size`
+    regular ids `shared_token_walk(vocab_size)[m:m + block_size]`, filled as blocks are
+    published: one map for the whole process (a runner's rows fill blocks at every offset)."""
+    return {}
 
 
 class _Tracked:
@@ -254,6 +263,29 @@ class SimRunner:
             return walk[start:start + count]
         ids, offset = self._regular_ids, len(request.request_id)
         return [ids[(k * _TOKEN_STRIDE + offset) % span] for k in range(first, first + count)]
+
+    def regular_block_rule(self, block_size: int):
+        """(request, k) -> the key ids (`block_tokens_key`) of the request's block k when every
+        one of its `block_size` tokens is a regular output sample (positions past the prompt,
+        none of them EOS: the caller knows), as `regular_token_ids` gives them, without its
+        token list; None where a position is the prompt's. None (no rule) where the walk is
+        empty or shorter than a block."""
+        walk, span = self._walk, len(self._regular_ids)
+        if not walk or block_size > span:
+            return None
+        keys, inverse = shared_block_keys(self.vocab_size, block_size), self._inverse_stride
+        pack = block_key_packer(block_size)
+
+        def block_key(request, k: int):
+            position = k * block_size
+            if position < request.num_prompt_tokens:
+                return None
+            start = (position + len(request.request_id) * inverse) % span
+            ids = keys.get(start)
+            if ids is None:
+                ids = keys[start] = block_tokens_key(pack, walk[start:start + block_size])
+            return ids
+        return block_key
 
     def execute_beside(self, out: SchedulerOutput, num_decodes: int,
                        decode_context: int) -> ModelRunnerOutput:

@@ -27,8 +27,10 @@ what `schedule()` then `update_from_output()` do for such a step, in their order
     The caller then runs `update_from_output` on the output of the tail and the admitted
     requests (they follow the rows, as in the step's order) and `join`s, from the front of
     the tail, each that came out a plain decode, until one did not.
-A row is caught up (`_sync`: computed tokens, output tokens, high-water mark) when it has an
-event, and every row when the stretch ends (`leave`). Between steps, what others read of the
+A row's computed tokens (and high-water mark) are caught up (`_sync_computed`) when it has an
+event, its token list when it takes the stop rules or fills a block the block-key rule gives
+no key for (the key stands for the tokens: `register_computed_blocks(row, ids)`), and both for
+every row when the stretch ends (`leave`). Between steps, what others read of the
 scheduler (requests, waiting queue, running membership and order, the KV pool, stats) is exactly
 the per-step path's; a row's own counters lag until `leave`: nobody may read them before
 (the passes over the tail and the waiting queue read only `len(running)` and, for the
@@ -55,6 +57,9 @@ from tokenweir.request import Request
 # (request, computed, count) -> the output token ids sampled by `count` decode steps from
 # `computed` computed tokens on (the runner's rule; none of them an EOS token id)
 TokenRule = Callable[[Request, int, int], list[int]]
+# (request, k) -> block k's ids as the KV manager keys them (kv_cache_manager.block_tokens_key)
+# when the runner's rule alone gives every one of its tokens, else None
+BlockKeyRule = Callable[[Request, int], object]
 _HOOKS = ("begin_step", "on_scheduled", "victim_to_free", "end_step")
 
 
@@ -92,8 +97,10 @@ class DecodeStretch:
     """One scheduler's stretch state (see the module docstring); `num_steps` and
     `num_beside_steps` are probes."""
 
-    def __init__(self, sched, tokens: TokenRule, eos_token_id: int) -> None:
+    def __init__(self, sched, tokens: TokenRule, eos_token_id: int,
+                 block_key: Optional[BlockKeyRule] = None) -> None:
         self.sched, self._tokens, self._eos = sched, tokens, eos_token_id
+        self._block_key = block_key
         self.active = False
         self.num_steps = 0  # steps advanced in stretches (probe)
         self.num_beside_steps = 0  # of those, steps that scheduled more than the rows (probe)
@@ -230,8 +237,7 @@ class DecodeStretch:
                 out = self._slow_token(i, j, now)
                 outputs.append((i, out))
             else:  # a block filled: its tokens published
-                self._advance_one(i, j)
-                self.sched.kv.register_computed_blocks(self.rows[i])
+                self._fill_block(i, j)
         self.sched.stats.generation_tokens += n_before - (len(slow) if slow else 0)
         self.context += n_before
         self.j = j + 1
@@ -241,16 +247,20 @@ class DecodeStretch:
         """Stretch steps row i has decoded (through the last update)."""
         return self.j - self._j0[i]
 
-    def _advance_one(self, i: int, j: int) -> None:
-        """Row i through step j's update (computed tokens and token list), registration not
-        included."""
+    def _fill_block(self, i: int, j: int) -> None:
+        """Row i through step j's update, whose token fills a block, which is published: by
+        the key the block-key rule gives (the token list keeps lagging), else from the token
+        list caught up."""
         self._sync_computed(i, j)
         r = self.rows[i]
         if r.num_preemptions:
             count.count_recomputed_tokens(self.sched.stats, r, 1)
-        r.num_computed_tokens += 1
+        c = r.num_computed_tokens = r.num_computed_tokens + 1
         self._at[i] = j + 1
-        self._sync_tokens(i, j + 1)
+        ids = self._block_key(r, c // len(self._buckets) - 1) if self._block_key else None
+        if ids is None:
+            self._sync_tokens(i, j + 1)
+        self.sched.kv.register_computed_blocks(r, ids)
 
     def _slow_token(self, i: int, j: int, now: float) -> EngineCoreOutput:
         """Row i's step-j token through the stop rules (after the block it fills, if any, is
