@@ -247,7 +247,7 @@ def test_replay_calibrates_on_every_calibration_seed(fid, kept, monkeypatch, tmp
     seen = []  # the paths fitted (simulated traces have no phase times to fit: PROFILE)
     from tokenweir.sim import calibrate_trace
     monkeypatch.setattr(calibrate_trace, "calibrate_from_traces",
-                        lambda paths: seen.append(list(paths)) or dict(PROFILE))
+                        lambda paths, hinge_tokens=0: seen.append(list(paths)) or dict(PROFILE))
     monkeypatch.setattr("tokenweir.sim.calibrate.format_report", lambda profile: "")
     run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--workloads", "light")
     assert seen == [[str(fid.real_path(d, "light", 0)), str(fid.real_path(d, "light", 2))]]
