@@ -254,6 +254,21 @@ TTFT p90 +18.3% (floor 13.4%) and prefix hits 275.6/380.8. Where the misses come
   their deadline (one 76-token request: 2.2 s real, 36 s simulated). Prefix hits come from such
   cuts alone: per real run 0, 224, 224, 0, 496, 544, 0, 496, 496 tokens (0-2 events).
 
+fid7 (fid5's kept suite plus this session's runs: calibration seeds 5 and 6 of every workload
+in two exclusive holds 25 min apart, `--calibration-runs 4`, and a fourth validation round
+(-repeat3) in three holds between them, `--repeats 4`; one profile fitted to the 20
+calibration runs of three holds, replayed per workload): run_sigma 4.2% -> 7.3% (the drift
+between holds is now in the draws and in the floor), held-out step error 11.1% (9.5%); the
+decode-context hinge (`calibrate_trace.choose_hinge`) at 500 tokens, 3.87 us per token past
+it, the linear term 0 (held-out runner error 11.18% -> 11.14%; the validation runs' decode
+steps of >= 3 rows at >= 300 context tokens each 1.082x -> 1.072x the profile, the rest
+1.016x). Replayed (light with the defaults; prefix, swap, slo with --sim-samples 16
+--matched-suites 10 to fit 300-s shared holds on a busy machine): light, prefix, swap MET
+(worst 6.7% on light TTFT p50, floor 7.5%; prefix 2.5%, swap 1.0%); slo every cell within
+its floor (TTFT p90 +11.4%, floor 20.2%) but speed-matched TTFT p90 +14.2% (floor 9.9%) and
+prefix hits 225.3/386.6 (floor 158.3): seed 1's four real runs reach TTFT p90 21.4, 11.6,
+14.8 and 21.0 s (the fourth, this session), the simulator 20-21 s, the cut race above.
+
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
 ~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a
