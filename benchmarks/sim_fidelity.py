@@ -262,9 +262,10 @@ between holds is now in the draws and in the floor), held-out step error 11.1% (
 decode-context hinge (`calibrate_trace.choose_hinge`) at 500 tokens, 3.87 us per token past
 it, the linear term 0 (held-out runner error 11.18% -> 11.14%; the validation runs' decode
 steps of >= 3 rows at >= 300 context tokens each 1.082x -> 1.072x the profile, the rest
-1.016x). Replayed (light with the defaults; prefix, swap, slo with --sim-samples 16
---matched-suites 10 to fit 300-s shared holds on a busy machine): light, prefix, swap MET
-(worst 6.7% on light TTFT p50, floor 7.5%; prefix 2.5%, swap 1.0%); slo every cell within
+1.016x). Replayed (light with the defaults; the others with --sim-samples 16
+--matched-suites 10 to fit 300-s shared holds on a busy machine): light, overload, prefix,
+swap MET (worst 6.7% on light TTFT p50, floor 7.5%; overload 1.8%, prefix 2.5%, swap 1.0%;
+speed-matched worst 4.7%, light TTFT p90); slo every cell within
 its floor (TTFT p90 +11.4%, floor 20.2%) but speed-matched TTFT p90 +14.2% (floor 9.9%) and
 prefix hits 225.3/386.6 (floor 158.3): seed 1's four real runs reach TTFT p90 21.4, 11.6,
 14.8 and 21.0 s (the fourth, this session), the simulator 20-21 s, the cut race above.
