@@ -29,11 +29,12 @@ def known_model() -> FittedLatencyModel:
                               overhead=OVERHEAD)
 
 
-def engine_like_trace(path, seed: int, noise: float = 0.0, rate: float = 1e7):
+def engine_like_trace(path, seed: int, noise: float = 0.0, rate: float = 1e7,
+                      model: FittedLatencyModel = None):
     """A simulated run written as a real engine's trace: all requests arrive at once (steps
     back to back; or Poisson at `rate` per second), each step's phases = the runner's known
-    share + the overhead."""
-    model = known_model()
+    share + the overhead (`model`'s; default `known_model()`)."""
+    model = model or known_model()
     specs = synthetic(120, rate, seed=seed, prompt="lognormal:200:0.7", output="uniform:2:80",
                       num_prefix_groups=3, prefix_len=64, max_model_len=2048)
     timing = NoisyLatencyModel(model, noise, seed=seed) if noise else model
@@ -161,8 +162,8 @@ def test_calibrate_warns_on_a_ttft_line_that_predicts_negative_times(tmp_path, c
     engine_like_trace(tmp_path / "t.jsonl", seed=4, noise=0.03)
     fit = calibrate_trace.calibrate_from_traces
 
-    def fit_with_the_issues_line(paths, holdout_every):
-        profile = fit(paths, holdout_every)
+    def fit_with_the_issues_line(paths, holdout_every, **kwargs):
+        profile = fit(paths, holdout_every, **kwargs)
         profile["ttft"].update(a=3e-3, b=0.0, c=-8.057)
         return profile
     monkeypatch.setattr(calibrate_trace, "calibrate_from_traces", fit_with_the_issues_line)
@@ -214,8 +215,8 @@ def test_runner_fit_weights_each_step_by_the_square_root_of_its_time(tmp_path, m
 
     used = []
     monkeypatch.setattr("tokenweir.sim.step_fit.fit_within_windows",
-                        lambda t, s, k, w=1.0, r=0, lv=None: used.append((w, r))
-                        or fit_within_windows(t, s, k, w, r, lv))
+                        lambda t, s, k, w=1.0, r=0, lv=None, h=0: used.append((w, r))
+                        or fit_within_windows(t, s, k, w, r, lv, h))
     engine_like_trace(tmp_path / "t.jsonl", seed=1)
     calibrate_from_traces([str(tmp_path / "t.jsonl")])
     # probe: the trace fit (within windows since fid6) used the weighting, scaled by

@@ -253,7 +253,7 @@ def test_replay_calibrates_on_every_calibration_seed(fid, kept, monkeypatch, tmp
     seen = []  # the paths fitted (simulated traces have no phase times to fit: PROFILE)
     from tokenweir.sim import calibrate_trace
     monkeypatch.setattr(calibrate_trace, "calibrate_from_traces",
-                        lambda paths: seen.append(list(paths)) or dict(PROFILE))
+                        lambda paths, hinge_tokens=0: seen.append(list(paths)) or dict(PROFILE))
     monkeypatch.setattr("tokenweir.sim.calibrate.format_report", lambda profile: "")
     run_main(fid, monkeypatch, tmp_path, "--replay", str(d), "--workloads", "light")
     assert seen == [[str(fid.real_path(d, "light", 0)), str(fid.real_path(d, "light", 2))]]
@@ -529,3 +529,90 @@ def test_a_perfect_simulator_draws_the_drift_inside_runs(fid, kept):
                                            "rel_error": {k: 0.0 for k in fid.METRICS}}],
                               {"light": [{k: 0.0 for k in fid.METRICS}]})
     assert "step_sigma 1.0%, drifting 15.0% inside runs over 2.0 s) in 1 synthetic" in text
+
+
+def test_criterion_allows_the_speed_matched_and_counts_floors(fid):
+    """fid7: a speed-matched cell within max(5%, its floor's p90: `perfect_speed_matched`),
+    counts within 10% or 1 or their floor's p90 (|predicted - synthetic| per suite, from
+    `perfect_simulator` with counts). Each floor, wide enough and too narrow."""
+    zero = {k: 0.0 for k in fid.METRICS}
+    counts = {k: 0.0 for k in fid.COUNTS}
+    row = _row("w", zero, zero | {"tpot_p90_ms": 0.07}, counts | {"cuts": 10.0},
+               counts | {"cuts": 13.0})
+    wide = {"w": [zero | {"tpot_p90_ms": x} for x in (0.02, -0.09, 0.09)]}
+    narrow = {"w": [zero | {"tpot_p90_ms": x} for x in (0.02, -0.06, 0.06)]}
+    with_counts = {"w": [zero | counts | {"cuts": x} for x in (3.5, -3.5, 0.5)]}
+    assert fid.criterion([row], with_counts, wide) == []
+    assert fid.criterion([row], with_counts, narrow) == [
+        "w tpot_p90_ms speed-matched +7.0% (allowed 6.0%)"]
+    assert fid.criterion([row], {"w": [zero]}, wide) == ["w cuts real 10 vs sim 13"]
+    assert fid.criterion([row], {}, {}) == ["w tpot_p90_ms speed-matched +7.0%",
+                                           "w cuts real 10 vs sim 13"]
+    text = fid.format_floors([{**row, "speed_matched": {"rel_error": row["speed_matched"][
+        "rel_error"]}}], with_counts, narrow)
+    assert text.endswith("beyond their floor: w tpot_p90_ms +7.0% (p90 6.0%)")
+
+
+def test_perfect_simulator_scores_counts_against_the_prediction(fid, kept):
+    """With the row's counts, each synthetic suite carries each count's predicted minus its
+    runs' mean; light never preempts, so every difference is the prediction's own count."""
+    d, _ = kept
+    args = argparse.Namespace(repeats=3, perfect_suites=3, seed=0)
+    noisy = {**PROFILE, "variability": {"run_sigma": 0.05, "step_sigma": 0.03}}
+    prediction = {k: 1.0 for k in fid.METRICS}
+    suites = fid.perfect_simulator(args, "light", noisy, d, prediction,
+                                   {k: 2.0 for k in fid.COUNTS})
+    assert [{k: e[k] for k in fid.COUNTS} for e in suites] == [{k: 2.0 for k in fid.COUNTS}] * 3
+    assert all(set(fid.COUNTS).isdisjoint(e) for e in
+               fid.perfect_simulator(args, "light", noisy, d, prediction))
+
+
+def test_speed_matched_floor_reruns_each_synthetic_run_at_its_measured_speed(fid, kept):
+    """`perfect_speed_matched`'s synthetic runs: a first pass on a machine drifting 15%
+    inside the run measures away from 1.0x (the probe); run again with its runner time
+    divided by that speed it measures ~1.0x. Without variability its errors are 0, with
+    some they are not."""
+    d, _ = kept
+    wandering = {**PROFILE, "variability": {"run_sigma": 0.0, "step_sigma": 0.02,
+                                            "drift_sigma": 0.15, "drift_tau_s": 2.0}}
+    model = FittedLatencyModel.from_profile(wandering)
+    trace = fid.validation_paths(argparse.Namespace(seed=0), d, "light", 1)[0]
+    specs = fid.run_specs("light", trace)
+    firsts = []
+    for key in ("a", "b", "c"):
+        _, rerun, first = fid._at_speed_one("light", wandering, model, specs, None, key)
+        again = fid.trace_speed(model, rerun)
+        assert {k: s["ratio"] for k, s in again.items()} == pytest.approx(
+            {k: 1.0 for k in again}, abs=0.02)
+        firsts += [s["ratio"] for s in first.values()]
+    assert max(abs(r - 1) for r in firsts) > 0.03
+
+    args = argparse.Namespace(repeats=3, perfect_suites=2, seed=0, sim_samples=1)
+    steady = fid.perfect_speed_matched(args, "light", PROFILE, d)
+    assert all(e[k] == pytest.approx(0, abs=1e-9) for e in steady for k in fid.METRICS)
+    drifting = fid.perfect_speed_matched(args, "light", wandering, d)
+    assert max(abs(e[k]) for e in drifting for k in fid.METRICS) > 1e-3
+
+
+def test_matched_floor_in_a_run_of_its_own_is_the_one_computed_inline(fid, kept, monkeypatch,
+                                                                     tmp_path):
+    """--matched-floor-only writes the speed-matched floor's suites, --matched-floor-from
+    reads them back: the same suites and verdict as one invocation computing it (a long
+    replay split in two). Probe: the floor is there (suites with nonzero errors)."""
+    d, _ = kept
+    noisy = tmp_path / "noisy.json"
+    noisy.write_text(json.dumps({**PROFILE, "variability": {"run_sigma": 0.05,
+                                                            "step_sigma": 0.03}}))
+    argv = ("--replay", str(d), "--profile", str(noisy), "--workloads", "light",
+            "--repeats", "3", "--perfect-suites", "2", "--sim-samples", "2")
+    inline = run_main(fid, monkeypatch, tmp_path, *argv)
+    floor_json = tmp_path / "floor.json"
+    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--validation-seeds", "1",
+                                      "--matched-floor-only", "--json", str(floor_json)])
+    assert fid.main() == 0
+    alone = json.loads(floor_json.read_text())["perfect_speed_matched"]
+    assert alone == inline["perfect_speed_matched"]
+    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
+    split = run_main(fid, monkeypatch, tmp_path, *argv, "--matched-floor-from", str(floor_json))
+    assert split["perfect_speed_matched"] == alone
+    assert split["criterion_misses"] == inline["criterion_misses"]

@@ -155,8 +155,8 @@ def test_calibration_fits_within_windows(runs, tmp_path, monkeypatch):
     seen = []
     real = ct.fit_runner
     monkeypatch.setattr(ct, "fit_runner",
-                        lambda steps, windows, targets=None: seen.append(list(windows))
-                        or real(steps, windows, targets))
+                        lambda steps, windows, targets=None, hinge_tokens=0:
+                        seen.append(list(windows)) or real(steps, windows, targets, hinge_tokens))
     # no held-out steps: a window the split would leave under MIN_WINDOW_FIT_STEPS steps
     # keeps factor 1 in the fit while its steps carry the planted one
     profile = calibrate_from_traces(paths, holdout_every=0)
@@ -204,10 +204,21 @@ def test_with_the_window_fit_off_the_profile_is_the_one_before_it(tmp_path, monk
 
     def digest(profile: dict) -> str:
         kept = {k: v for k, v in profile.items() if k not in ("calibration_seconds", "traces")}
-        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(before_fid7(kept), sort_keys=True).encode()).hexdigest()
 
     on = calibrate_from_traces(paths, holdout_every=5)
     monkeypatch.setattr(ct, "WINDOW_FIT", False)
     off = calibrate_from_traces(paths, holdout_every=5)
     assert digest(off) == PRE_FID6_DIGEST
     assert digest(on) != PRE_FID6_DIGEST and on["fit"]["num_windows"] > 1
+
+
+def before_fid7(profile: dict) -> dict:
+    """The profile less what fid7 added with the decode-context hinge, checked to be its
+    no-hinge values (knee 0, coefficient 0, the feature last in the list): what is left is
+    the profile as the code before fid7 wrote it."""
+    assert profile.pop("decode_hinge_tokens") == 0
+    coefficients = dict(profile["coefficients"])
+    assert coefficients.pop("decode_context_hinge") == 0.0
+    assert profile["features"][-1] == "decode_context_hinge"
+    return {**profile, "coefficients": coefficients, "features": profile["features"][:-1]}

@@ -306,7 +306,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.from_trace:
             from tokenweir.sim.calibrate_trace import calibrate_from_traces
-            profile = calibrate_from_traces(args.from_trace, args.holdout_every)
+            profile = calibrate_from_traces(args.from_trace, args.holdout_every,
+                                            hinge_tokens=None)
         else:
             profile = calibrate(args.model, "quick" if args.quick else "default",
                                 args.repeats, args.threads, args.dtype, args.device,

@@ -223,10 +223,11 @@ class NoisyLatencyModel:
 
 # ---- fitted (tokenweir calibrate) -----------------------------------------------------------
 FITTED_FEATURES = ("const", "prefill_tokens", "decode_rows", "prefill_attention",
-                   "decode_context", "prefill_rows", "multi_decode", "prefill_self_attention")
+                   "decode_context", "prefill_rows", "multi_decode", "prefill_self_attention",
+                   "decode_context_hinge")
 
 
-def fitted_features(t: StepTotals) -> tuple[float, ...]:
+def fitted_features(t: StepTotals, hinge_tokens: int = 0) -> tuple[float, ...]:
     """The regressors of the fitted step-time model, in FITTED_FEATURES order:
     1; tokens of the requests computing more than one token ("prefills"); requests computing
     exactly one ("decodes": one token, one LM-head row, one sample each); the prefills' causal
@@ -237,13 +238,21 @@ def fitted_features(t: StepTotals) -> tuple[float, ...]:
     pairs: on CPU the two run on different kernels, and a fit to real traces found a pair
     within the chunk ~2x the cost of one over the context). Prefill and decode attention are
     apart because their kernels differ by an order of magnitude per pair. A profile fitted
-    before a feature existed has no coefficient for it (0): its predictions do not change."""
+    before a feature existed has no coefficient for it (0): its predictions do not change.
+
+    Last, the hinge (issue 36, fid7): the decodes' context tokens beyond `hinge_tokens`
+    (max(0, decode_context - hinge_tokens); 0 with hinge_tokens 0, the knee unset): decode
+    attention costs more per token once a step's KV no longer stays near the core (fid6: decode
+    steps of >= 3 rows at >= 300 context tokens each ran 1.05-1.12x a linear profile in every
+    workload). The knee is the profile's ("decode_hinge_tokens"), chosen by held-out error
+    (calibrate_trace.choose_hinge)."""
     num_prefill_rows = t.num_reqs - t.num_decode_reqs
     self_attention = (t.sum_q_squared - t.num_decode_reqs + t.num_prefill_tokens) / 2
     prefill_attention = (t.sum_q_context - t.decode_context) + self_attention
+    beyond = t.decode_context - hinge_tokens if hinge_tokens else 0
     return (1.0, float(t.num_prefill_tokens), float(t.num_decode_reqs), prefill_attention,
             float(t.decode_context), float(num_prefill_rows),
-            1.0 if t.num_decode_reqs >= 2 else 0.0, self_attention)
+            1.0 if t.num_decode_reqs >= 2 else 0.0, self_attention, float(max(beyond, 0)))
 
 
 # The engine's own per-step work around the runner (schedule, update, output processing,
@@ -320,13 +329,17 @@ class FittedLatencyModel:
     Also carries what the simulator needs to size the KV pool as the real engine would:
     `kv_bytes_per_token`, `block_size` and `max_model_len` of the calibrated model, and its
     `num_layers` (where a mid-step cut can fall; 0: unknown, profiles written before it).
+
+    `decode_hinge_tokens` (profile key of that name; absent or 0: no hinge) is the knee of
+    the "decode_context_hinge" feature (`fitted_features`).
     """
 
     def __init__(self, coefficients: Mapping[str, float], kv_bytes_per_token: int = 0,
                  max_model_len: int = 0, block_size: int = 16, name: str = "fitted",
                  overhead: Optional[Mapping[str, float]] = None, num_layers: int = 0,
                  few_rows: Optional[Mapping] = None,
-                 runner_scale: Optional[Mapping[str, float]] = None) -> None:
+                 runner_scale: Optional[Mapping[str, float]] = None,
+                 decode_hinge_tokens: int = 0) -> None:
         unknown = set(coefficients) - set(FITTED_FEATURES)
         if unknown:
             raise ValueError(f"unknown fitted-model coefficients {sorted(unknown)}; "
@@ -347,6 +360,9 @@ class FittedLatencyModel:
         self.block_size = block_size
         self.name = name
         self.num_layers = num_layers
+        if decode_hinge_tokens < 0:
+            raise ValueError(f"decode_hinge_tokens must be >= 0, got {decode_hinge_tokens}")
+        self.decode_hinge_tokens = int(decode_hinge_tokens)
 
     @classmethod
     def from_profile(cls, profile: "str | Mapping") -> "FittedLatencyModel":
@@ -367,7 +383,7 @@ class FittedLatencyModel:
                    int(data.get("max_model_len", 0)), int(data.get("block_size", 16)),
                    str(data.get("model", "fitted")), data.get("overhead"),
                    int(data.get("num_layers") or 0), data.get("few_rows"),
-                   data.get("runner_scale"))
+                   data.get("runner_scale"), int(data.get("decode_hinge_tokens") or 0))
 
     @property
     def runner_scale(self) -> dict[str, float]:
@@ -383,7 +399,8 @@ class FittedLatencyModel:
         return seconds
 
     def runner_seconds(self, totals: StepTotals) -> float:
-        seconds = (sum(w * x for w, x in zip(self._weights, fitted_features(totals)))
+        seconds = (sum(w * x for w, x in zip(self._weights, fitted_features(
+            totals, self.decode_hinge_tokens)))
                    + self.few_rows.get(totals.num_tokens, 0.0))
         if self._runner_scale is None:
             return seconds

@@ -23,7 +23,8 @@ class Fit:
 
 
 def fit_step_model(totals: Sequence[StepTotals], seconds: Sequence[float],
-                   weight_power: float = 1.0, reweight_rounds: int = 0) -> Fit:
+                   weight_power: float = 1.0, reweight_rounds: int = 0,
+                   hinge_tokens: int = 0) -> Fit:
     """Non-negative least squares over `fitted_features`, each step's residual divided by
     its time ** weight_power: 1 fits relative error (every step counts alike), 0 absolute
     error (long steps dominate), 0.5 in between.
@@ -35,14 +36,15 @@ def fit_step_model(totals: Sequence[StepTotals], seconds: Sequence[float],
     neighbour) a smaller weight BECAUSE it ran slow, which pulls the fit below the mean (with
     power 1 it fits the harmonic mean of repeats of one shape). On the fidelity suite's real
     traces (issue 16) the measured-time fit predicted 97.3% of its own steps' summed time
-    (decode steps 96.2%); the reweighted one 100.0%. Grid medians (`calibrate`) need none."""
+    (decode steps 96.2%); the reweighted one 100.0%. Grid medians (`calibrate`) need none.
+    `hinge_tokens`: the knee of the decode-context hinge (`fitted_features`; 0: none)."""
     import numpy as np
 
     if len(totals) != len(seconds) or not totals:
         raise ValueError("need one time per step shape, and at least one")
     if any(s <= 0 for s in seconds):
         raise ValueError("step times must be positive")
-    x = np.array([fitted_features(t) for t in totals], dtype=float)
+    x = np.array([fitted_features(t, hinge_tokens) for t in totals], dtype=float)
     y = np.array(seconds, dtype=float)
     coef = _nonnegative_fit(x, y, y ** weight_power)
     for _ in range(reweight_rounds):
@@ -78,8 +80,8 @@ class WindowFit:
 
 def fit_within_windows(totals: Sequence[StepTotals], seconds: Sequence[float],
                        windows: Sequence, weight_power: float = 1.0,
-                       reweight_rounds: int = 0, levels: Optional[Sequence] = None
-                       ) -> WindowFit:
+                       reweight_rounds: int = 0, levels: Optional[Sequence] = None,
+                       hinge_tokens: int = 0) -> WindowFit:
     """`fit_step_model` with a free speed factor per window (`windows`: a hashable key per
     step, e.g. (run, window index, step kind)): the coefficients c >= 0 and the windows'
     inverse factors g minimise sum (g_w y_i - x_i . c)^2 / p_i^(2 weight_power) (p_i the
@@ -103,11 +105,12 @@ def fit_within_windows(totals: Sequence[StepTotals], seconds: Sequence[float],
     y = np.asarray(seconds, dtype=float)
     big = np.bincount(where, minlength=len(keys)) >= MIN_WINDOW_FIT_STEPS
     if len(keys) == 1 or not big.any():
-        return WindowFit(fit_step_model(totals, seconds, weight_power, reweight_rounds),
+        return WindowFit(fit_step_model(totals, seconds, weight_power, reweight_rounds,
+                                        hinge_tokens),
                          [1.0] * len(y), 1, int(big.sum()))
     group_keys = {k: i for i, k in enumerate(dict.fromkeys(levels or [0] * len(y)))}
     group = np.array([group_keys[k] for k in (levels or [0] * len(y))])
-    x = np.array([fitted_features(t) for t in totals], dtype=float)
+    x = np.array([fitted_features(t, hinge_tokens) for t in totals], dtype=float)
     scale = y ** weight_power
     for _ in range(1 + reweight_rounds):
         coef = _within_windows_solve(x, y, where, big[where], group, scale)
