@@ -531,7 +531,7 @@ def test_a_perfect_simulator_draws_the_drift_inside_runs(fid, kept):
     assert "step_sigma 1.0%, drifting 15.0% inside runs over 2.0 s) in 1 synthetic" in text
 
 
-def test_criterion_allows_the_speed_matched_and_counts_floors(fid):
+def test_floored_criterion_allows_the_speed_matched_and_counts_floors(fid):
     """fid7: a speed-matched cell within max(5%, its floor's p90: `perfect_speed_matched`),
     counts within 10% or 1 or their floor's p90 (|predicted - synthetic| per suite, from
     `perfect_simulator` with counts). Each floor, wide enough and too narrow."""
@@ -548,6 +548,10 @@ def test_criterion_allows_the_speed_matched_and_counts_floors(fid):
     assert fid.criterion([row], {"w": [zero]}, wide) == ["w cuts real 10 vs sim 13"]
     assert fid.criterion([row], {}, {}) == ["w tpot_p90_ms speed-matched +7.0%",
                                            "w cuts real 10 vs sim 13"]
+    # the issue's verdict judges both flat, whatever the floors say; floored_criterion is fid7's
+    assert fid.criterion([row], with_counts) == fid.criterion([row], {}, {})
+    assert fid.floored_criterion([row], with_counts, wide) == []
+    assert fid.format_criterion([], floored=True).startswith("against every noise floor")
     text = fid.format_floors([{**row, "speed_matched": {"rel_error": row["speed_matched"][
         "rel_error"]}}], with_counts, narrow)
     assert text.endswith("beyond their floor: w tpot_p90_ms +7.0% (p90 6.0%)")
