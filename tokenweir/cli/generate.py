@@ -65,8 +65,6 @@ def _start(args: argparse.Namespace):
         return refuse("generate", exc, _FLAG_FIELDS)
     from tokenweir.model import prefetch
     prefetch.start_for_model(kwargs["model"])  # the load cache checked while torch imports
-    from tokenweir import torch_import
-    torch_import.install()  # torch imports without reading its sources (torch_import.py)
     from tokenweir.engine.llm import LLM
     from tokenweir.engine.llm_engine import LLMEngine
 

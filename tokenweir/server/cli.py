@@ -46,8 +46,6 @@ def _start(args: argparse.Namespace):
         return refuse("serve", exc)
     from tokenweir.model import prefetch
     prefetch.start_for_model(kwargs["model"])  # the load cache checked while torch imports
-    from tokenweir import torch_import
-    torch_import.install()  # torch imports without reading its sources (torch_import.py)
     from tokenweir.engine.engine_thread import EngineThread, wants_output_thread
     from tokenweir.engine.llm_engine import LLMEngine
 
