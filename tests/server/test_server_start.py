@@ -1,0 +1,54 @@
+"""The server stack's start-up imports: building the routes imports no `pydantic.v1` (FastAPI
+imports it to check a `-> dict` route's response model), and the OpenAPI document of the
+routes that return plain dicts is what `-> dict` published (tokenweir/server/routes.py:
+_json_object). A fresh interpreter: this test process may have imported anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = """
+import json, sys
+from fastapi import APIRouter, FastAPI
+from fastapi.openapi.utils import get_openapi
+from tokenweir.server.routes import router
+
+def document(r):
+    app = FastAPI(title="tokenweir")
+    app.include_router(r)
+    return get_openapi(title=app.title, version=app.version, routes=app.routes)["paths"]
+
+ours = document(router)
+v1_after_ours = "pydantic.v1" in sys.modules
+reference = APIRouter()  # the routes as they were declared before: `-> dict`
+
+@reference.get("/profile")
+async def profile() -> dict:
+    return {}
+
+@reference.get("/v1/models")
+async def models() -> dict:
+    return {}
+
+theirs = document(reference)
+print(json.dumps({"v1_after_ours": v1_after_ours, "v1_after_reference": "pydantic.v1" in sys.modules,
+                  "ours": {p: ours[p]["get"]["responses"] for p in ("/profile", "/v1/models")},
+                  "theirs": {p: theirs[p]["get"]["responses"] for p in ("/profile", "/v1/models")}}))
+"""
+
+
+def test_routes_import_no_pydantic_v1_and_publish_the_same_responses():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["v1_after_reference"]  # probe: a `-> dict` route does import pydantic.v1
+    assert not result["v1_after_ours"]
+    assert result["ours"] == result["theirs"]
+    assert result["ours"]["/v1/models"]["200"]["content"]["application/json"]["schema"][
+        "type"] == "object"  # probe: the comparison saw the schema
