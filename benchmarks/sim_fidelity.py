@@ -271,6 +271,12 @@ speed-matched worst 4.7%, light TTFT p90); slo every cell within
 its floor (TTFT p90 +11.4%, floor 20.2%) but speed-matched TTFT p90 +14.2% (floor 9.9%) and
 prefix hits 225.3/386.6 (floor 158.3): seed 1's four real runs reach TTFT p90 21.4, 11.6,
 14.8 and 21.0 s (the fourth, this session), the simulator 20-21 s, the cut race above.
+The same replay at the defaults (32 draws, 20 perfect and 20 speed-matched suites; session 24,
+two processes side by side, nothing else running: light+overload+swap 277 s, slo+prefix 251 s),
+judged by issue 36's criterion as stated: light, overload, prefix, swap MET (worst: light TTFT
+p50 -6.7%, floor 7.5%; speed-matched worst light TTFT p90 +4.7%); slo MISSED in 2: speed-matched
+TTFT p90 +14.9% (its floor 10.4%) and prefix hits 225.3 real vs 361.9 simulated (floor 133.6);
+slo's plain cells all within their floors (TTFT p90 +11.0%, floor 19.8%).
 
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
