@@ -1034,9 +1034,9 @@ UNIT_SPEED = {kind: {"ratio": 1.0} for kind in ("decode", "prefill")}
 
 def perfect_speed_matched(args, name: str, profile: dict, trace_dir: Path) -> list[dict]:
     """Per synthetic suite (`args.matched_suites`, default `args.perfect_suites`), {metric:
-    relative error} of the
-    speed-matched prediction at 1.0x over the mean of the suite's synthetic runs measured at
-    1.0x (see above); seeded per suite and run, the same on every call."""
+    relative error} of the speed-matched prediction at 1.0x over the mean of the suite's
+    synthetic runs measured at 1.0x (see above); seeded per suite and run, the same on every
+    call."""
     from tokenweir.sim.latency import FittedLatencyModel
 
     suites_wanted = getattr(args, "matched_suites", None)
@@ -1057,7 +1057,7 @@ def perfect_speed_matched(args, name: str, profile: dict, trace_dir: Path) -> li
 
 
 def _at_speed_one(name: str, profile: dict, model, specs: list[RequestSpec],
-                  line: Optional[dict], key: str) -> list[dict]:
+                  line: Optional[dict], key: str) -> tuple:
     """The records of one synthetic real run (step jitter and drift seeded by `key`) run
     again with its runner time divided by the speed its first pass measured (`trace_speed`),
     on the same random streams: (records, trace) of the second pass, the first's speed."""
@@ -1122,6 +1122,11 @@ def perfect_floor(perfect: dict[str, list[dict]],
             for k in keys if all(k in e for e in errs)}
 
 
+def _allowed(floor: dict[tuple[str, str], float], workload: str, key: str) -> float:
+    """A cell's bound: max(TARGET, its floor's p90; none: 0)."""
+    return max(TARGET, floor.get((workload, key), 0.0))
+
+
 def counts_agree(real: float, sim: float, floor: float = 0.0) -> bool:
     """Real and simulated counts within 10% (of the real one) or 1, or within `floor` (a
     perfect simulator's p90 |difference| for that count: `perfect_floor(..., COUNTS)`)."""
@@ -1137,17 +1142,18 @@ def criterion(rows: list[dict], perfect: dict[str, list[dict]],
     counts are judged against their own noise floors instead: `floored_criterion`."""
     floor = perfect_floor(perfect) if perfect else {}
     floor_matched = perfect_floor(matched) if matched else {}
-    floor_counts = perfect_floor(perfect, COUNTS) if perfect and matched is not None else {}
+    floored = matched is not None
+    floor_counts = perfect_floor(perfect, COUNTS) if perfect and floored else {}
     misses = []
     for r in rows:
         w = r["workload"]
         for k in METRICS:
-            allowed = max(TARGET, floor.get((w, k), 0.0))
+            allowed = _allowed(floor, w, k)
             if abs(r["rel_error"][k]) > allowed:
                 misses.append(f"{w} {k} {100 * r['rel_error'][k]:+.1f}% "
                               f"(allowed {100 * allowed:.1f}%)")
             sm = r.get("speed_matched")
-            allowed = max(TARGET, floor_matched.get((w, k), 0.0))
+            allowed = _allowed(floor_matched, w, k)
             if sm is not None and abs(sm["rel_error"][k]) > allowed:
                 misses.append(f"{w} {k} speed-matched {100 * sm['rel_error'][k]:+.1f}%"
                               + (f" (allowed {100 * allowed:.1f}%)" if allowed > TARGET else ""))
@@ -1227,8 +1233,7 @@ def format_floors(rows: list[dict], perfect: dict[str, list[dict]],
                      + "".join(f"{counts.get((w, k), 0.0):13.1f}" for k in COUNTS))
     beyond = [f"{r['workload']} {k} {100 * r['speed_matched']['rel_error'][k]:+.1f}% (p90 "
               f"{100 * floor.get((r['workload'], k), 0.0):.1f}%)" for r in rows for k in METRICS
-              if abs(r["speed_matched"]["rel_error"][k])
-              > max(TARGET, floor.get((r["workload"], k), 0.0))]
+              if abs(r["speed_matched"]["rel_error"][k]) > _allowed(floor, r["workload"], k)]
     lines.append("speed-matched cells over the target and beyond their floor: "
                  + (", ".join(beyond) if beyond else "none"))
     return "\n".join(lines)

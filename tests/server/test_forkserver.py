@@ -112,8 +112,10 @@ def test_an_import_time_setting_that_differs_is_never_forked_from_another_settin
     (a fork server of its own loaded torch with 2, or, where that one refuses because a
     library started threads at import, a fresh interpreter), never the 1-thread fork server's
     torch; the 1-thread calls around it are forked."""
-    fresh_answers: dict = {}  # a fresh interpreter's answer per setting: the third call is
-    for threads in ("1", "2", "1"):  # the first's, so its fresh run is not paid twice
+    # a fresh interpreter's answer per setting: the third call reuses the first's, so its
+    # fresh run is not paid twice
+    fresh_answers: dict = {}
+    for threads in ("1", "2", "1"):
         argv, env = [sys.executable, str(script), "threads"], _env(OMP_NUM_THREADS=threads)
         if threads in fresh_answers:
             forked = forkserver.run(argv, env=env, cwd=str(tmp_path), timeout=120)
