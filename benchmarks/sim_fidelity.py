@@ -278,6 +278,24 @@ p50 -6.7%, floor 7.5%; speed-matched worst light TTFT p90 +4.7%); slo MISSED in 
 TTFT p90 +14.9% (its floor 10.4%) and prefix hits 225.3 real vs 361.9 simulated (floor 133.6);
 slo's plain cells all within their floors (TTFT p90 +11.0%, floor 19.8%).
 
+fid8 (the cut race, mechanically): `benchmarks/slo_forced_replay.py` replays a kept slo run in
+the simulator on that run's own step times, so the scheduler, the policy and the modelled
+SLO monitor see the engine's clock. Of fid7's 16 kept slo runs, 14 follow to their last step
+(every schedule, cut, victim and prefix hit the engine's: 106 cuts, prefix hits 3312/3312),
+and the other two part where the simulator cut and the engine did not, on margins of 1.3 ms
+(a victim's slack after the waiter's service) and ~11 ms (an arrival before the last
+layer that may be cut): knife edges that the engine's looks, which wait for the GIL, decide
+the other way. So the simulator's cuts keep no more computed blocks than the engine's and
+land no later in a step. What parts simulated from real runs is timing: the same replay with
+each step's time off by 1% (i.i.d. log-normal) already gives TTFT p90 +12.5% and prefix
+hits 347 against the real 225.3 (the speed-matched prediction: +14.9%, 391.4). The real
+runs do lean low: the real TTFT p90 ranks 0.00-0.81 among its own 32 speed-matched draws, and
+8 of the 12 runs rank below 0.2. None of these removed the lean: a look lag of 5-40 ms,
+step sigma 0-10%, drift drawn inside runs, or each run's own measured drift (3-s windows).
+At the defaults the replay prints what session 24 printed (slo MISSED in 2; exclusive: floor
+102 s, suite 125 s). 1 of 20 perfect speed-matched suites reaches +14.9% on TTFT p90 (15.4%),
+and 2 of 20 perfect suites differ by 136.6 or more prefix-hit tokens (143.2, 153.9).
+
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
 ~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a
