@@ -43,9 +43,11 @@ class PrefixAwareRouter(RoutingPolicy):
         """Hashes of the leading full blocks, each covering every token before it. Python
         hashes of int tuples are not salted, so the chain is the same in every run."""
         bs = self.block_size
+        n = min(len(tokens) // bs, self.max_blocks)
+        head = tuple(tokens[:n * bs])  # one copy; its slices are the blocks' tuples
         chain, h = [], 0
-        for k in range(min(len(tokens) // bs, self.max_blocks)):
-            h = hash((h, tuple(tokens[k * bs:(k + 1) * bs])))
+        for k in range(0, n * bs, bs):
+            h = hash((h, head[k:k + bs]))
             chain.append(h)
         return chain
 

@@ -251,11 +251,13 @@ class DecodeStretch:
         """Row i through step j's update, whose token fills a block, which is published: by
         the key the block-key rule gives (the token list keeps lagging), else from the token
         list caught up."""
-        self._sync_computed(i, j)
         r = self.rows[i]
         if r.num_preemptions:
+            self._sync_computed(i, j)
             count.count_recomputed_tokens(self.sched.stats, r, 1)
-        c = r.num_computed_tokens = r.num_computed_tokens + 1
+            c = r.num_computed_tokens = r.num_computed_tokens + 1
+        else:  # _sync_computed(i, j) then one more, in one store (no high-water mark to keep)
+            c = r.num_computed_tokens = self._c0[i] + j + 1
         self._at[i] = j + 1
         ids = self._block_key(r, c // len(self._buckets) - 1) if self._block_key else None
         if ids is None:
