@@ -51,7 +51,8 @@ def block_tokens_key(pack: Callable[..., bytes], tokens: list[int]) -> Union[byt
     `pack`, or their tuple when one does not fit (such a block can match only blocks of the
     same ids, which take the same form). Equal keys still mean equal ids. A bytes object keeps
     its hash and refers to no int objects: dropping a published block's key (each time a block
-    is handed out again) neither hashes its ids again nor touches one object per id."""
+    is handed out again) neither hashes its ids again nor touches one object per id.
+    (KVCacheManager's lookup and registration loops inline it: change them together.)"""
     try:
         return pack(*tokens)
     except struct.error:
@@ -215,8 +216,12 @@ class KVCacheManager:
         cached, pack, bs = self.pool.cached, self._pack, self.block_size
         parent_id, parent_generation = ROOT_PARENT
         for k in range(max_blocks):  # pool.lookup(self._key(parent, tokens, k)), inlined
-            block = cached.get((parent_id, parent_generation,
-                                block_tokens_key(pack, tokens[k * bs:(k + 1) * bs])))
+            chunk = tokens[k * bs:(k + 1) * bs]
+            try:  # block_tokens_key(pack, chunk), inlined
+                ids = pack(*chunk)
+            except struct.error:
+                ids = tuple(chunk)
+            block = cached.get((parent_id, parent_generation, ids))
             if block is None:
                 break
             hits.append(block)
@@ -258,7 +263,11 @@ class KVCacheManager:
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
         cached, pack = self.pool.cached, self._pack
         for k in range(start, full):
-            ids = block_tokens_key(pack, tokens[k * bs:(k + 1) * bs])
+            chunk = tokens[k * bs:(k + 1) * bs]
+            try:  # block_tokens_key(pack, chunk), inlined
+                ids = pack(*chunk)
+            except struct.error:
+                ids = tuple(chunk)
             if k == 0:
                 key = (*ROOT_PARENT, ids)
             else:  # self._key((parent id, parent generation), tokens, k), inlined
