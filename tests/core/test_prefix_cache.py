@@ -342,3 +342,20 @@ def test_caching_off_never_hits():
     a.num_computed_tokens = 9
     kv.register_computed_blocks(a)
     assert len(kv.get_computed_blocks(b)) == 2
+
+
+def test_ids_beyond_int64_key_as_tuples_and_still_hit_exactly():
+    """A block with an id that does not pack as int64 is keyed by its tuple (block_tokens_key,
+    inlined in the manager's lookup and registration loops): the same prompt hits both
+    blocks, a prompt differing only in that id hits neither."""
+    huge = 1 << 70
+    kv = KVCacheManager(12, 4, enable_prefix_caching=True)
+    a = make_prompt_request("a", [huge, 2, 3, 4, 5, 6, 7, 8, 9], 1)
+    assert kv.allocate_slots(a, 9) is not None
+    a.num_computed_tokens = 9
+    kv.register_computed_blocks(a)
+    assert any(isinstance(key[2], tuple) for key in kv.pool.cached)  # probe: the tuple form
+    same = make_prompt_request("b", [huge, 2, 3, 4, 5, 6, 7, 8, 9], 1)
+    assert kv.get_computed_blocks(same).num_blocks == 2
+    other = make_prompt_request("c", [huge + 1, 2, 3, 4, 5, 6, 7, 8, 9], 1)
+    assert kv.get_computed_blocks(other).num_blocks == 0

@@ -63,6 +63,28 @@ def test_the_indexed_router_decides_as_the_plain_one():
     assert fast._sizes == [len(s) for s in fast._seen]
 
 
+def test_chain_and_fallback_are_their_definitions():
+    """block_chain (slices of one head tuple) hashes what the definition hashes; _fallback
+    (tied instances found by `index`) is min over (load, blocks seen, index)."""
+    rng = random.Random(9)
+    router = PrefixAwareRouter(9, 16, max_blocks=8, capacity=40)
+    ties = 0
+    for _ in range(2000):
+        tokens = _prompt(rng)
+        chain, h = [], 0
+        for k in range(min(len(tokens) // 16, 8)):
+            h = hash((h, tuple(tokens[k * 16:(k + 1) * 16])))
+            chain.append(h)
+        assert router.block_chain(tokens) == chain
+        loads = [rng.randrange(4) for _ in range(9)]
+        plain = min(range(9), key=lambda i: (loads[i], len(router._seen[i]), i))
+        assert router._fallback(loads) == plain
+        ties += loads.count(min(loads)) > 1 and len({router._sizes[i] for i in range(9)
+                                                      if loads[i] == min(loads)}) > 1
+        router.choose(tokens, loads)
+    assert ties > 100  # probe: ties at the least load, broken by blocks seen, were common
+
+
 class OneAtATimeLRURouter(PrefixAwareRouter):
     """The LRU as first written: each eviction finds the oldest hash with next(iter(...)),
     and the dicts are never copied."""

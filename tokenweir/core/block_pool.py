@@ -137,6 +137,16 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def get_new_block(self) -> KVBlock:
+        """`get_new_blocks(1)[0]`, without the lists: the least recently freed block, ref 1."""
+        block = self.free_queue.popleft()
+        if block.key is not None:  # as get_new_blocks
+            del self.cached[block.key]
+            block.key = None
+        block.generation += 1
+        block.ref_cnt = 1
+        return block
+
     # ---- prefix caching ----------------------------------------------------------------
     def lookup(self, key: BlockKey) -> Optional[KVBlock]:
         return self.cached.get(key)
@@ -149,7 +159,8 @@ class BlockPool:
             block.ref_cnt += 1
 
     def register(self, block: KVBlock, key: BlockKey) -> None:
-        """Publish a held, full block's content. A key already published keeps its block."""
+        """Publish a held, full block's content. A key already published keeps its block.
+        (KVCacheManager's registration loops inline these two lines: change them together.)"""
         if block.key is None and self.cached.setdefault(key, block) is block:  # one hash
             block.key = key
 
@@ -165,12 +176,23 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each; blocks reaching 0 join the free list in the given order
         (so the first given is the first to be reused)."""
+        queue, null = self.free_queue, self.null_block
+        tail = queue._tail
+        last, appended = tail.prev_free, 0
         for block in blocks:
-            if block.ref_cnt <= 0 or block is self.null_block:
+            if block.ref_cnt <= 0 or block is null:
+                tail.prev_free = last  # the blocks linked so far stay freed (as before)
+                queue.num_free_blocks += appended
                 raise ValueError(f"freeing {block}, which is not held")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
+            if block.ref_cnt == 0:  # FreeBlockQueue.append, inlined (the tail stays linked last)
+                last.next_free = block
+                block.prev_free = last
+                block.next_free = tail
+                last = block
+                appended += 1
+        tail.prev_free = last
+        queue.num_free_blocks += appended
 
     # ---- sharing (forks) ----------------------------------------------------------------
     def share(self, blocks: Iterable[KVBlock]) -> None:

@@ -51,7 +51,8 @@ def block_tokens_key(pack: Callable[..., bytes], tokens: list[int]) -> Union[byt
     `pack`, or their tuple when one does not fit (such a block can match only blocks of the
     same ids, which take the same form). Equal keys still mean equal ids. A bytes object keeps
     its hash and refers to no int objects: dropping a published block's key (each time a block
-    is handed out again) neither hashes its ids again nor touches one object per id."""
+    is handed out again) neither hashes its ids again nor touches one object per id.
+    (KVCacheManager's lookup and registration loops inline it: change them together.)"""
     try:
         return pack(*tokens)
     except struct.error:
@@ -212,14 +213,20 @@ class KVCacheManager:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[KVBlock] = []
-        parent = ROOT_PARENT
-        for k in range(max_blocks):
-            block = self.pool.lookup(self._key(parent, tokens, k))
+        cached, pack, bs = self.pool.cached, self._pack, self.block_size
+        parent_id, parent_generation = ROOT_PARENT
+        for k in range(max_blocks):  # pool.lookup(self._key(parent, tokens, k)), inlined
+            chunk = tokens[k * bs:(k + 1) * bs]
+            try:  # block_tokens_key(pack, chunk), inlined
+                ids = pack(*chunk)
+            except struct.error:
+                ids = tuple(chunk)
+            block = cached.get((parent_id, parent_generation, ids))
             if block is None:
                 break
             hits.append(block)
-            parent = (block.block_id, block.generation)
-        return ComputedBlocks(tuple(hits), self.block_size)
+            parent_id, parent_generation = block.block_id, block.generation
+        return ComputedBlocks(tuple(hits), bs)
 
     def num_blocks_to_admit(self, num_tokens: int, computed: ComputedBlocks,
                             num_forks: int = 0, num_prompt_tokens: int = 0) -> int:
@@ -254,9 +261,13 @@ class KVCacheManager:
             self._register_filled(rid, full, start, filled_ids)
             return
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
-        register, pack = self.pool.register, self._pack
+        cached, pack = self.pool.cached, self._pack
         for k in range(start, full):
-            ids = block_tokens_key(pack, tokens[k * bs:(k + 1) * bs])
+            chunk = tokens[k * bs:(k + 1) * bs]
+            try:  # block_tokens_key(pack, chunk), inlined
+                ids = pack(*chunk)
+            except struct.error:
+                ids = tuple(chunk)
             if k == 0:
                 key = (*ROOT_PARENT, ids)
             else:  # self._key((parent id, parent generation), tokens, k), inlined
@@ -264,7 +275,9 @@ class KVCacheManager:
                 if parent.block_id == 0:  # freed for the window (after a swap-out): no key
                     break
                 key = (parent.block_id, parent.generation, ids)
-            register(blocks[k], key)
+            block = blocks[k]  # pool.register(block, key), inlined
+            if block.key is None and cached.setdefault(key, block) is block:
+                block.key = key
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
 
@@ -274,11 +287,17 @@ class KVCacheManager:
         assert start == full - 1, f"{rid}: {full - start} blocks to publish, one key given"
         blocks = self.req_to_blocks[rid]
         if full == 1:
-            self.pool.register(blocks[0], (*ROOT_PARENT, ids))
+            key = (*ROOT_PARENT, ids)
         else:
             parent = blocks[full - 2]
-            if parent.block_id != 0:  # else freed for the window: no key (the loop's break)
-                self.pool.register(blocks[full - 1], (parent.block_id, parent.generation, ids))
+            if parent.block_id == 0:  # freed for the window: no key (the loop's break)
+                key = None
+            else:
+                key = (parent.block_id, parent.generation, ids)
+        block = blocks[full - 1]  # pool.register(block, key), inlined
+        if key is not None and block.key is None and \
+                self.pool.cached.setdefault(key, block) is block:
+            block.key = key
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
 
@@ -319,6 +338,10 @@ class KVCacheManager:
                 return []
             if needed > self.pool.free_queue.num_free_blocks - reserved_blocks:
                 return None
+            if needed == 1:  # a decode crossing a block boundary: the commonest growth
+                block = self.pool.get_new_block()
+                held.append(block)
+                return [block.block_id]
             new_blocks = self.pool.get_new_blocks(needed)
             held.extend(new_blocks)
             return [b.block_id for b in new_blocks]

@@ -43,9 +43,11 @@ class PrefixAwareRouter(RoutingPolicy):
         """Hashes of the leading full blocks, each covering every token before it. Python
         hashes of int tuples are not salted, so the chain is the same in every run."""
         bs = self.block_size
+        n = min(len(tokens) // bs, self.max_blocks)
+        head = tuple(tokens[:n * bs])  # one copy; its slices are the blocks' tuples
         chain, h = [], 0
-        for k in range(min(len(tokens) // bs, self.max_blocks)):
-            h = hash((h, tuple(tokens[k * bs:(k + 1) * bs])))
+        for k in range(0, n * bs, bs):
+            h = hash((h, head[k:k + bs]))
             chain.append(h)
         return chain
 
@@ -75,11 +77,7 @@ class PrefixAwareRouter(RoutingPolicy):
                session: Optional[Hashable] = None) -> int:
         chain = self.block_chain(tokens)
         longest, matched = self.longest_matches(chain)
-        # fallback: min over (load, blocks seen, index); a C-level pass, or three cheaper ones
-        # when one instance alone has the least load (most routes of a big cluster)
-        least = min(loads)
-        fallback = loads.index(least) if loads.count(least) == 1 else \
-            min(zip(loads, self._sizes, range(self.num_instances)))[2]
+        fallback = self._fallback(loads)
         if longest == 0:
             best = fallback
         else:  # the longest match; ties to the less loaded, then the lower index
@@ -87,6 +85,19 @@ class PrefixAwareRouter(RoutingPolicy):
             if loads[best] > loads[fallback] + self.balance_slack:
                 best = fallback
         self._remember(best, chain)
+        return best
+
+    def _fallback(self, loads: Sequence[float]) -> int:
+        """min over (load, blocks seen, index): the least loaded, ties to the fewest blocks
+        seen, then the lower index. C-level passes: min and count, then one `index` per
+        instance tied at the least load (the common case is one)."""
+        least = min(loads)
+        best, tied = loads.index(least), loads.count(least)
+        sizes, i = self._sizes, best
+        for _ in range(tied - 1):  # the other instances tied at the least load, lowest first
+            i = loads.index(least, i + 1)
+            if sizes[i] < sizes[best]:
+                best = i
         return best
 
     def _remember(self, instance: int, chain: list[int]) -> None:

@@ -278,7 +278,7 @@ class SimRunner:
 
         def block_key(request, k: int):
             position = k * block_size
-            if position < request.num_prompt_tokens:
+            if position < len(request.prompt_token_ids):  # num_prompt_tokens, without a call
                 return None
             start = (position + len(request.request_id) * inverse) % span
             ids = keys.get(start)

@@ -186,10 +186,15 @@ class DecodeStretch:
         since the last step (for the runner to forget), and the output of the tail and the
         admitted requests (None: none scheduled), which lists only them, with those ids."""
         sched, j = self.sched, self.j
-        allocate = sched.kv.allocate_slots
+        allocate, rows, c0, at = sched.kv.allocate_slots, self.rows, self._c0, self._at
         for i in self._buckets[j % len(self._buckets)]:
-            self._sync_computed(i, j)  # what allocate_slots reads
-            assert allocate(self.rows[i], 1) is not None, "can_continue checked the pool"
+            r = rows[i]  # its computed tokens are what allocate_slots reads
+            if r.num_preemptions:
+                self._sync_computed(i, j)
+            else:  # _sync_computed(i, j) without the call: no high-water mark to keep
+                r.num_computed_tokens = c0[i] + j
+                at[i] = j
+            assert allocate(r, 1) is not None, "can_continue checked the pool"
         plan = None
         if sched.waiting or len(sched.running) > self.n:
             plan = StepPlan(sched.config.max_num_batched_tokens - self.n, now)
@@ -251,11 +256,13 @@ class DecodeStretch:
         """Row i through step j's update, whose token fills a block, which is published: by
         the key the block-key rule gives (the token list keeps lagging), else from the token
         list caught up."""
-        self._sync_computed(i, j)
         r = self.rows[i]
         if r.num_preemptions:
+            self._sync_computed(i, j)
             count.count_recomputed_tokens(self.sched.stats, r, 1)
-        c = r.num_computed_tokens = r.num_computed_tokens + 1
+            c = r.num_computed_tokens = r.num_computed_tokens + 1
+        else:  # _sync_computed(i, j) then one more, in one store (no high-water mark to keep)
+            c = r.num_computed_tokens = self._c0[i] + j + 1
         self._at[i] = j + 1
         ids = self._block_key(r, c // len(self._buckets) - 1) if self._block_key else None
         if ids is None:
