@@ -113,19 +113,19 @@ class TraceClock:
         return self.cycles[k]
 
 
-def _hold_cuts_to_trace(runner, clock: TraceClock, cuts: list) -> None:
-    """The simulated runner's cut of a step the real run also cut lasts as long as the real
-    one; each cut is listed as (step index, layer, full step seconds)."""
-    cut = runner.cut
+def _hold_cuts_to_trace(cutter, clock: TraceClock, cuts: list) -> None:
+    """The simulated cut of a step the real run also cut lasts as long as the real one; each
+    cut is listed as (step index, layer, full step seconds)."""
+    cut = cutter.cut_step
 
-    def held(out, step_seconds, layer_index, num_layers, victim_id, waiter_id=None):
-        runner_out = cut(out, step_seconds, layer_index, num_layers, victim_id, waiter_id)
+    def held(out, step_seconds, layer_index, order):
+        runner_out = cut(out, step_seconds, layer_index, order)
         cuts.append((clock.k - 1, layer_index, step_seconds))
         real = clock.real_cut_end()
         return runner_out if real is None else dataclasses.replace(runner_out,
                                                                    step_seconds=real)
 
-    runner.cut = held
+    cutter.cut_step = held
 
 
 def _watch_looks(policy, clock: TraceClock, looks: list) -> None:
@@ -156,7 +156,7 @@ def replay(profile: dict, trace_path: Path) -> dict:
     sim = build_simulation(sf.engine_kwargs(sf.WORKLOADS[WORKLOAD], line), specs,
                            latency_model=clock, itl_counts=True)
     cuts, looks = [], []
-    _hold_cuts_to_trace(sim.runner, clock, cuts)
+    _hold_cuts_to_trace(sim.cutter, clock, cuts)
     _watch_looks(sim.scheduler.policy, clock, looks)
     _, trace = record_simulation(sim)
     first = first_divergence(steps, trace.steps)
