@@ -41,7 +41,7 @@ class SimStepCutter:
         self.runner = runner
         self.num_layers = num_layers
         self.phases = phases  # None: the layers span the whole step
-        self._split = (0.0, 0.0, 0.0)  # the step in flight's (pre, forward, post) seconds
+        self._split = (0.0, 0.0, 0.0)  # the ordered step's (pre, forward, post) seconds
         self.signal = CutSignal(num_layers, layer_fraction)
         self.arrived: list[Request] = []  # arrivals since the step in flight was scheduled
         self.monitor = SLOMonitor(scheduler.policy, self.signal, lambda: self.arrived)
@@ -57,9 +57,6 @@ class SimStepCutter:
         self._step = (start, seconds, out)
         self.arrived = []
         self._watched = self.monitor.watching()
-        if self._watched:
-            self._split = (self.phases.split(seconds, sampled_rows(out)) if self.phases
-                           else (0.0, seconds, 0.0))
 
     def look_at_start(self, now: float) -> Optional[tuple[float, ModelRunnerOutput]]:
         """The engine wakes the monitor as a step it may cut begins (`step_scheduled`): its
@@ -104,6 +101,8 @@ class SimStepCutter:
         order = self.monitor.check_once(now)
         if order is None or order.step_id != out.step_id or seconds <= 0:
             return None
+        self._split = (self.phases.split(seconds, sampled_rows(out)) if self.phases
+                       else (0.0, seconds, 0.0))
         layer = boundary_after(now - start, self._split, self.num_layers)
         if self.signal.order_for(out.step_id, layer) is None:
             return None  # past the layer fraction: the step refuses the cut
