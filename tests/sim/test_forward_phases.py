@@ -107,3 +107,22 @@ def test_a_step_too_short_for_the_phases_is_all_forward():
     split = phases.split(10.0, 2)
     assert split == pytest.approx((0.1, 10.0 - 0.1 - 0.5 - 1.5, 2.0))
     assert phases.cut_seconds(split, 3, L) == pytest.approx(0.1 + 3 / L * split[1] + 0.5)
+
+
+def test_calibrate_from_traces_writes_forward_phases_and_the_profile_carries_them(tmp_path):
+    from tests.sim.test_calibrate_trace import engine_like_trace
+    from tokenweir.sim.calibrate_trace import calibrate_from_traces
+    from tokenweir.timeline.records import write_jsonl
+
+    _, trace = engine_like_trace(tmp_path / "plain.jsonl", seed=1)
+    plain = calibrate_from_traces([str(tmp_path / "plain.jsonl")], holdout_every=5)
+    assert plain["forward_phases"] is None  # no sample phase: nothing to fit
+    for s in trace.steps:
+        if s.get("phases") and s["reqs"] and all(r["prefill"] == 0 for r in s["reqs"]):
+            s["phases"]["sample"] = 0.009 + 0.0008 * len(s["reqs"])
+    write_jsonl(trace, tmp_path / "sampled.jsonl")
+    profile = calibrate_from_traces([str(tmp_path / "sampled.jsonl")], holdout_every=5)
+    fit = profile["forward_phases"]
+    assert fit["sample_const_s"] == pytest.approx(0.009)
+    assert fit["sample_per_row_s"] == pytest.approx(0.0008)
+    assert FittedLatencyModel.from_profile(profile).forward_phases == fit
