@@ -310,15 +310,15 @@ engine's own 1.7895 s). The forced replay is unchanged (14/16 runs followed, 106
 same two partings: both need the engine's look to come after the recorded arrival, by >= 10.5
 ms and >= 1.3 ms; the C++ kernels hold the GIL: the 730 arrivals of the 16 runs whose
 workload offset fell inside a prefill step's forward were recorded 7.7 ms late at the median
-(p90 23.7, max 38.9), the 230 others 0.1 ms (p90 1.5), each against its run's least lag). Where the engine cut, it cut at the boundary
-the simulator predicts: the real forward ended a median 0.55 layer after the simulator's
-ordering look, 93% of 106 within one layer. So the monitor's mechanism does not make the
-lean; what differs between the replay that follows and the draws that lean is only the step
-times. The replay at the defaults with fid7's profile plus forward_phases (exclusive, floor
-116 s, suite 134 s): slo speed-matched TTFT p90 +15.4% (floor 12.0%; was +14.9%, floor
-10.4%), cuts 7.4/8.1, prefix hits 225.3 real vs 354.9 simulated (floor 137.3; was 361.9,
-133.6): MISSED in 1 against the floors (TTFT p90 speed-matched), in 2 by issue 36's
-criterion. The lean did not move.
+(p90 23.7, max 38.9), the 230 others 0.1 ms (p90 1.5), each against its run's least lag).
+Where the engine cut, it cut at the boundary the simulator predicts: the real forward ended a
+median 0.55 layer after the simulator's ordering look, 93% of 106 within one layer. So the
+monitor's mechanism does not make the lean; what differs between the replay that follows and
+the draws that lean is only the step times. The replay at the defaults with fid7's profile
+plus forward_phases (exclusive, floor 116 s, suite 134 s): slo speed-matched TTFT p90 +15.4%
+(floor 12.0%; was +14.9%, floor 10.4%), cuts 7.4/8.1, prefix hits 225.3 real vs 354.9
+simulated (floor 137.3; was 361.9, 133.6): MISSED in 1 against the floors (TTFT p90
+speed-matched), in 2 by issue 36's criterion. The lean did not move.
 
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
