@@ -302,6 +302,24 @@ At the defaults the replay prints what session 24 printed (slo MISSED in 2; excl
 102 s, suite 125 s). 1 of 20 perfect speed-matched suites reaches +14.9% on TTFT p90 (15.4%),
 and 2 of 20 perfect suites differ by 136.6 or more prefix-hit tokens (143.2, 153.9).
 
+fid9: the simulated cut's layer boundaries span the step's forward pass, as the engine's do
+(sim/forward_phases.py; the profile's "forward_phases", fitted from the traces' phases: 0.15
+ms before the forward, then sampling 8.9 ms + 0.83 ms per sampled row and 0.6 ms of update,
+output and gap after it; boundary 26 of seed 1's step 21 moves from 1.800 s to 1.787 s, the
+engine's own 1.7895 s). The forced replay is unchanged (14/16 runs followed, 106 cuts, the
+same two partings: both need the engine's look to come after the recorded arrival, by >= 10.5
+ms and >= 1.3 ms; the C++ kernels hold the GIL: the 730 arrivals of the 16 runs whose
+workload offset fell inside a prefill step's forward were recorded 7.7 ms late at the median
+(p90 23.7, max 38.9), the 230 others 0.1 ms (p90 1.5), each against its run's least lag).
+Where the engine cut, it cut at the boundary the simulator predicts: the real forward ended a
+median 0.55 layer after the simulator's ordering look, 93% of 106 within one layer. So the
+monitor's mechanism does not make the lean; what differs between the replay that follows and
+the draws that lean is only the step times. The replay at the defaults with fid7's profile
+plus forward_phases (exclusive, floor 116 s, suite 134 s): slo speed-matched TTFT p90 +15.4%
+(floor 12.0%; was +14.9%, floor 10.4%), cuts 7.4/8.1, prefix hits 225.3 real vs 354.9
+simulated (floor 137.3; was 361.9, 133.6): MISSED in 1 against the floors (TTFT p90
+speed-matched), in 2 by issue 36's criterion. The lean did not move.
+
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
 ~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a

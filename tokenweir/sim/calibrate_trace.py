@@ -46,6 +46,9 @@ The profile is calibrate.py's format with, in addition:
     "variability": {"step_sigma": s, "run_sigma": s, "num_steps": n, "num_run_kinds": n,
                     "drift_sigma": s, "drift_tau_s": s, "num_windows": n}
                    (log-space scatter of step times around the model: `variability`),
+    "forward_phases": {"pre_s", "sample_const_s", "sample_per_row_s", "post_s", "num_steps"}
+                      (where the forward lies in a step, for the slo cut's layer boundaries:
+                      sim/forward_phases.py; null for traces without phases),
 and the TTFT predictor (a, b, c: quadratic) fitted to the model's own solo-TTFT curve (no
 hand-built grid points).
 """
@@ -59,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tokenweir.sim.forward_phases import fit_forward_phases
 from tokenweir.sim.latency import (FEW_ROWS_MAX, FITTED_FEATURES, OVERHEAD_FEATURES,
                                   STEP_KINDS, FittedLatencyModel, StepTotals,
                                   overhead_features, step_kind)
@@ -417,6 +421,7 @@ def _fit_profile(traces: list[Trace], paths: Sequence[str], holdout_every: int,
             "stalls": {"num_steps": sum(stalled),
                        "seconds": sum(s.cycle for s, f in zip(steps, stalled) if f)},
             "ttft": _ttft_curve(model, budget, int(meta.get("max_model_len") or 2048)),
+            "forward_phases": fit_forward_phases(traces),
             "grid": "trace", "repeats": 1}
 
 

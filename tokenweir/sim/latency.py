@@ -354,6 +354,8 @@ class FittedLatencyModel:
         self._overhead_weights = (tuple(self.overhead[f] for f in OVERHEAD_FEATURES)
                                   if any(self.overhead.values()) else None)
         self.few_rows = few_rows_table(few_rows)
+        # where the forward lies in a step (sim/forward_phases.py; None: unknown)
+        self.forward_phases: Optional[dict] = None
         self._runner_scale = runner_scale_factors(runner_scale)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
@@ -379,11 +381,13 @@ class FittedLatencyModel:
         except (KeyError, TypeError):
             raise ValueError(f"{where}: not a tokenweir calibrate profile (no 'coefficients'; "
                              f"run `tokenweir calibrate MODEL --out PATH`)") from None
-        return cls(coefficients, int(data.get("kv_bytes_per_token", 0)),
-                   int(data.get("max_model_len", 0)), int(data.get("block_size", 16)),
-                   str(data.get("model", "fitted")), data.get("overhead"),
-                   int(data.get("num_layers") or 0), data.get("few_rows"),
-                   data.get("runner_scale"), int(data.get("decode_hinge_tokens") or 0))
+        model = cls(coefficients, int(data.get("kv_bytes_per_token", 0)),
+                    int(data.get("max_model_len", 0)), int(data.get("block_size", 16)),
+                    str(data.get("model", "fitted")), data.get("overhead"),
+                    int(data.get("num_layers") or 0), data.get("few_rows"),
+                    data.get("runner_scale"), int(data.get("decode_hinge_tokens") or 0))
+        model.forward_phases = data.get("forward_phases")
+        return model
 
     @property
     def runner_scale(self) -> dict[str, float]:

@@ -7,14 +7,20 @@ can fire where the arrival's look did not); through a decode-only step it sleeps
 looks at the same moments: at each arrival during a step, at the start of a watched step
 (`look_at_start`), and at the polls of that timer's chain that fall inside a watched step
 (the simulator queues them as Poll events: `next_poll`, `poll`). It is the same SLOMonitor,
-reading the same scheduler snapshot, writing the same CutOrder into the same CutSignal; the
-runner's layer boundaries are evenly spaced in the step's predicted time, so an order issued at
-time t is obeyed at the next boundary, i = ceil((t - start) / seconds * num_layers), unless i
-is past the layer fraction. The cut step then lasts i / num_layers of its time.
+reading the same scheduler snapshot, writing the same CutOrder into the same CutSignal. The
+runner's layer boundaries are evenly spaced over the step's forward pass: with the latency
+model's `forward_phases` (sim/forward_phases.py: fitted from traces) the step is pre-forward
+work, the forward, then sampling and the engine's update, and boundary k falls at
+start + pre + k / L * forward; an order issued at time t is obeyed at the next boundary,
+i = max(0, ceil((t - start - pre) / forward * L)), unless i is past the layer fraction, and the
+cut step lasts pre + i / L * forward + the update's share (`ForwardPhases.cut_seconds`).
+Without phases (a roofline, an older profile) the forward is the whole step (pre = post = 0):
+i = ceil((t - start) / seconds * L), the cut step i / L of its time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -23,6 +29,7 @@ from tokenweir.core.sched.slo import TTFTPredictor
 from tokenweir.engine.slo_monitor import POLL_SECONDS, SLOMonitor, resolve_ttft_predictor
 from tokenweir.request import Request
 from tokenweir.runner.interrupt import CutSignal
+from tokenweir.sim.forward_phases import ForwardPhases
 from tokenweir.sim.sim_runner import SimRunner
 
 DEFAULT_NUM_LAYERS = 32
@@ -30,9 +37,11 @@ DEFAULT_NUM_LAYERS = 32
 
 class SimStepCutter:
     def __init__(self, scheduler, runner: SimRunner, num_layers: int,
-                 layer_fraction: float) -> None:
+                 layer_fraction: float, phases: Optional[ForwardPhases] = None) -> None:
         self.runner = runner
         self.num_layers = num_layers
+        self.phases = phases  # None: the layers span the whole step
+        self._split = (0.0, 0.0, 0.0)  # the ordered step's (pre, forward, post) seconds
         self.signal = CutSignal(num_layers, layer_fraction)
         self.arrived: list[Request] = []  # arrivals since the step in flight was scheduled
         self.monitor = SLOMonitor(scheduler.policy, self.signal, lambda: self.arrived)
@@ -92,13 +101,46 @@ class SimStepCutter:
         order = self.monitor.check_once(now)
         if order is None or order.step_id != out.step_id or seconds <= 0:
             return None
-        layer = min(self.num_layers, math.ceil((now - start) / seconds * self.num_layers))
+        self._split = (self.phases.split(seconds, sampled_rows(out)) if self.phases
+                       else (0.0, seconds, 0.0))
+        layer = boundary_after(now - start, self._split, self.num_layers)
         if self.signal.order_for(out.step_id, layer) is None:
             return None  # past the layer fraction: the step refuses the cut
         self._step = None
+        cut = self.cut_step(out, seconds, layer, order)
+        return start + cut.step_seconds, cut
+
+    def cut_step(self, out: SchedulerOutput, seconds: float, layer: int,
+                 order) -> ModelRunnerOutput:
+        """The runner's cut of the step in flight (`seconds` long uncut) before `layer`, its
+        length the cut's share of the step (see the module doc)."""
         cut = self.runner.cut(out, seconds, layer, self.num_layers, order.victim_id,
                               order.waiter_id)
-        return start + cut.step_seconds, cut
+        if self.phases is None:
+            return cut
+        return dataclasses.replace(cut, step_seconds=self.phases.cut_seconds(
+            self._split, layer, self.num_layers))
+
+
+def boundary_after(elapsed: float, split: tuple[float, float, float], num_layers: int) -> int:
+    """The first layer boundary at or after `elapsed` seconds into a step whose (pre, forward,
+    post) seconds are `split`: boundary k lies at pre + k / num_layers * forward (the layer
+    hook runs before layer k); num_layers once the forward is over."""
+    pre, forward, _ = split
+    if forward <= 0:
+        return num_layers
+    return min(num_layers, max(0, math.ceil((elapsed - pre) / forward * num_layers)))
+
+
+def sampled_rows(out: SchedulerOutput) -> int:
+    """The rows of a step that sample (the runner's `sample_req_ids`): those whose tokens this
+    step reach the end of their known tokens (read before the step's update)."""
+    requests = out.scheduled_requests
+    if requests is None:
+        return 0
+    counts = out.num_scheduled_tokens
+    return sum(1 for r in requests
+               if r.num_computed_tokens + counts[r.request_id] >= r.num_tokens)
 
 
 def solo_ttft(latency_model, prompt_len: int, budget: int) -> float:
@@ -166,7 +208,7 @@ def setup_slo(config, scheduler, runner: SimRunner, latency_model, max_model_len
     if not sched.slo_mid_step_cut:
         return None
     return SimStepCutter(scheduler, runner, model_num_layers(latency_model),
-                         sched.slo_cut_layer_fraction)
+                         sched.slo_cut_layer_fraction, ForwardPhases.of(latency_model))
 
 
 def model_num_layers(latency_model) -> int:
