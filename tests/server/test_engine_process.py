@@ -76,7 +76,7 @@ def _tokens(choices: list) -> list:
 @pytest.fixture(scope="module")
 def both():
     """(in-process base url, engine-process base url); the latter's process object too."""
-    local, local_base = start_server(ROOT)
+    local, local_base = start_server(ROOT, "--no-engine-process")
     remote, remote_base = start_server(ROOT, "--engine-process")
     yield local_base, remote_base, remote
     stop_server(local)
