@@ -32,6 +32,8 @@ Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
   --preimport MODULE     imported by the child before the command starts (counted in `import`),
                          e.g. tokenweir.server.serve: serve's server stack up front, not
                          overlapped with the engine's build
+  --serve-flag FLAG      serve: one more flag for `tokenweir serve` (repeatable), e.g.
+                         --serve-flag=--no-engine-process for the in-process engine
   --first-request N      serve: once /health answers 200, time one completion of a ~N-token
                          prompt (max_tokens 1) sent at once: column "first req", the seconds
                          from sending it to its answer (what a warm-up moves before `ready`)
@@ -230,7 +232,8 @@ def _apply_patches(patches: list[str]) -> None:
 
 
 def child(command: str, model: str, started: float, out: str, port: int,
-          patches: list[str], preimports: list[str], timeline: bool = False) -> int:
+          patches: list[str], preimports: list[str], timeline: bool = False,
+          serve_flags: tuple = ()) -> int:
     import atexit
     import importlib
 
@@ -274,7 +277,7 @@ def child(command: str, model: str, started: float, out: str, port: int,
         for prompt in PROMPTS:
             args += ["--prompt", prompt]
         return main(args)
-    return main(["serve", model, "--port", str(port), "--log-level", "warning"])
+    return main(["serve", model, "--port", str(port), "--log-level", "warning", *serve_flags])
 
 
 # ---- parent: runs and the table -------------------------------------------------------------
@@ -286,7 +289,7 @@ def _free_port() -> int:
 
 def run_once(command: str, model: str, cache_dir: str, patches: list[str],
              extra_env: list[str], preimports: list[str], timeline: bool = False,
-             first_request: int = 0) -> dict:
+             first_request: int = 0, serve_flags: tuple = ()) -> dict:
     """One start's row of phase times; with timeline, its events under "timeline"."""
     out = tempfile.mktemp(prefix="tokenweir-startup-", suffix=".json")
     port = _free_port()
@@ -301,6 +304,7 @@ def run_once(command: str, model: str, cache_dir: str, patches: list[str],
     for module in preimports:
         cmd += ["--preimport", module]
     cmd += ["--timeline"] if timeline else []
+    cmd += [f"--serve-flag={flag}" for flag in serve_flags]
     if command == "generate":
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         row = _read_json(out)
@@ -380,10 +384,11 @@ def main() -> None:
     parser.add_argument("--cache-dir")
     parser.add_argument("--timeline", action="store_true")
     parser.add_argument("--first-request", type=int, default=0)
+    parser.add_argument("--serve-flag", action="append", default=[])
     args = parser.parse_args()
     if args.child:
         sys.exit(child(args.child, args.model, args.started, args.out, args.port, args.patch,
-                       args.preimport, args.timeline))
+                       args.preimport, args.timeline, tuple(args.serve_flag)))
     print(f"{'command':9} {'start':5} {'run':>3}  " + "  ".join(f"{p:>10}" for p in PHASES))
     for command in args.commands:
         numbers = {"cold": 0, "warm": 0}
@@ -394,7 +399,8 @@ def main() -> None:
             try:
                 for mode in modes:
                     row = run_once(command, args.model, cache_dir, args.patch, args.env,
-                                   args.preimport, args.timeline, args.first_request)
+                                   args.preimport, args.timeline, args.first_request,
+                                   tuple(args.serve_flag))
                     cells = "  ".join(f"{row[p]:>9.2f}s" if p in row else f"{'-':>10}"
                                       for p in PHASES)
                     numbers[mode] += 1

@@ -385,6 +385,11 @@ class ServeConfig:
         "off (on the engine thread, between steps); auto: on only where a core is left beside "
         "torch's threads (on a 2-core machine the thread's work stalls the forward's OpenMP "
         "team)", choices=OUTPUT_THREAD_MODES)
+    engine_process: bool = _f(
+        True, "run the engine core (scheduler, KV cache, model) in a process of its own beside "
+        "the API process (HTTP, tokenizer, detokenization, metrics), as vLLM v1 does: the "
+        "server imports and starts in parallel with the model's load (not with "
+        "--profile-serving, which times the in-process path)")
     log_level: str = _f("info", "log level of the server and of uvicorn")
     data_parallel_size: int = _f(
         1, "replicas of the engine, each a process of its own with a share of the cores (one "

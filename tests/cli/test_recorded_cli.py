@@ -114,6 +114,9 @@ NEW_DESTS |= {"batch_invariant"}
 for _c in ("generate", "serve", "simulate", "sweep"):
     NEW_SPELLINGS[f"tokenweir {_c}"] |= {"--slo-max-pauses"}
 NEW_DESTS |= {"slo_max_pauses"}
+# issue 34: the engine core in a process of its own beside the API process (serve)
+NEW_SPELLINGS["tokenweir serve"] |= {"--engine-process", "--no-engine-process"}
+NEW_DESTS |= {"engine_process"}
 # these two will accept `module:Class` (another change): their choices and help may differ
 POLICY_FLAGS = {"--scheduling-policy", "--preemption-policy"}
 _CONVERTING = ("_StoreAction", "_AppendAction")  # actions whose missing type meant str

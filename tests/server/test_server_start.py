@@ -52,3 +52,22 @@ def test_routes_import_no_pydantic_v1_and_publish_the_same_responses():
     assert result["ours"] == result["theirs"]
     assert result["ours"]["/v1/models"]["200"]["content"]["application/json"]["schema"][
         "type"] == "object"  # probe: the comparison saw the schema
+
+
+API_SIDE = """
+import json, sys
+import tokenweir.server.serve, tokenweir.server.cli, tokenweir.engine.core_client
+without = "torch" not in sys.modules
+import tokenweir.engine.llm_engine  # probe: the engine side does import it
+print(json.dumps({"without": without, "probe": "torch" in sys.modules}))
+"""
+
+
+def test_the_api_side_of_an_engine_process_server_imports_no_torch():
+    """`serve --engine-process`: the API process (server stack, AsyncEngine, RemoteEngine,
+    input processing) runs without torch, so its imports overlap the core's torch import."""
+    proc = subprocess.run([sys.executable, "-c", API_SIDE], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result == {"without": True, "probe": True}

@@ -39,15 +39,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
-from tokenweir.engine.llm_engine import LLMEngine, PromptType
+from tokenweir.engine.core_protocol import abort_after_failed_step, apply_finishes
 from tokenweir.engine.engine_thread import EngineThread
 from tokenweir.engine.metrics import _HistogramData
 from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.serving_profile import ServingProfile
 from tokenweir.outputs import RequestOutput
 from tokenweir.request import Request, RequestStatus, SamplingParams
+
+if TYPE_CHECKING:  # torch: the API process of `serve --engine-process` never imports it
+    from tokenweir.engine.llm_engine import LLMEngine, PromptType
 
 logger = logging.getLogger("tokenweir")
 
@@ -97,8 +100,12 @@ class AsyncEngine:
         """`output_thread`: process outputs on their own thread (else inline on the engine
         thread); `profile`: time every phase of the serving path into it; `engine_thread`:
         the thread that built `engine` (EngineThread.call), on which the loop then runs (one
-        thread for all torch work: see engine_thread.py); default: a new one."""
+        thread for all torch work: see engine_thread.py); default: a new one.
+        `engine` may be a RemoteEngine (engine/core_client.py): the engine core then runs in a
+        process of its own, and this object's engine-thread side is that process (below)."""
         self.engine = engine
+        self._client = getattr(engine, "client", None)  # a CoreClient, or None: in-process
+        self.death: Optional[str] = None  # why the engine core process died, if it did
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer  # read-only use (chat templates) is thread-safe
@@ -119,7 +126,8 @@ class AsyncEngine:
             profile.attach(engine.core)
         self._posted_at: dict[str, float] = {}  # event loop, profiling: request -> last post
         self._stopping = False
-        self._engine_thread = engine_thread or EngineThread()
+        self._engine_thread = None if self._client is not None else \
+            engine_thread or EngineThread()
         self._running: Optional[Future] = None  # the engine loop, once started
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
@@ -137,6 +145,9 @@ class AsyncEngine:
         self._loop = loop or asyncio.get_running_loop()
         if self._output_thread is not None:
             self._output_thread.start()
+        if self._client is not None:
+            self._running = self._client.attach(self._on_core_tick, self._on_core_end)
+            return
         self._running = self._engine_thread.submit(self._run)
         self._engine_thread.stop()  # the loop is its last job
 
@@ -158,6 +169,10 @@ class AsyncEngine:
         """Event loop: ask the engine thread to end every in-flight request; each one's queue
         then gets a final output with finish_reason 'abort'. Returns how many were asked."""
         request_ids = list(self._queues)
+        if self._client is not None:
+            for request_id in request_ids:
+                self.abort(request_id)
+            return len(request_ids)
         with self._cond:
             self._aborts.extend(request_ids)
             self._cond.notify()
@@ -168,10 +183,14 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if self._client is not None:
+            self._client.send(("shutdown",))
         if self._running is not None:
             futures_wait([self._running], timeout=30)
-        else:  # never started: the idle engine thread ends too
+        elif self._engine_thread is not None:  # never started: the idle engine thread ends too
             self._engine_thread.stop()
+        if self._client is not None:
+            self._client.close()
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # ---- public API (event loop) --------------------------------------------------------
@@ -281,6 +300,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for unknown or finished requests."""
+        if self._client is not None:
+            ids = self._sample_ids.get(request_id, [request_id])
+            self._client.send(("abort", request_id, ids))
+            return
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()
@@ -344,7 +367,7 @@ class AsyncEngine:
         while True:
             aborts, finishes, stopping = self._take_work()
             engine.core.admit_submitted()
-            self._apply_finishes(finishes)
+            apply_finishes(engine.core, finishes)
             for request_id in aborts:
                 engine.core.abort_requests(self._sample_ids.get(request_id, [request_id]))
                 self._to_output(("abort", request_id))
@@ -374,30 +397,12 @@ class AsyncEngine:
             self.profile.add("engine idle", time.perf_counter() - started)
         return aborts, finishes, stopping
 
-    def _apply_finishes(self, finishes: list[tuple[str, str]]) -> None:
-        """Finish in the scheduler what the output side ended: ("stop", "") for a stop
-        string, ("error", message) for a request whose output processing failed."""
-        core = self.engine.core
-        for request_id, message in finishes:
-            if message:
-                core.fail_requests({request_id: message})
-            else:
-                core.abort_requests([request_id], RequestStatus.FINISHED_STOPPED)
-
     def _step(self) -> None:
         core = self.engine.core
         try:
             core_outputs = core.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
-            logger.exception("engine step failed; aborting in-flight requests")
-            requests = list(core.scheduler.requests.values())
-            for request in requests:
-                try:
-                    core.abort_requests([request.request_id])
-                except Exception:  # noqa: BLE001
-                    logger.exception("abort after a failed step failed")
-            output_ids = list(dict.fromkeys(map(OutputProcessor.output_id, requests)))
-            self._to_output(("fail", (output_ids, exc)))
+            self._to_output(("fail", (abort_after_failed_step(core), exc)))
             return
         self._to_output(("step", (core_outputs, core.clock())))
 
@@ -421,6 +426,39 @@ class AsyncEngine:
         if self.profile is not None:
             self.profile.add("metrics snapshot", time.perf_counter() - started)
 
+    # ---- the engine core process (a RemoteEngine): the CoreClient's receiver thread -------
+    # Stands for the engine thread: it hands each tick's events to the output side, in order.
+
+    def _on_core_tick(self, events: list, metrics: list) -> None:
+        self.metrics_snapshot = metrics
+        for event in events:
+            kind = event[0]
+            if kind == "step":
+                message = ("records", (event[1], event[2]))
+            elif kind == "fail":  # the step's exception, as the in-process path hands it on
+                message = ("fail", (event[1], RuntimeError(event[2])))
+            else:  # ("abort", output id), ("abort_all", None)
+                message = event
+            self._to_output_guarded(message)
+
+    def _on_core_end(self, reason: Optional[str]) -> None:
+        """The core said "bye" (reason None) or died (reason: why)."""
+        if reason is not None:
+            logger.error("%s", reason)
+            self.death = reason
+            with self._cond:
+                self._stopping = True
+            self._to_output_guarded(("died", reason))
+        if self._output_thread is not None:
+            self._outbox.put(None)
+            self._output_thread.join(timeout=30)
+
+    def _to_output_guarded(self, message: tuple[str, Any]) -> None:
+        try:
+            self._to_output(message)
+        except Exception:  # noqa: BLE001 - the receiver must outlive one bad message
+            logger.exception("output processing failed for %s", message[0])
+
     # ---- output side (the output thread, or the engine thread without one) -----------------
     # Owns the output processor (detokenizers, stop strings, texts) after admission and the
     # latency statistics; talks to the event loop with `_post` and to the engine thread with
@@ -442,6 +480,9 @@ class AsyncEngine:
         started = time.perf_counter()
         if kind == "step":
             self._process_step(*payload, items)
+        elif kind == "records":  # a step of the core process (core_client.RemoteEngine)
+            records, now = payload
+            self._process_step(self.engine.core_outputs(records), now, items)
         elif kind == "abort":
             self._abort_one(payload, items)
         elif kind == "abort_all":
@@ -449,6 +490,10 @@ class AsyncEngine:
                 self._abort_one(request_id, items)
         elif kind == "fail":
             self._fail(*payload, items)
+        elif kind == "died":  # the core process is gone: every request in flight fails
+            self._fail(list(self.engine.outputs.states), EngineDeadError(payload), items)
+        if self._client is not None and kind not in ("step", "records"):
+            self.engine.prune()
         posting = time.perf_counter()
         self._post(items)
         if self.profile is not None:
@@ -479,6 +524,9 @@ class AsyncEngine:
     def _ask_engine(self, request_id: str, message: str) -> None:
         """Finish `request_id` in the scheduler at the engine thread's next turn: stopped
         (message "") or failed with `message`."""
+        if self._client is not None:
+            self._client.send(("finish", [(request_id, message)]))
+            return
         with self._cond:
             self._finishes.append((request_id, message))
             self._cond.notify()

@@ -7,8 +7,7 @@ import atexit
 import itertools
 import logging
 import os
-import time
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -17,24 +16,24 @@ from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.sched import slo
 from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.engine_core import EngineCore
+from tokenweir.engine.input_processor import InputProcessor, PromptType, output_room  # noqa: F401
 from tokenweir.malloc_tuning import tune_malloc
 from tokenweir.engine.output_processor import OutputProcessor
 from tokenweir.engine.preflight import check_before_load
 from tokenweir.engine.slo_monitor import SLOMonitor, resolve_ttft_predictor
-from tokenweir.guided.engine_hooks import attach_guided_decoder, check_guided
+from tokenweir.guided.engine_hooks import attach_guided_decoder
 from tokenweir.model import kernels
 from tokenweir.model.attention import kv_cache_bytes_per_block
 from tokenweir.model.backends import select_backend
 from tokenweir.model.layers import set_batch_invariant, set_quantization
 from tokenweir.model.loader import LoadedModel, load_model, preferred_dtype
 from tokenweir.outputs import RequestOutput
-from tokenweir.request import Request, RequestStatus, SamplingParams, make_sample_group
+from tokenweir.request import Request, RequestStatus
 from tokenweir.runner.interrupt import CutSignal
 from tokenweir.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenweir")
 
-PromptType = Union[str, list[int], dict[str, Any]]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -116,32 +115,6 @@ def num_swap_blocks(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtyp
             f"max_model_len={max_model_len} request takes {needed}: raise swap_space to at "
             f"least {needed * per_block / 2**30:.4f} GiB, or use preemption_mode='recompute'")
     return space // per_block
-
-
-def output_room(max_tokens: Optional[int], prompt_tokens: int, max_model_len: int) -> int:
-    """The request's output cap: `max_tokens`, or all the room the context leaves when it is
-    None. A max_tokens the context cannot hold is refused (ValueError naming both numbers, as
-    vLLM answers 400), never clamped: the caller asked for something that cannot happen."""
-    room = max_model_len - prompt_tokens
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise ValueError(
-            f"max_tokens={max_tokens} does not fit the context: the prompt has {prompt_tokens} "
-            f"tokens and max_model_len is {max_model_len}, which leaves room for {room} output "
-            f"tokens; ask for max_tokens <= {room} (or leave it unset for all the room left)")
-    return max_tokens
-
-
-def _token_ids(ids: object, what: str) -> list[int]:
-    """`ids` as a list of ints; ValueError naming `what` for anything else (a float, a string,
-    a bool is not a token id)."""
-    if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"{what} must be a list of integers, got {type(ids).__name__}")
-    for i, token_id in enumerate(ids):
-        if not isinstance(token_id, int) or isinstance(token_id, bool):
-            raise ValueError(f"{what} must be a list of integers; element {i} is {token_id!r:.40}")
-    return list(ids)
 
 
 # Start-up warm-up (ModelRunner.warm_up): a dummy prefill and its decode with logits before the
@@ -262,7 +235,7 @@ def needs_measured_costs(config: EngineConfig) -> bool:
             or config.scheduler.victim_policy == "cost")
 
 
-class LLMEngine:
+class LLMEngine(InputProcessor):
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None,
                  cpu_warm_up: Optional[bool] = None) -> None:
         """`loaded` lets callers (tests, sweeps) share one set of weights between engines;
@@ -395,40 +368,6 @@ class LLMEngine:
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
-    # ---- input ------------------------------------------------------------------------
-    def make_request(self, prompt: PromptType, params: SamplingParams,
-                     request_id: Optional[str] = None, priority: int = 0,
-                     arrival_time: Optional[float] = None, ttft_slo_ms: Optional[float] = None,
-                     deadline: Optional[float] = None, tpot_slo_ms: Optional[float] = None
-                     ) -> tuple[Request, Optional[str]]:
-        """Validate and tokenize; raises ValueError with a clear message and changes nothing.
-        `ttft_slo_ms` (after arrival) or `deadline` (absolute, engine clock) set a TTFT target,
-        `tpot_slo_ms` a TPOT target (mean ms per output token after the first)."""
-        text, token_ids = self._tokenize(prompt)
-        self.check_params(params)
-        if not token_ids:
-            raise ValueError("the prompt is empty: at least one token is required")
-        if ttft_slo_ms is not None and ttft_slo_ms <= 0:
-            raise ValueError(f"ttft_slo_ms must be positive, got {ttft_slo_ms}")
-        if tpot_slo_ms is not None and tpot_slo_ms <= 0:
-            raise ValueError(f"tpot_slo_ms must be positive, got {tpot_slo_ms}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                f"{self.max_model_len}: prompt + at least one output token must fit")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        max_tokens = output_room(params.max_tokens, len(token_ids), self.max_model_len)
-        request = Request(
-            request_id=request_id if request_id is not None else str(next(self._ids)),
-            prompt_token_ids=token_ids, sampling_params=params, max_tokens=max_tokens,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority, eos_token_ids=self.eos_token_ids, ttft_slo_ms=ttft_slo_ms,
-            deadline=deadline, tpot_slo_ms=tpot_slo_ms)
-        make_sample_group(request)  # n / best_of > 1: the parent of its samples
-        return request, text
-
     def ttft_infeasible(self, request: Request) -> bool:
         """`request` has a TTFT target that the deadline-aware policy's TTFT predictor says it
         cannot meet even alone (core/sched/slo.py: infeasible_alone); False for a policy that
@@ -439,34 +378,6 @@ class LLMEngine:
         return slo.infeasible_alone(policy.ttft_predictor, request.num_prompt_tokens,
                                     request.ttft_slo_ms / 1000,
                                     self.config.scheduler.slo_hopeless_tolerance)
-
-    def check_params(self, params: SamplingParams) -> None:
-        """ValueError naming the field for anything these params or this model refuse."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got "
-                             f"{type(params).__name__}")
-        params.validate()
-        params.check_vocab(self.vocab_size)
-        check_guided(params, self.tokenizer)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        """(text or None, token ids); ValueError for anything that is not a prompt."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                if text is not None and not isinstance(text, str):
-                    raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
-                return text, _token_ids(prompt["prompt_token_ids"], "'prompt_token_ids'")
-            if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids' "
-                             f"(a list of token ids); got keys {sorted(map(str, prompt))}")
-        if isinstance(prompt, list):
-            return None, _token_ids(prompt, "a token-id prompt")
-        raise ValueError(f"a prompt is a string, a list of token ids, or a dict with 'prompt' "
-                         f"or 'prompt_token_ids'; got {type(prompt).__name__}")
 
     def add_request(self, request: Request, prompt: Optional[str]) -> None:
         self.core.add_request(request)

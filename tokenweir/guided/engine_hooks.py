@@ -6,19 +6,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from tokenweir.guided.decoder import GuidedDecoder
-from tokenweir.guided.grammar import compile_grammar
+from tokenweir.guided.grammar import check_guided  # noqa: F401 (its home was here)
 from tokenweir.guided.vocab import vocabulary_of
-from tokenweir.request import SamplingParams
-
-
-def check_guided(params: SamplingParams, tokenizer: Any) -> None:
-    """ValueError naming the field when the request's schema, regex, choice or grammar does
-    not compile, or when the model has no tokenizer to guide with."""
-    if params.guided_decoding is None:
-        return
-    if tokenizer is None:
-        raise ValueError("guided_decoding needs the model's tokenizer, and this model has none")
-    compile_grammar(params.guided_decoding)
 
 
 def attach_guided_decoder(runner: Any, tokenizer: Any,

@@ -18,11 +18,21 @@ from typing import Any
 
 import llguidance
 
-from tokenweir.request import GuidedDecodingParams
+from tokenweir.request import GuidedDecodingParams, SamplingParams
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
                                 "key_separator": ": "}
 ANY_JSON_OBJECT = {"type": "object"}
+
+
+def check_guided(params: SamplingParams, tokenizer: Any) -> None:
+    """ValueError naming the field when the request's schema, regex, choice or grammar does
+    not compile, or when the model has no tokenizer to guide with."""
+    if params.guided_decoding is None:
+        return
+    if tokenizer is None:
+        raise ValueError("guided_decoding needs the model's tokenizer, and this model has none")
+    compile_grammar(params.guided_decoding)
 
 
 def compile_grammar(params: GuidedDecodingParams) -> str:

@@ -314,6 +314,27 @@ def read_entry(directory: str, source_sha: str, derivation: str) -> Optional[Cac
                       tokenizer_json=tokenizer_json, tokenizer_fields=manifest.get("tokenizer"))
 
 
+def read_tokenizer(directory: str, source_sha: str,
+                   derivation: str) -> Optional[tuple[str, dict[str, Any]]]:
+    """The tokenizer of the entry at `directory` as `Tokenizer.from_cache` takes it, checked
+    like `read_entry` checks it (manifest keys, size, checksum), without the weights: what the
+    API process of `tokenweir serve --engine-process` reads (no torch). None when the entry or
+    its tokenizer is missing; CacheCorrupt when a check fails."""
+    try:
+        with open(os.path.join(directory, _MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise CacheCorrupt(f"manifest unreadable ({exc.__class__.__name__})") from None
+    expected = {"format": CACHE_FORMAT, "source_sha256": source_sha, "derivation": derivation}
+    if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in expected.items()):
+        raise CacheCorrupt("manifest does not match")
+    if manifest.get("tokenizer") is None:
+        return None
+    return _read_tokenizer(directory, manifest["files"][_TOKENIZER]), manifest["tokenizer"]
+
+
 def _check_size(directory: str, name: str, size: int) -> None:
     try:
         actual = os.path.getsize(os.path.join(directory, name))

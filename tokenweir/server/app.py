@@ -52,6 +52,11 @@ def _record_timeline(engine: AsyncEngine, steps: int):
     """A ring of the last `steps` step records for GET /timeline (None: off)."""
     if steps <= 0:
         return None
+    client = getattr(engine.engine, "client", None)
+    if client is not None:  # the core process records the steps (engine/core_process.py)
+        from tokenweir.engine.core_client import RemoteTimeline
+
+        return RemoteTimeline(client)
     from tokenweir.timeline.records import StepRing
 
     ring = StepRing(capacity=steps)

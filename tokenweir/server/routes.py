@@ -61,10 +61,11 @@ async def timeline(request: Request) -> HTMLResponse:
         raise P.APIError("the timeline is off (--timeline-steps 0)", 404, "not_found")
     from tokenweir.timeline.page import render_traces
 
-    trace = ring.trace({"label": "live"})
+    loop = asyncio.get_running_loop()  # the trace may come from the core process: not here
+    trace = await loop.run_in_executor(None, ring.trace, {"label": "live"})
     trace.steps.sort(key=lambda s: s["step"])
-    page = await asyncio.get_running_loop().run_in_executor(
-        None, render_traces, [trace], "tokenweir: live schedule", 2.0)
+    page = await loop.run_in_executor(None, render_traces, [trace], "tokenweir: live schedule",
+                                      2.0)
     return HTMLResponse(page)
 
 

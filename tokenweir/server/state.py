@@ -47,8 +47,8 @@ class AppState:
     def admit(self) -> None:
         """503 + Retry-After while draining, stopped, or with too many waiting."""
         if self.draining or not self.engine.is_running:
-            raise APIError("the server is shutting down", 503, "service_unavailable",
-                           headers={"Retry-After": "5"})
+            raise APIError(self.engine.death or "the server is shutting down", 503,
+                           "service_unavailable", headers={"Retry-After": "5"})
         limit = self.settings.max_waiting_requests
         waiting = self.engine.num_unstarted
         if limit is not None and waiting >= limit:
