@@ -1,5 +1,9 @@
 """End-to-end tests of `tokenweir serve`: one real server subprocess on 127.0.0.1, driven with
-the official openai client and raw httpx. The last test sends SIGTERM and checks a clean exit."""
+the official openai client and raw httpx. The last test sends SIGTERM and checks a clean exit.
+
+The server runs tests/tiny_serve_model.py (SmolLM2-135M's tokenizer and template on a tiny
+random-weight Llama, served as smollm2-135m): every test here is about the server's mechanics,
+none about the model's text."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import forkserver  # noqa: E402  (tests/forkserver.py)
+import tiny_serve_model  # noqa: E402  (tests/tiny_serve_model.py)
 
 API_KEY = "test-key"
 MODEL = "smollm2-135m"
@@ -39,7 +44,8 @@ def server():
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENWEIR_API_KEY": API_KEY,
            "NO_PROXY": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "tokenweir", "serve", MODEL, "--dtype", "float32",
+    cmd = [sys.executable, "-m", "tokenweir", "serve", tiny_serve_model.path(),
+           *tiny_serve_model.SERVE_ARGS, "--dtype", "float32",
            "--max-model-len", "1024", "--num-gpu-blocks-override", "512", "--host",
            "127.0.0.1", "--port", str(port), "--max-waiting-requests", str(MAX_WAITING),
            "--drain-timeout", "10", "--log-level", "warning"]
