@@ -64,3 +64,26 @@ def pytest_collection_modifyitems(config, items):
 def device(request) -> str:
     """Each device: cpu always, cuda where visible (skipped, saying so, elsewhere)."""
     return request.param
+
+
+# Files that share a session fixture too costly to build twice (tests/router/conftest.py's
+# Ray head) run on one xdist worker: under `--dist loadfile` (make test) each file is a unit
+# of work, and the files named here are one unit, named by the value.
+SHARED_FIXTURE_UNITS = {
+    "tests/router/test_ray_points.py": "tests/router/test_ray_*.py",
+    "tests/router/test_ray_remote.py": "tests/router/test_ray_*.py",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with the files of SHARED_FIXTURE_UNITS grouped; other modes as xdist's."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_FIXTURE_UNITS.get(scope, scope)
+
+    return SharedFixtureFileScheduling(config, log)
