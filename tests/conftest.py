@@ -47,6 +47,39 @@ def _torch_threads_per_worker() -> None:
 _torch_threads_per_worker()
 
 
+def _share_httpx_ssl_contexts() -> None:
+    """The test process's httpx clients share one SSL context per setting (verify True/False,
+    no client certificate, trust_env). httpx builds a context for every client, reading the
+    CA bundle each time (~25-50 ms of CPU), and the suite builds hundreds: a client for each
+    httpx.get/post (health polls, metric scrapes), for each openai client. Over plain HTTP on
+    loopback the context is never used; where it is, one context serves many connections, as
+    ssl allows (httpcore sets ALPN on it for HTTPS, the same for every HTTP/1.1 client here).
+    Other arguments, and httpx versions without this function, are left as they are. Servers
+    the tests start are processes of their own: untouched."""
+    try:
+        from httpx._transports import default
+    except ImportError:
+        return
+    create = getattr(default, "create_ssl_context", None)
+    if create is None:
+        return
+    shared: dict = {}
+
+    def shared_context(verify=True, cert=None, trust_env=True):
+        if cert is not None or not isinstance(verify, bool):
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        key = (verify, bool(trust_env), os.environ.get("SSL_CERT_FILE"),
+               os.environ.get("SSL_CERT_DIR"))  # what create_ssl_context reads
+        if key not in shared:
+            shared[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
+
+    default.create_ssl_context = shared_context
+
+
+_share_httpx_ssl_contexts()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped where none is visible)")
 
