@@ -47,6 +47,39 @@ def _torch_threads_per_worker() -> None:
 _torch_threads_per_worker()
 
 
+def _share_httpx_ssl_contexts() -> None:
+    """The test process's httpx clients share one SSL context per setting (verify True/False,
+    no client certificate, trust_env). httpx builds a context for every client, reading the
+    CA bundle each time (~25-50 ms of CPU), and the suite builds hundreds: a client for each
+    httpx.get/post (health polls, metric scrapes), for each openai client. Over plain HTTP on
+    loopback the context is never used; where it is, one context serves many connections, as
+    ssl allows (httpcore sets ALPN on it for HTTPS, the same for every HTTP/1.1 client here).
+    Other arguments, and httpx versions without this function, are left as they are. Servers
+    the tests start are processes of their own: untouched."""
+    try:
+        from httpx._transports import default
+    except ImportError:
+        return
+    create = getattr(default, "create_ssl_context", None)
+    if create is None:
+        return
+    shared: dict = {}
+
+    def shared_context(verify=True, cert=None, trust_env=True):
+        if cert is not None or not isinstance(verify, bool):
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        key = (verify, bool(trust_env), os.environ.get("SSL_CERT_FILE"),
+               os.environ.get("SSL_CERT_DIR"))  # what create_ssl_context reads
+        if key not in shared:
+            shared[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
+
+    default.create_ssl_context = shared_context
+
+
+_share_httpx_ssl_contexts()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped where none is visible)")
 
@@ -64,3 +97,26 @@ def pytest_collection_modifyitems(config, items):
 def device(request) -> str:
     """Each device: cpu always, cuda where visible (skipped, saying so, elsewhere)."""
     return request.param
+
+
+# Files that share a session fixture too costly to build twice (tests/router/conftest.py's
+# Ray head) run on one xdist worker: under `--dist loadfile` (make test) each file is a unit
+# of work, and the files named here are one unit, named by the value.
+SHARED_FIXTURE_UNITS = {
+    "tests/router/test_ray_points.py": "tests/router/test_ray_*.py",
+    "tests/router/test_ray_remote.py": "tests/router/test_ray_*.py",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with the files of SHARED_FIXTURE_UNITS grouped; other modes as xdist's."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_FIXTURE_UNITS.get(scope, scope)
+
+    return SharedFixtureFileScheduling(config, log)

@@ -1,5 +1,7 @@
-"""Real processes on loopback for the router tests: `tokenweir serve` replicas (SmolLM2-135M,
-one torch thread each) and `tokenweir router` in front of them."""
+"""Real processes on loopback for the router tests: `tokenweir serve` replicas (one torch thread
+each) and `tokenweir router` in front of them. `start_replica` serves tests/tiny_serve_model.py
+(SmolLM2-135M's tokenizer on a tiny random-weight Llama, answering as smollm2-135m): the router
+tests are about relaying, routing and failing replicas, not about the model's text."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ from typing import Optional
 import httpx
 
 import forkserver  # tests/forkserver.py
+import tiny_serve_model  # tests/tiny_serve_model.py
 
 API_KEY = "router-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "smollm2-135m"
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPLICA_MAX_MODEL_LEN = 2048  # room for the long streams that must outlast a replica's failure
 
 
 def free_port() -> int:
@@ -60,7 +64,8 @@ def wait_healthy(proc: Optional[subprocess.Popen], base: str, ready_s: float = 6
 def start_replica(port: Optional[int] = None,
                   *extra: str) -> tuple[subprocess.Popen, str]:
     port = port or free_port()
-    proc = start(["serve", MODEL, "--dtype", "float32", "--max-model-len", "512",
+    proc = start(["serve", tiny_serve_model.path(), *tiny_serve_model.SERVE_ARGS, "--dtype",
+                  "float32", "--max-model-len", str(REPLICA_MAX_MODEL_LEN),
                   "--num-gpu-blocks-override", "256", "--drain-timeout", "5", *extra], port)
     return proc, f"http://127.0.0.1:{port}"
 

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import ray_cluster  # tests/router/ray_cluster.py
 from tokenweir.cli import main as cli_main
 from tokenweir.sim.plots import parallel_map
 from tokenweir.sim.ray_points import INSTALL_HINT, FailedPoint, check_reachable, import_ray
@@ -67,13 +68,25 @@ def test_an_address_where_nothing_listens_is_refused_at_once(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(request):
+    """This process's Ray driver, initialised before the tests run (so `--ray` and
+    parallel_map use it as they find it): connected to the session's Ray head (conftest.py,
+    shared with test_ray_remote.py; its workers import tokenweir and the helpers beside this
+    file), or, without the `ray` command, a local Ray of 2 CPUs started here."""
     ray = pytest.importorskip("ray")
     # the workers import tokenweir (this checkout) and the helpers beside this file
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    yield ray
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        if ray_cluster.RAY is not None:
+            for name, value in ray_cluster.AUTH_ENV.items():
+                patch.setenv(name, value)
+            _, address = request.getfixturevalue("ray_head")
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        else:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     logging_level="ERROR")
+        yield ray
+        ray.shutdown()
 
 
 def test_a_sweep_on_ray_writes_the_serial_runs_bytes(local_ray, tmp_path):

@@ -161,9 +161,12 @@ def test_a_client_that_leaves_aborts_on_the_replica(router, replicas):
 
 
 # replica A's stream in the hung/killed tests: long enough to be in flight when B's stream
-# has its first two chunks (B's prefill and two steps against A's 80 decode steps), not
-# longer (150 cost ~70 more decode steps in each test, run to the end after B is cut)
-A_TOKENS = 80
+# has its first two chunks (B's prefill and two steps against A's decode steps), not much
+# longer (it runs to its end after B is cut). The replicas run the tiny model
+# (deployment.py), a fraction of SmolLM2's step: 80 tokens were enough on SmolLM2.
+A_TOKENS = 300
+# replica B's stream: still running when B is stopped or killed (cut, never run to its end)
+B_TOKENS = 1900
 
 
 def _stream_in_thread(base: str, max_tokens: int, results: dict, key: str) -> threading.Thread:
@@ -234,7 +237,7 @@ def test_a_hung_replica_is_taken_out_and_back_in(router, replicas):
     (_, a_url), (b_proc, b_url) = replicas
     results: dict = {}
     threads = [_stream_in_thread(base, A_TOKENS, results, "a")]
-    threads.append(_stream_in_thread(base, 480, results, "b"))  # still running when cut
+    threads.append(_stream_in_thread(base, B_TOKENS, results, "b"))  # still running when cut
     assert _in_flight(base, a_url) == 1 and _in_flight(base, b_url) == 1  # round-robin
     os.kill(b_proc.pid, signal.SIGSTOP)
     try:
@@ -248,7 +251,7 @@ def test_a_hung_replica_is_taken_out_and_back_in(router, replicas):
         os.kill(b_proc.pid, signal.SIGCONT)
     assert [r.status_code for r in during] == [200] * 3  # served by A
     assert stream_text(results["a"]) and results["a"][-1] == "data: [DONE]"
-    assert len(results["b"]) < 480  # probe: B's stream was cut, not run to its end
+    assert len(results["b"]) < B_TOKENS  # probe: B's stream was cut, not run to its end
     error = json.loads(results["b"][-2][6:])["error"]  # B's stream ended in-band, then DONE
     assert error["code"] == "replica_failed" and b_url in error["message"]
     assert results["b"][-1] == "data: [DONE]"
@@ -268,7 +271,7 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_rest_succeed(router
     (_, a_url), (b_proc, b_url) = replicas
     results: dict = {}
     threads = [_stream_in_thread(base, A_TOKENS, results, "a")]
-    threads.append(_stream_in_thread(base, 480, results, "b"))  # still running when cut
+    threads.append(_stream_in_thread(base, B_TOKENS, results, "b"))  # still running when cut
     assert _in_flight(base, a_url) == 1 and _in_flight(base, b_url) == 1  # round-robin
     b_proc.kill()
     assert b_proc.wait(30) == -signal.SIGKILL  # probe: B really died
@@ -277,7 +280,7 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_rest_succeed(router
     for thread in threads:
         thread.join(120)
     assert results["a"][-1] == "data: [DONE]" and "error" not in results["a"][-2]
-    assert len(results["b"]) < 480  # probe: B's stream was cut, not run to its end
+    assert len(results["b"]) < B_TOKENS  # probe: B's stream was cut, not run to its end
     error = json.loads(results["b"][-2][6:])["error"]
     assert error["code"] == "replica_failed" and results["b"][-1] == "data: [DONE]"
     after = [post(base, "/v1/completions", {**GREEDY, "max_tokens": 2}) for _ in range(3)]

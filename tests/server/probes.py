@@ -110,20 +110,22 @@ def read_stream(base: str, body: dict, on_first=None) -> dict:
 
 
 def _complete(out: dict) -> bool:
-    """A neighbour's result is complete: finish_reason length, NEIGHBOUR_TOKENS chunks, [DONE]."""
+    """A neighbour's result is complete: finish_reason length, as many chunks as the tokens it
+    asked for (`out["tokens"]`, NEIGHBOUR_TOKENS where unsaid), [DONE]."""
     return (out.get("finish_reason") == "length" and out.get("done") is True
-            and out.get("chunks") == NEIGHBOUR_TOKENS and not out.get("errors"))
+            and out.get("chunks") == out.get("tokens", NEIGHBOUR_TOKENS)
+            and not out.get("errors"))
 
 
 @contextmanager
-def neighbour(base: str) -> Iterator[dict]:
+def neighbour(base: str, tokens: int = NEIGHBOUR_TOKENS) -> Iterator[dict]:
     """A streamed completion in flight around the block; afterwards the dict says whether it
-    completed in full (`ok`: finish_reason length, NEIGHBOUR_TOKENS chunks, [DONE]). Inside
+    completed in full (`ok`: finish_reason length, `tokens` chunks, [DONE]). Inside
     the block, `out["ended"]` (an Event) is set once its stream has ended."""
-    out: dict = {}
+    out: dict = {"tokens": tokens}
     started = threading.Event()
     ended = out["ended"] = threading.Event()
-    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": NEIGHBOUR_TOKENS,
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": tokens,
             "ignore_eos": True, "stream": True}
 
     def run() -> None:
@@ -160,16 +162,16 @@ def _answer(base: str, path: str, body: Any, raw: Optional[bytes]) -> dict:
             "message": (err.get("message") or "")[:120], "seconds": round(elapsed, 2)}
 
 
-def probe_request(base: str, path: str, body: Any = None, raw: Optional[bytes] = None
-                  ) -> dict:
+def probe_request(base: str, path: str, body: Any = None, raw: Optional[bytes] = None,
+                  tokens: int = NEIGHBOUR_TOKENS) -> dict:
     """One bad request beside a neighbour: its status, error param, time and the neighbour."""
-    with neighbour(base) as n:
+    with neighbour(base, tokens) as n:
         result = _answer(base, path, body, raw)
     return {**result, "neighbour_ok": n["ok"]}
 
 
-def probe_requests(base: str, requests: dict[str, tuple[str, Any, Optional[bytes]]]
-                   ) -> dict[str, dict]:
+def probe_requests(base: str, requests: dict[str, tuple[str, Any, Optional[bytes]]],
+                   tokens: int = NEIGHBOUR_TOKENS) -> dict[str, dict]:
     """probe_request for each named (path, body, raw), several beside one neighbour: each is
     answered while its neighbour still streams, and its `neighbour_ok` says whether that
     neighbour then completed in full. A request answered after its neighbour had completed
@@ -179,7 +181,7 @@ def probe_requests(base: str, requests: dict[str, tuple[str, Any, Optional[bytes
     pending = list(requests)
     while pending:
         beside: list[str] = []
-        with neighbour(base) as n:
+        with neighbour(base, tokens) as n:
             while pending:
                 result = _answer(base, *requests[pending[0]])
                 if n["ended"].is_set() and _complete(n) and beside:
@@ -242,7 +244,8 @@ BAD_REQUESTS: dict[str, tuple[str, Any, Optional[bytes]]] = {
 }
 
 
-def probe_big_prompt(base: str, size: int = 10_000_000) -> dict:
+def probe_big_prompt(base: str, size: int = 10_000_000,
+                     tokens: int = NEIGHBOUR_TOKENS) -> dict:
     """A `size`-character prompt beside a neighbour, with /health polled meanwhile: the
     longest /health answer time shows whether the event loop was blocked."""
     raw = b'{"max_tokens": 2, "prompt": "' + b"hello " * (size // 6) + b'"}'
@@ -260,7 +263,7 @@ def probe_big_prompt(base: str, size: int = 10_000_000) -> dict:
     poller = threading.Thread(target=poll)
     poller.start()
     try:
-        result = probe_request(base, "/v1/completions", raw=raw)
+        result = probe_request(base, "/v1/completions", raw=raw, tokens=tokens)
     finally:
         stop.set()
         poller.join()

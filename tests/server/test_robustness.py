@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 import probes  # tests/server/probes.py (pytest puts this folder on sys.path)
+import tiny_serve_model  # tests/tiny_serve_model.py
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -38,9 +39,18 @@ EXPECTED = {
 }
 
 
+# The module's server runs tests/tiny_serve_model.py (SmolLM2-135M's tokenizer and template on
+# a tiny random-weight Llama, answering as smollm2-135m): what is probed is the server's
+# handling of requests. Its neighbours stream NEIGHBOUR_TOKENS tokens, ~10x SmolLM2's 24, so
+# that they are in flight about as long on its ~1/30-cost steps. The shutdown tests, whose
+# streams must outlast a signal, keep servers of SmolLM2.
+NEIGHBOUR_TOKENS = 240
+
+
 @pytest.fixture(scope="module")
 def server():
-    proc, base = probes.start_server(ROOT)
+    proc, base = probes.start_server(ROOT, *tiny_serve_model.SERVE_ARGS,
+                                     model=tiny_serve_model.path())
     try:
         yield {"base": base, "proc": proc}
     finally:
@@ -51,7 +61,7 @@ def server():
 def bad_answers(server):
     """Every probe of probes.BAD_REQUESTS answered while a neighbouring stream is in flight,
     several beside one neighbour (one each took ~1.5 s of decoding per probe)."""
-    return probes.probe_requests(server["base"], probes.BAD_REQUESTS)
+    return probes.probe_requests(server["base"], probes.BAD_REQUESTS, NEIGHBOUR_TOKENS)
 
 
 def test_every_reproduction_has_an_expectation():
@@ -82,7 +92,8 @@ def test_unknown_parameter_is_refused_by_name(server):
 
 
 def test_oversize_prompt_is_refused_before_tokenizing_and_loop_stays_free(server):
-    result = probes.probe_big_prompt(server["base"], size=3_000_000)  # under the body limit
+    result = probes.probe_big_prompt(server["base"], size=3_000_000,  # under the body limit
+                                     tokens=NEIGHBOUR_TOKENS)
     assert result["status"] == 400 and result["param"] == "prompt", result
     assert "characters" in result["message"], result  # refused by length, not tokenized
     assert result["seconds"] < 2.0 and result["max_health_s"] < 1.0, result
@@ -92,7 +103,7 @@ def test_oversize_prompt_is_refused_before_tokenizing_and_loop_stays_free(server
 def test_long_prompt_is_tokenized_off_the_event_loop(server):
     """A prompt short enough to be tokenized in full (about 0.1-0.5 s of tokenizer work) but
     longer than max_model_len: refused after tokenizing, while /health stays prompt."""
-    result = probes.probe_big_prompt(server["base"], size=120_000)
+    result = probes.probe_big_prompt(server["base"], size=120_000, tokens=NEIGHBOUR_TOKENS)
     assert result["status"] == 400 and result["param"] == "prompt", result
     assert "tokens but max_model_len" in result["message"], result  # it was tokenized
     assert result["max_health_s"] < 1.0, result
@@ -100,7 +111,7 @@ def test_long_prompt_is_tokenized_off_the_event_loop(server):
 
 
 def test_ten_megabyte_prompt_is_413(server):
-    result = probes.probe_big_prompt(server["base"], size=10_000_000)
+    result = probes.probe_big_prompt(server["base"], size=10_000_000, tokens=NEIGHBOUR_TOKENS)
     assert result["status"] == 413 and result["seconds"] < 5.0, result
     assert result["neighbour_ok"], result
 
@@ -139,11 +150,11 @@ def test_probe_requests_resends_a_late_answer_and_fails_all_beside_a_broken_neig
     seen: list[list[str]] = []
 
     @contextlib.contextmanager
-    def neighbour(base):
+    def neighbour(base, tokens=probes.NEIGHBOUR_TOKENS):
         answers, complete = next(lives)
-        out = {"ended": threading.Event(), "left": answers, "errors": [],
+        out = {"ended": threading.Event(), "left": answers, "errors": [], "tokens": tokens,
                "finish_reason": "length" if complete else None, "done": complete,
-               "chunks": probes.NEIGHBOUR_TOKENS if complete else 3}
+               "chunks": tokens if complete else 3}
         seen.append([])
         state["n"] = out
         yield out
