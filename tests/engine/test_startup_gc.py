@@ -119,5 +119,7 @@ def test_serve_builds_with_the_collector_paused_and_serves_with_it_on(
 
     monkeypatch.setattr(LLMEngine, "__init__", build)
     monkeypatch.setattr(serve_module, "serve", serve)
-    assert main(["serve", tiny_llama_path, "--dtype", "float32", "--port", "0"]) == 0
+    # in-process: the engine process builds in its child (core_process.py pauses it there too)
+    assert main(["serve", tiny_llama_path, "--dtype", "float32", "--port", "0",
+                 "--no-engine-process"]) == 0
     assert built == [False] and serving == [(True, True)]
