@@ -9,6 +9,15 @@ from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# A small fitted step profile (30 layers, as SmolLM2) for the slo workload's tests.
+SLO_TEST_PROFILE = {"format": "tokenweir-step-profile/1",
+                    "coefficients": {"const": 0.012, "prefill_tokens": 0.0011,
+                                     "decode_rows": 0.0004, "prefill_attention": 2e-8,
+                                     "decode_context": 2e-7},
+                    "overhead": {"const": 0.0008}, "kv_bytes_per_token": 46080,
+                    "block_size": 16, "max_model_len": 1024, "model": "test",
+                    "num_layers": 30}
+
 
 def loaded_sim_fidelity(alias: str) -> Iterator:
     """Yields benchmarks/sim_fidelity.py imported under `alias` (registered in sys.modules

@@ -10,13 +10,9 @@ import types
 from pathlib import Path
 
 import pytest
-from fidelity_module import loaded_sim_fidelity  # tests/sim/fidelity_module.py
+from fidelity_module import SLO_TEST_PROFILE, loaded_sim_fidelity  # tests/sim/fidelity_module.py
 
-PROFILE = {"format": "tokenweir-step-profile/1",
-           "coefficients": {"const": 0.012, "prefill_tokens": 0.0011, "decode_rows": 0.0004,
-                            "prefill_attention": 2e-8, "decode_context": 2e-7},
-           "overhead": {"const": 0.0008}, "kv_bytes_per_token": 46080, "block_size": 16,
-           "max_model_len": 1024, "model": "test", "num_layers": 30}
+PROFILE = SLO_TEST_PROFILE
 
 
 @pytest.fixture(scope="module")

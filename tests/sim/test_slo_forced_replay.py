@@ -12,16 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from fidelity_module import ROOT
+from fidelity_module import ROOT, SLO_TEST_PROFILE
 
 from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel
 from tokenweir.timeline.records import write_jsonl
 
-PROFILE = {"format": "tokenweir-step-profile/1",
-           "coefficients": {"const": 0.012, "prefill_tokens": 0.0011, "decode_rows": 0.0004,
-                            "prefill_attention": 2e-8, "decode_context": 2e-7},
-           "overhead": {"const": 0.0008}, "kv_bytes_per_token": 46080, "block_size": 16,
-           "max_model_len": 1024, "model": "test", "num_layers": 30}
+PROFILE = SLO_TEST_PROFILE
 
 
 @pytest.fixture(scope="module")
