@@ -191,3 +191,40 @@ def test_an_engine_core_builds_no_tokenizer_and_guides_as_the_eager_engine():
     assert answers[0].token_ids == answers[1].token_ids
     assert answers[1].text and all(c.isdigit() or c == "-" for c in answers[1].text)
     assert deferred.tokenizer.built  # probe: built once needed (the vocabulary, the text)
+
+
+def test_the_prompt_bound_is_listed_once_per_tokenizer_and_before_ready(cached_tokenizer_parts):
+    """AsyncEngine's prompt bound (_longest_token_chars) is remembered per tokenizer, and
+    RemoteEngine.connect computes it before it waits for the core's "ready"."""
+    from tokenweir.engine import async_engine, core_client
+    from tokenweir.model.tokenizer import Tokenizer
+
+    class Counting:
+        def __init__(self, backend):
+            self.backend, self.listed = backend, 0
+
+        def get_vocab(self, with_added_tokens=True):
+            self.listed += 1
+            return self.backend.get_vocab(with_added_tokens=with_added_tokens)
+
+    tokenizer = Tokenizer.from_cache(*cached_tokenizer_parts)
+    expected = max(16, max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True))))
+    tokenizer.backend = counting = Counting(tokenizer.backend)
+    assert async_engine._longest_token_chars(tokenizer) == expected
+    assert async_engine._longest_token_chars(tokenizer) == expected
+    assert counting.listed == 1  # probe: it was listed, once
+    assert async_engine._longest_token_chars(None) == 256
+
+    class NotReady:  # a client whose core never says "ready": connect stops at the wait
+        def wait_ready(self):
+            raise TimeoutError
+
+    fresh = Tokenizer.from_cache(*cached_tokenizer_parts)
+    real = core_client.cached_tokenizer
+    core_client.cached_tokenizer = lambda model: fresh
+    try:
+        with pytest.raises(TimeoutError):
+            core_client.RemoteEngine.connect(NotReady(), MODEL)
+    finally:
+        core_client.cached_tokenizer = real
+    assert async_engine._LONGEST.get(fresh) == expected
