@@ -2,6 +2,10 @@
 (`tokenweir serve --engine-process`, server/cli.py): the API process listens as soon as its own
 imports are done, not after the core's "ready" (the core's torch import and engine build are
 the start's critical path; uvicorn's start then runs beside them, not after).
+Measured (benchmarks/startup.py --timeline, warm serve, exclusive, 2-vCPU AVX2, 3 rounds):
+from the core's "ready" to /health 200, 0.13-0.15 s before (AsyncEngine ~0.07-0.09 s of it,
+then create_app and uvicorn's start) and 0.02-0.04 s with this gate and the prompt bound
+computed before "ready" (engine/core_client.py, RemoteEngine.connect).
 
 Contract: until `open` has run the real app's (server/app.py) lifespan start, every HTTP
 request is answered 503 "service_unavailable" with the API's error shape and a Retry-After,
