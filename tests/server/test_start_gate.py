@@ -228,3 +228,18 @@ def test_the_prompt_bound_is_listed_once_per_tokenizer_and_before_ready(cached_t
     finally:
         core_client.cached_tokenizer = real
     assert async_engine._LONGEST.get(fresh) == expected
+
+
+def test_a_refusal_only_the_core_can_tell_stops_the_listening_server_with_status_2():
+    """The core's build refuses (host memory too small for --swap-space, known only at the
+    load): the server, already listening behind the gate, stops and says it in one line."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_PROXY": "127.0.0.1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "tokenweir", "serve", MODEL, "--dtype", "float32",
+           "--max-model-len", "1024", "--num-gpu-blocks-override", "512", "--port",
+           str(free_port()), "--log-level", "info", "--engine-process",
+           "--preemption-mode", "swap", "--swap-space", "100000"]
+    done = forkserver.run(cmd, env=env, cwd=ROOT, timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Started server process" in done.stderr  # probe: it was listening (the gate's path)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tokenweir serve: error: --swap-space") and "host memory" in last
