@@ -73,7 +73,12 @@ TIMELINE_CALLS = (
     "tokenweir.model.tokenizer:_compile_template",
     "tokenweir.runner.model_runner:ModelRunner.warm_up",
     "tokenweir.engine.llm_engine:LLMEngine.step", "tokenweir.server.app:create_app",
-    "uvicorn.server:Server.startup", "uvicorn.server:Server.serve")
+    "uvicorn.server:Server.startup", "uvicorn.server:Server.serve",
+    "tokenweir.engine.core_client:cached_tokenizer",
+    "tokenweir.engine.core_client:CoreClient.wait_ready",
+    "tokenweir.engine.core_client:RemoteEngine.connect",
+    "tokenweir.engine.async_engine:AsyncEngine.__init__",
+    "tokenweir.engine.core_process:_build", "tokenweir.engine.core_process:ready_info")
 
 
 # ---- child: one timed start ---------------------------------------------------------------
@@ -220,6 +225,24 @@ def _dump(data, path: str) -> None:
         json.dump(data, f)
 
 
+def _core_events(module, events: list, started: float, out: str) -> None:
+    """--timeline, serve with the engine core in its own process: the forked core names its
+    main thread "core" and, when its loop begins (right after it said "ready"), writes the
+    events it recorded since the fork to OUT.core (its atexit never runs: a multiprocessing
+    child leaves by os._exit)."""
+    real_main, real_run = module.core_main, module.CoreLoop.run
+
+    def core_main(*args, **kwargs):
+        threading.current_thread().name = "core"
+        first = len(events)
+        module.CoreLoop.run = lambda loop: (
+            events.append(_event(time.time(), started, "core loop begins (ready sent)")),
+            _dump(sorted(events[first:]), out + ".core"), real_run(loop))[-1]
+        return real_main(*args, **kwargs)
+
+    module.core_main = core_main
+
+
 def _apply_patches(patches: list[str]) -> None:
     """MOD:ATTR=VALUE, VALUE a Python literal: setattr(import_module(MOD), ATTR, VALUE)."""
     import ast
@@ -258,15 +281,18 @@ def child(command: str, model: str, started: float, out: str, port: int,
         engine_class.step = step
 
     def on_serve(serve_module) -> None:  # imported when the command imports it, not before
-        real_serve = serve_module.serve
+        real_make = serve_module.make_server
 
-        def serve(engine, settings, host, port_, log_level):
+        def make_server(*args, **kwargs):  # serve() and the engine-process front both call it
             _write(times, started, out + ".engine")  # phases so far; `ready`: the parent's
-            return real_serve(engine, settings, host, port_, log_level)
+            return real_make(*args, **kwargs)
 
-        serve_module.serve = serve
+        serve_module.make_server = make_server
 
-    _instrument(times, started, on_engine, events, {"tokenweir.server.serve": on_serve})
+    more = {"tokenweir.server.serve": on_serve}
+    if timeline:
+        more["tokenweir.engine.core_process"] = lambda m: _core_events(m, events, started, out)
+    _instrument(times, started, on_engine, events, more)
     from tokenweir.cli import main
 
     for module in preimports:
@@ -319,7 +345,8 @@ def run_once(command: str, model: str, cache_dir: str, patches: list[str],
             proc.terminate()
             proc.wait(timeout=60)
     if timeline:
-        row["timeline"] = _read_json(out + ".events")
+        core = _read_json(out + ".core") if os.path.exists(out + ".core") else []
+        row["timeline"] = sorted(_read_json(out + ".events") + core)
     return row
 
 

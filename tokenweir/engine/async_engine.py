@@ -36,6 +36,7 @@ import logging
 import queue as queue_module
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -576,11 +577,24 @@ class AsyncEngine:
             self._tracked.pop(out.request_id, None)
 
 
+# tokenizer -> _longest_token_chars: listing a 49k vocabulary takes ~0.05-0.09 s, which the
+# engine-process front pays while the core builds (engine/core_client.py, RemoteEngine.connect),
+# not after its "ready".
+_LONGEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _longest_token_chars(tokenizer: Any) -> int:
     """Characters in the longest vocabulary entry (at least 16): a bound on how much text one
-    token can cover, for refusing absurd prompts before tokenizing them."""
+    token can cover, for refusing absurd prompts before tokenizing them. Remembered per
+    tokenizer object."""
+    try:
+        return _LONGEST[tokenizer]
+    except (KeyError, TypeError):  # not yet, or not weakly referable (None)
+        pass
     try:
         vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-        return max(16, max(len(token) for token in vocab))
+        longest = max(16, max(len(token) for token in vocab))
     except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary
         return 256
+    _LONGEST[tokenizer] = longest
+    return longest

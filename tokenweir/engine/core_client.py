@@ -32,6 +32,9 @@ logger = logging.getLogger("tokenweir")
 
 # Seconds a shut-down core may take to exit before it is terminated.
 EXIT_TIMEOUT = 10.0
+# RemoteEngine.connect lists the cached tokenizer's vocabulary for AsyncEngine's prompt bound
+# before waiting for the core (False: after its "ready", as before; for A/B runs).
+PRECOMPUTE_PROMPT_BOUND = True
 
 
 class CoreDied(RuntimeError):
@@ -238,6 +241,10 @@ class RemoteEngine(InputProcessor):
         from tokenweir.model.tokenizer import Tokenizer
 
         tokenizer = cached_tokenizer(model)
+        if tokenizer is not None and PRECOMPUTE_PROMPT_BOUND:
+            from tokenweir.engine.async_engine import _longest_token_chars
+
+            _longest_token_chars(tokenizer)  # AsyncEngine's prompt bound, while the core builds
         info = client.wait_ready()
         if tokenizer is not None and frozenset(tokenizer.eos_token_ids) != info.eos_token_ids:
             tokenizer = None

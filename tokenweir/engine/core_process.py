@@ -23,6 +23,13 @@ from tokenweir.engine.core_protocol import (ReadyInfo, abort_after_failed_step, 
 
 logger = logging.getLogger("tokenweir")
 
+# The tokenizer is the API process's work: here it is built only if something needs it (a
+# guided request's vocabulary, the API process asking for it), off the start's critical path.
+# False: built with the engine, as before (for A/B runs: benchmarks/startup.py --patch).
+# Measured (startup.py --timeline, warm serve, exclusive, 3 rounds): the core's LLMEngine build
+# 0.21-0.28 s with it (Tokenizer.from_cache 0.15-0.21 s of that), 0.06-0.07 s deferred.
+DEFER_TOKENIZER = True
+
 
 def core_main(config, conn, api_end, timeline_steps: int, log_level: str) -> None:
     """The process's target: build, say "ready" (or "error"), then loop until "shutdown".
@@ -60,7 +67,7 @@ def _build(config):
         prefetch.start_for_model(config.model.model)  # the load cache checked while torch imports
         from tokenweir.engine.llm_engine import LLMEngine
 
-        return LLMEngine(config)
+        return LLMEngine(config, defer_tokenizer=DEFER_TOKENIZER)
 
 
 def ready_info(engine) -> ReadyInfo:

@@ -237,12 +237,14 @@ def needs_measured_costs(config: EngineConfig) -> bool:
 
 class LLMEngine(InputProcessor):
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None,
-                 cpu_warm_up: Optional[bool] = None) -> None:
+                 cpu_warm_up: Optional[bool] = None, defer_tokenizer: bool = False) -> None:
         """`loaded` lets callers (tests, sweeps) share one set of weights between engines;
         it must match the config's model, dtype and device. `cpu_warm_up`: on CPU, whether to
         run the start-up warm-up (see WARM_UP_CPU_TOKENS); None follows TOKENWEIR_WARMUP
         (unset: on unless the packed weights were mapped from the load cache). On CUDA the warm-up (milliseconds, and the decode graphs' capture)
-        always follows TOKENWEIR_WARMUP."""
+        always follows TOKENWEIR_WARMUP. `defer_tokenizer`: a tokenizer from the load cache
+        is built at its first use (model/deferred_tokenizer.py): for the engine core process,
+        which leaves tokenizing to the API process."""
         config.validate()
         self.config = config
         self.device = resolve_device(config.model.device)
@@ -255,7 +257,8 @@ class LLMEngine(InputProcessor):
             tune_malloc()  # activations reused, not faulted in again each step: see the module
         if loaded is None:
             loaded = load_model(config.model.model, self.dtype, self.device,
-                                pack=config.parallel.tensor_parallel_size == 1)  # else: sharded
+                                pack=config.parallel.tensor_parallel_size == 1,  # else: sharded
+                                defer_tokenizer=defer_tokenizer)
         set_quantization(loaded.model, config.model.quantization)
         set_batch_invariant(loaded.model, config.model.batch_invariant)
         self.model_name = loaded.name

@@ -25,6 +25,7 @@ from tokenweir.model import load_cache
 from tokenweir.model.arch import ArchConfig
 from tokenweir.model.llama import CausalLM, fuse_checkpoint
 from tokenweir.model.paths import ALIASES, _alias_path, resolve_model_path  # noqa: F401
+from tokenweir.model.deferred_tokenizer import DeferredTokenizer
 from tokenweir.model.tokenizer import Tokenizer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -98,16 +99,19 @@ def _cpu_capability() -> str:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", pack: bool = True) -> LoadedModel:
+               device: torch.device | str = "cpu", pack: bool = True,
+               defer_tokenizer: bool = False) -> LoadedModel:
     """Load `model` (alias, .gguf path or HF directory) onto `device` in `dtype`. `pack`: when
     the load cache served the weights, also install their packed float32 copies from it
     (model/packed_cache.py), writing them there on the first such load; False for a caller
-    that reshapes the weights before running them (a tensor-parallel shard)."""
+    that reshapes the weights before running them (a tensor-parallel shard).
+    `defer_tokenizer`: a tokenizer the load cache holds is built at its first use
+    (model/deferred_tokenizer.py), for a process that may never use it."""
     device = torch.device(device)
     path = resolve_model_path(model)
     cache_status, entry = "", ""
     if path.endswith(".gguf"):
-        arch, weights, tokenizer, cache_status, entry = open_gguf_cached(path)
+        arch, weights, tokenizer, cache_status, entry = open_gguf_cached(path, defer_tokenizer)
     else:
         arch, weights, tokenizer = _open_hf_dir(path)
     net = _build(arch, weights, dtype, device)
@@ -271,10 +275,12 @@ def read_gguf_source(path: str) -> "load_cache.GGUFSource":
                                  tokenizer)
 
 
-def open_gguf_cached(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenizer], str, str]:
+def open_gguf_cached(path: str, defer_tokenizer: bool = False
+                     ) -> tuple[ArchConfig, Iterator, Optional[Tokenizer], str, str]:
     """_open_gguf through the load cache (model/load_cache.py), plus what the cache did
     (LoadedModel.load_cache) and the entry's directory ("" when none served). Any failure to
-    use the cache directory falls back to the direct read, with one line saying so."""
+    use the cache directory falls back to the direct read, with one line saying so.
+    `defer_tokenizer`: the cached tokenizer as a DeferredTokenizer (built at first use)."""
     if not load_cache.cache_enabled():
         return (*_open_gguf(path), "disabled", "")
     try:
@@ -284,7 +290,8 @@ def open_gguf_cached(path: str) -> tuple[ArchConfig, Iterator, Optional[Tokenize
         return (*_open_gguf(path), "disabled", "")
     tokenizer = None
     if cached.tokenizer_json is not None:
-        tokenizer = Tokenizer.from_cache(cached.tokenizer_json, cached.tokenizer_fields)
+        build = DeferredTokenizer if defer_tokenizer else Tokenizer.from_cache
+        tokenizer = build(cached.tokenizer_json, cached.tokenizer_fields)
     return cached.arch, iter(cached.weights), tokenizer, status, directory
 
 

@@ -1,13 +1,15 @@
 """What `tokenweir serve` runs: the server, from the parsed command line (tokenweir/cli
 builds the parser from config.ServeConfig and the engine configs; this module never imports
 it). The engine runs in this process on its engine thread, or with --engine-process in a
-process of its own (engine/core_client.py), forked before anything else starts."""
+process of its own (engine/core_client.py), forked before anything else starts; the server
+then listens while that process builds, answering 503 until it is ready (server/gate.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import threading
 
 from tokenweir.config import DEFAULT_MODEL, engine_kwargs
 
@@ -19,14 +21,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if isinstance(checked, int):
         return checked
     config, model = checked
-    client = None
     if args.engine_process and not args.profile_serving:
         from tokenweir.engine.core_client import CoreClient
 
         client = CoreClient.start(config, args.timeline_steps, args.log_level)
+        return _serve_front(args, config, model, client)
     with startup_gc.paused():  # imports and the build: no collector passes (startup_gc.py)
-        started = _start(args, config, model) if client is None else \
-            _start_front(args, config, model, client)
+        started = _start(args, config, model)
     if isinstance(started, int):
         return started
     engine, settings, profile = started
@@ -89,29 +90,59 @@ def _start(args: argparse.Namespace, config, model: str):
     return engine, _settings(args, model, engine), profile
 
 
-def _start_front(args: argparse.Namespace, config, model: str, client):
-    """_start's counterpart with the engine core in its own process (already building): the
-    server stack and the tokenizer here meanwhile, then wait for its "ready"."""
+def _serve_front(args: argparse.Namespace, config, model: str, client) -> int:
+    """Serve with the engine core in its own process (already building): the server stack
+    is imported and uvicorn listens meanwhile, behind a StartGate (server/gate.py: 503 until
+    the core is ready); a thread waits for the core's "ready", builds the app and opens the
+    gate. Returns the exit status (a refusal's when the core's build refused)."""
+    from tokenweir import startup_gc
     from tokenweir.usage_errors import refuse
 
     _log_config(args)
-    import tokenweir.server.serve  # noqa: F401 (the server stack, imported meanwhile)
-    from tokenweir.engine.async_engine import AsyncEngine
-    from tokenweir.engine.core_client import RemoteEngine
+    with startup_gc.paused():  # the imports: no collector passes (startup_gc.py)
+        from tokenweir.server.gate import StartGate
+        from tokenweir.server.serve import make_server
+
+        gate = StartGate()
+        gate.server = make_server(gate, gate.state, args.host, args.port, args.log_level)
+    threading.Thread(target=_open_when_ready, args=(args, config, model, client, gate),
+                     daemon=True, name="tokenweir-connect").start()
+    gate.server.run()
+    failure = gate.failure  # read before the kill below (whose CoreDied is no failure)
+    if gate.app is None:  # stopped (or failed) before ready: the core holds nothing to drain
+        client.proc.kill()
+        client.close()
+    if isinstance(failure, ValueError):  # what only the load can tell (e.g. a pool size)
+        return refuse("serve", failure)
+    if failure is not None:
+        raise failure
+    return 0
+
+
+def _open_when_ready(args: argparse.Namespace, config, model: str, client, gate) -> None:
+    """The gate's thread: the tokenizer here while the core builds, then (its "ready") the
+    AsyncEngine over a RemoteEngine and the app, handed to the gate; a failure to the gate."""
+    from tokenweir import startup_gc
 
     try:
-        remote = RemoteEngine.connect(client, model,
-                                      config.scheduler.slo_hopeless_tolerance)
-    except ValueError as exc:  # what only the load can tell (e.g. a --kv-cache-space pool)
-        client.close()
-        return refuse("serve", exc)
-    # No torch threads here: outputs are processed on the client's receiver thread unless
-    # asked for a thread of their own ("on").
-    output_thread = args.output_thread == "on"
-    _log_outputs(output_thread, args.output_thread)
-    engine = AsyncEngine(remote, output_thread=output_thread)
-    logging.getLogger(__name__).info("engine core in process %d", client.pid)
-    return engine, _settings(args, model, engine), None
+        with startup_gc.paused():
+            from tokenweir.engine.async_engine import AsyncEngine
+            from tokenweir.engine.core_client import RemoteEngine
+            from tokenweir.server.app import create_app
+
+            remote = RemoteEngine.connect(client, model,
+                                          config.scheduler.slo_hopeless_tolerance)
+            # No torch threads here: outputs are processed on the client's receiver thread
+            # unless asked for a thread of their own ("on").
+            output_thread = args.output_thread == "on"
+            _log_outputs(output_thread, args.output_thread)
+            engine = AsyncEngine(remote, output_thread=output_thread)
+            logging.getLogger(__name__).info("engine core in process %d", client.pid)
+            app = create_app(engine, _settings(args, model, engine))
+    except BaseException as exc:  # noqa: BLE001 - the main thread refuses or re-raises it
+        gate.fail(exc)
+        return
+    gate.hand_over(app)
 
 
 def _log_config(args: argparse.Namespace) -> None:

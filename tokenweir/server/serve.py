@@ -14,7 +14,7 @@ import contextlib
 import os
 import signal
 import sys
-from typing import Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import uvicorn
 
@@ -29,9 +29,12 @@ FLUSH_TIMEOUT = 5.0
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: AppState) -> None:
+    def __init__(self, config: uvicorn.Config, state_of: Callable[[], Optional[AppState]]
+                 ) -> None:
+        """`state_of`: the app's AppState, or None while there is none yet (a StartGate's
+        app before the engine core is ready: nothing to drain)."""
         super().__init__(config)
-        self.app_state = state
+        self.state_of = state_of
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -46,13 +49,16 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self.should_exit:
-            exit_now(sig, self.app_state.engine.num_active())
+            state = self.state_of()
+            exit_now(sig, 0 if state is None else state.engine.num_active())
         self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         for server in self.servers:  # stop accepting before the drain, not after
             server.close()
-        await self.app_state.drain()
+        state = self.state_of()
+        if state is not None:
+            await state.drain()
         await super().shutdown(sockets)
 
 
@@ -69,8 +75,14 @@ def serve(engine: AsyncEngine, settings: ServerSettings, host: str, port: int,
           log_level: str = "info") -> int:
     """Serve until a signal; returns the process exit status."""
     app = create_app(engine, settings)
+    make_server(app, lambda: app.state.tokenweir, host, port, log_level).run()
+    return 0
+
+
+def make_server(app: Any, state_of: Callable[[], Optional[AppState]], host: str, port: int,
+                log_level: str = "info") -> DrainingServer:
+    """The uvicorn server of `app` (a FastAPI app, or a StartGate in front of one)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=30,
                             backlog=4096)
-    DrainingServer(config, app.state.tokenweir).run()
-    return 0
+    return DrainingServer(config, state_of)
