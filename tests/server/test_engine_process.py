@@ -15,45 +15,10 @@ import time
 import httpx
 import pytest
 
+import engine_answers as ea
 from probes import HEADERS, MODEL, post, read_stream, start_server, stop_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# A few greedy and seeded requests, streamed and not, with the features whose state the API
-# side rebuilds from the core's records: logprobs, stop strings, parallel samples.
-REQUESTS = [
-    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12,
-                         "temperature": 0, "logprobs": 2}),
-    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.9,
-                         "seed": 7, "logprobs": 1, "stream": True}),
-    ("/v1/completions", {"prompt": "List three colours:", "max_tokens": 24, "temperature": 0.7,
-                         "seed": 11, "stop": [","], "logprobs": 1}),
-    ("/v1/completions", {"prompt": "A name for a cat:", "max_tokens": 8, "temperature": 1.0,
-                         "seed": 3, "n": 3, "logprobs": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}],
-                              "max_tokens": 10, "temperature": 0, "logprobs": True,
-                              "top_logprobs": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to five."}],
-                              "max_tokens": 12, "temperature": 0.8, "seed": 5,
-                              "stream": True}),
-]
-
-
-def _answer(base: str, path: str, body: dict) -> list:
-    """The choices a request got, without ids and timestamps (a stream's chunks, in order)."""
-    body = {"model": MODEL, **body}
-    if not body.get("stream"):
-        reply = post(base, path, body)
-        assert reply.status_code == 200, reply.text
-        return reply.json()["choices"]
-    chunks = []
-    with httpx.Client(trust_env=False, timeout=120) as http:
-        with http.stream("POST", base + path, json=body, headers=HEADERS) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    chunks.append(json.loads(line[6:])["choices"])
-    return chunks
 
 
 def _metric(base: str, name: str, **labels: str) -> float:
@@ -83,23 +48,31 @@ def both():
     stop_server(remote)
 
 
-def test_the_same_answers_through_both_paths_and_metrics_count(both):
+def test_the_same_answers_through_both_paths_as_recorded_and_metrics_count(both):
+    """Both paths answer engine_answers.REQUESTS exactly as each other and as recorded before
+    AsyncEngine's refactor (engine_answers.json: choices, token strings, logprobs, finish
+    reasons, usage, and how much every /metrics counter and count grew)."""
     local, remote, _ = both
-    before = _metric(remote, "tokenweir:generation_tokens_total")
-    generated = 0
-    for path, body in REQUESTS:
-        ours, theirs = _answer(remote, path, body), _answer(local, path, body)
-        assert ours == theirs, (path, body)
-        if not body.get("stream"):
-            generated += post(remote, path, {"model": MODEL, **body}).json()["usage"][
-                "completion_tokens"]
-    assert sum(len(_tokens(_answer(local, p, b))) for p, b in REQUESTS if not b.get("stream")) > 40
-    # /metrics: the core's counters (sent with each tick) and the API side's histograms
-    assert _metric(remote, "tokenweir:generation_tokens_total") - before >= generated > 0
-    assert _metric(remote, "tokenweir:request_success_total", finished_reason="length") > 0
-    assert _metric(remote, "tokenweir:time_to_first_token_seconds_count") >= len(REQUESTS)
+    golden = json.loads(ea.GOLDEN.read_text(encoding="utf-8"))
+    got = {"--no-engine-process": ea.record(local), "--engine-process": ea.record(remote)}
+    assert not ea.differences(got["--engine-process"], got["--no-engine-process"])
+    for flag, recorded in got.items():
+        assert not ea.differences(recorded, golden[flag]), (flag, ea.differences(
+            recorded, golden[flag])[:5])
+    # probes: the recording holds enough to compare (token strings, every finish reason, the
+    # core's counters sent with each tick and the API side's histograms)
+    answers = golden["--engine-process"]["answers"]
+    assert sum(len(_tokens(a["choices"])) for a in answers if a["usage"]) > 40
+    grew = golden["--engine-process"]["grew"]
+    assert _grew(grew, "tokenweir:generation_tokens_total") >= 60
+    assert _grew(grew, "tokenweir:request_success_total", 'finished_reason="stop"') == 1
+    assert _grew(grew, "tokenweir:time_to_first_token_seconds_count") == len(ea.REQUESTS)
     assert httpx.get(remote + "/timeline", headers=HEADERS, trust_env=False,
                      timeout=60).status_code == 200
+
+
+def _grew(grew: dict, name: str, label: str = "") -> float:
+    return sum(v for k, v in grew.items() if k.startswith(name + "{") and label in k)
 
 
 def test_a_disconnect_and_an_abort_reach_the_core(both):

@@ -8,24 +8,26 @@ thread-safe inbox: a step in flight does not delay its arrival, so the SLO monit
 step for an urgent request.
 
 Three threads share the work of a served token:
-- the engine thread (an EngineThread: in a server it also built the engine, so that every
-  torch computation runs on this one thread; see engine_thread.py) owns the scheduler (every
-  EngineCore call: admission, aborts, steps). It
-  goes from one step's update straight to the next schedule: it hands each step's raw
-  engine-core outputs to the output thread and never waits on detokenization, the event loop
-  or a socket. Other threads hand it aborts through `_aborts` (guarded by `_cond`); it admits
-  submitted requests before it handles aborts, so an abort always finds the request it names.
+- the engine thread owns the scheduler (every EngineCore call: admission, aborts, steps): the
+  core's side (engine/core_side.py), one interface with two implementations: `LocalCore`, an
+  EngineThread of this process (in a server it also built the engine, so that every torch
+  computation runs on this one thread; see engine_thread.py), or `RemoteCore`, the engine core
+  process of `serve --engine-process` (its CoreClient's receiver thread stands for the engine
+  thread here). It goes from one step's update straight to the next schedule: it hands each
+  step's raw engine-core outputs to the output side and never waits on detokenization, the
+  event loop or a socket. It admits submitted requests before it handles aborts, so an abort
+  always finds the request it names.
 - the output thread (`output_thread=True`, the default) owns the output processor after
   admission: incremental detokenization, stop strings, building RequestOutputs, latency stats.
   A stop string (or a failure while processing) ends the request on the output side at once;
-  the engine thread is asked (`_finishes`) to finish it in the scheduler at its next turn, so
-  the engine may compute one more token for it, which is dropped (vLLM does the same).
+  the engine thread is asked (the side's `finish`) to finish it in the scheduler at its next
+  turn, so the engine may compute one more token for it, which is dropped (vLLM does the same).
 - the event loop: each request's delta outputs go to its own asyncio.Queue, delivered once per
   step with `loop.call_soon_threadsafe`.
 With `output_thread=False` the output side runs inline on the engine thread (the old path, kept
-for comparison). When there is nothing to do the engine thread sleeps on the condition (no busy
-loop). With a `ServingProfile` every phase of this path is timed (tokenweir serve
---profile-serving; see engine/serving_profile.py).
+for comparison). When there is nothing to do the engine thread sleeps (no busy loop). With a
+`ServingProfile` every phase of this path is timed (tokenweir serve --profile-serving; see
+engine/serving_profile.py).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
-from tokenweir.engine.core_protocol import abort_after_failed_step, apply_finishes
+from tokenweir.engine.core_side import LocalCore
 from tokenweir.engine.engine_thread import EngineThread
 from tokenweir.engine.metrics import _HistogramData
 from tokenweir.engine.output_processor import OutputProcessor
@@ -97,15 +99,15 @@ class _Tracked:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, output_thread: bool = True,
                  profile: Optional[ServingProfile] = None,
-                 engine_thread: Optional[EngineThread] = None) -> None:
+                 engine_thread: Optional[EngineThread] = None, core: Any = None) -> None:
         """`output_thread`: process outputs on their own thread (else inline on the engine
         thread); `profile`: time every phase of the serving path into it; `engine_thread`:
         the thread that built `engine` (EngineThread.call), on which the loop then runs (one
         thread for all torch work: see engine_thread.py); default: a new one.
-        `engine` may be a RemoteEngine (engine/core_client.py): the engine core then runs in a
-        process of its own, and this object's engine-thread side is that process (below)."""
+        `core`: the core's side (engine/core_side.py); default a LocalCore over `engine` (an
+        LLMEngine) on `engine_thread`. With a RemoteEngine (engine/core_client.py), its
+        RemoteCore: the engine core then runs in a process of its own."""
         self.engine = engine
-        self._client = getattr(engine, "client", None)  # a CoreClient, or None: in-process
         self.death: Optional[str] = None  # why the engine core process died, if it did
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -113,10 +115,6 @@ class AsyncEngine:
         self.stats = RequestStats()
         self.metrics_snapshot: list = engine.get_metrics()  # replaced by the engine thread
         self.stats_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._aborts: collections.deque[str] = collections.deque()  # request ids
-        # (request id, "" for a stop string or an error message), from the output side
-        self._finishes: collections.deque[tuple[str, str]] = collections.deque()
         self._outbox: queue_module.SimpleQueue = queue_module.SimpleQueue()
         self._output_thread: Optional[threading.Thread] = None
         if output_thread:
@@ -126,9 +124,7 @@ class AsyncEngine:
         if profile is not None:
             profile.attach(engine.core)
         self._posted_at: dict[str, float] = {}  # event loop, profiling: request -> last post
-        self._stopping = False
-        self._engine_thread = None if self._client is not None else \
-            engine_thread or EngineThread()
+        self._side = core if core is not None else LocalCore(engine, engine_thread)
         self._running: Optional[Future] = None  # the engine loop, once started
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side only
@@ -146,15 +142,12 @@ class AsyncEngine:
         self._loop = loop or asyncio.get_running_loop()
         if self._output_thread is not None:
             self._output_thread.start()
-        if self._client is not None:
-            self._running = self._client.attach(self._on_core_tick, self._on_core_end)
-            return
-        self._running = self._engine_thread.submit(self._run)
-        self._engine_thread.stop()  # the loop is its last job
+        self._running = self._side.start(self)
 
     @property
     def is_running(self) -> bool:
-        return self._running is not None and not self._running.done() and not self._stopping
+        return self._running is not None and not self._running.done() and \
+            not self._side.stopping
 
     def num_active(self) -> int:
         return len(self._queues)
@@ -170,28 +163,16 @@ class AsyncEngine:
         """Event loop: ask the engine thread to end every in-flight request; each one's queue
         then gets a final output with finish_reason 'abort'. Returns how many were asked."""
         request_ids = list(self._queues)
-        if self._client is not None:
-            for request_id in request_ids:
-                self.abort(request_id)
-            return len(request_ids)
-        with self._cond:
-            self._aborts.extend(request_ids)
-            self._cond.notify()
+        self._side.abort([(request_id, self._scheduler_ids(request_id))
+                          for request_id in request_ids])
         return len(request_ids)
 
     def shutdown(self) -> None:
         """Abort whatever is still running and stop the thread."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._client is not None:
-            self._client.send(("shutdown",))
+        self._side.stop()
         if self._running is not None:
             futures_wait([self._running], timeout=30)
-        elif self._engine_thread is not None:  # never started: the idle engine thread ends too
-            self._engine_thread.stop()
-        if self._client is not None:
-            self._client.close()
+        self._side.close()
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     # ---- public API (event loop) --------------------------------------------------------
@@ -219,12 +200,9 @@ class AsyncEngine:
         self._tracked[request_id] = _Tracked(ttft_slo_ms)
         if request.group is not None:  # n / best_of: an abort must reach every sample
             self._sample_ids[request_id] = [s.request_id for s in request.group.samples]
-        with self._cond:
-            if self._stopping:
-                self._forget(request_id)
-                raise EngineDeadError("the engine is shutting down")
-            self.engine.submit_request(request, text)
-            self._cond.notify()
+        if not self._side.submit(request, text):
+            self._forget(request_id)
+            raise EngineDeadError("the engine is shutting down")
         return queue
 
     def refuse_oversize(self, prompt: PromptType) -> None:
@@ -301,13 +279,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for unknown or finished requests."""
-        if self._client is not None:
-            ids = self._sample_ids.get(request_id, [request_id])
-            self._client.send(("abort", request_id, ids))
-            return
-        with self._cond:
-            self._aborts.append(request_id)
-            self._cond.notify()
+        self._side.abort([(request_id, self._scheduler_ids(request_id))])
+
+    def _scheduler_ids(self, request_id: str) -> list[str]:
+        """The scheduler's ids of a request: its samples' (n / best_of), else its own."""
+        return self._sample_ids.get(request_id, [request_id])
 
     # ---- plumbing (event loop side) ------------------------------------------------------
 
@@ -348,68 +324,14 @@ class AsyncEngine:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-    # ---- engine thread ------------------------------------------------------------------
-    # Owns the scheduler: every EngineCore call happens here. It never touches the output
-    # processor: what a step produced goes to the output side (`_to_output`) as a message,
-    # and the output side asks back (`_finishes`) when a stop string or a processing error
-    # ends a request. Messages keep their order, so a request's outputs, its abort and its
-    # failure reach the output side in the order the engine made them.
+    # ---- from the core's side (engine/core_side.py) ----------------------------------------
+    # The side hands the output side every message in the order the engine made them, so a
+    # request's outputs, its abort and its failure arrive in that order; the output side asks
+    # back (`_ask_engine`) when a stop string or a processing error ends a request.
 
-    def _run(self) -> None:
-        try:
-            self._engine_loop()
-        finally:
-            if self._output_thread is not None:
-                self._outbox.put(None)
-                self._output_thread.join(timeout=30)
-
-    def _engine_loop(self) -> None:
-        engine = self.engine
-        while True:
-            aborts, finishes, stopping = self._take_work()
-            engine.core.admit_submitted()
-            apply_finishes(engine.core, finishes)
-            for request_id in aborts:
-                engine.core.abort_requests(self._sample_ids.get(request_id, [request_id]))
-                self._to_output(("abort", request_id))
-            if stopping:
-                ids = list(engine.scheduler.requests)
-                engine.core.abort_requests(ids)
-                self._to_output(("abort_all", None))
-                self._refresh_metrics()
-                return
-            if engine.has_unfinished_requests():
-                self._step()
-            self._refresh_metrics()
-
-    def _take_work(self) -> tuple[list[str], list[tuple[str, str]], bool]:
-        """Sleep until there is something to do; then (aborts, finishes, stopping)."""
-        started = time.perf_counter()
-        with self._cond:
-            while not self._aborts and not self._finishes and not self._stopping and not \
-                    self.engine.has_unfinished_requests():
-                self._cond.wait()
-            aborts = list(self._aborts)
-            self._aborts.clear()
-            finishes = list(self._finishes)
-            self._finishes.clear()
-            stopping = self._stopping
-        if self.profile is not None:
-            self.profile.add("engine idle", time.perf_counter() - started)
-        return aborts, finishes, stopping
-
-    def _step(self) -> None:
-        core = self.engine.core
-        try:
-            core_outputs = core.step()
-        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
-            self._to_output(("fail", (abort_after_failed_step(core), exc)))
-            return
-        self._to_output(("step", (core_outputs, core.clock())))
-
-    def _to_output(self, message: tuple[str, Any]) -> None:
+    def to_output(self, message: tuple[str, Any]) -> None:
         """Hand a message to the output side: the output thread's inbox, or (without one)
-        handle it here and now."""
+        handle it here and now (an exception then reaches the caller)."""
         if self._output_thread is None:
             self._handle(message)
             return
@@ -418,45 +340,23 @@ class AsyncEngine:
         if self.profile is not None:
             self.profile.add("handoff", time.perf_counter() - started)
 
-    def _refresh_metrics(self) -> None:
-        started = time.perf_counter()
-        try:
-            self.metrics_snapshot = self.engine.get_metrics()
-        except Exception:  # noqa: BLE001
-            logger.exception("metrics snapshot failed")
-        if self.profile is not None:
-            self.profile.add("metrics snapshot", time.perf_counter() - started)
-
-    # ---- the engine core process (a RemoteEngine): the CoreClient's receiver thread -------
-    # Stands for the engine thread: it hands each tick's events to the output side, in order.
-
-    def _on_core_tick(self, events: list, metrics: list) -> None:
-        self.metrics_snapshot = metrics
-        for event in events:
-            kind = event[0]
-            if kind == "step":
-                message = ("records", (event[1], event[2]))
-            elif kind == "fail":  # the step's exception, as the in-process path hands it on
-                message = ("fail", (event[1], RuntimeError(event[2])))
-            else:  # ("abort", output id), ("abort_all", None)
-                message = event
-            self._to_output_guarded(message)
-
-    def _on_core_end(self, reason: Optional[str]) -> None:
-        """The core said "bye" (reason None) or died (reason: why)."""
+    def core_ended(self, reason: Optional[str]) -> None:
+        """The core's side has ended, last: after a stop (reason None), or its process died
+        (reason: why; every request in flight fails, no new one is taken)."""
         if reason is not None:
             logger.error("%s", reason)
             self.death = reason
-            with self._cond:
-                self._stopping = True
-            self._to_output_guarded(("died", reason))
+            self._side.stop()
+            self.to_output_guarded(("died", reason))
         if self._output_thread is not None:
             self._outbox.put(None)
             self._output_thread.join(timeout=30)
 
-    def _to_output_guarded(self, message: tuple[str, Any]) -> None:
+    def to_output_guarded(self, message: tuple[str, Any]) -> None:
+        """`to_output`, logging an exception instead of raising it (for a receiver thread that
+        must outlive one bad message)."""
         try:
-            self._to_output(message)
+            self.to_output(message)
         except Exception:  # noqa: BLE001 - the receiver must outlive one bad message
             logger.exception("output processing failed for %s", message[0])
 
@@ -493,8 +393,8 @@ class AsyncEngine:
             self._fail(*payload, items)
         elif kind == "died":  # the core process is gone: every request in flight fails
             self._fail(list(self.engine.outputs.states), EngineDeadError(payload), items)
-        if self._client is not None and kind not in ("step", "records"):
-            self.engine.prune()
+        if kind not in ("step", "records"):  # output states may have gone without a record
+            self._side.outputs_dropped()
         posting = time.perf_counter()
         self._post(items)
         if self.profile is not None:
@@ -525,12 +425,7 @@ class AsyncEngine:
     def _ask_engine(self, request_id: str, message: str) -> None:
         """Finish `request_id` in the scheduler at the engine thread's next turn: stopped
         (message "") or failed with `message`."""
-        if self._client is not None:
-            self._client.send(("finish", [(request_id, message)]))
-            return
-        with self._cond:
-            self._finishes.append((request_id, message))
-            self._cond.notify()
+        self._side.finish(request_id, message)
 
     def _abort_one(self, request_id: str, items: list) -> None:
         final = self.engine.outputs.abort(request_id, delta=True)

@@ -128,6 +128,7 @@ def _open_when_ready(args: argparse.Namespace, config, model: str, client, gate)
         with startup_gc.paused():
             from tokenweir.engine.async_engine import AsyncEngine
             from tokenweir.engine.core_client import RemoteEngine
+            from tokenweir.engine.core_side import RemoteCore
             from tokenweir.server.app import create_app
 
             remote = RemoteEngine.connect(client, model,
@@ -136,7 +137,7 @@ def _open_when_ready(args: argparse.Namespace, config, model: str, client, gate)
             # unless asked for a thread of their own ("on").
             output_thread = args.output_thread == "on"
             _log_outputs(output_thread, args.output_thread)
-            engine = AsyncEngine(remote, output_thread=output_thread)
+            engine = AsyncEngine(remote, output_thread=output_thread, core=RemoteCore(remote))
             logging.getLogger(__name__).info("engine core in process %d", client.pid)
             app = create_app(engine, _settings(args, model, engine))
     except BaseException as exc:  # noqa: BLE001 - the main thread refuses or re-raises it
