@@ -1,6 +1,7 @@
 """tokenweir/startup_gc.py: `generate` and `serve` build their engine with the cyclic garbage
 collector paused, then freeze what is alive and resume; the tokens are those of a start with
-the collector on (TOKENWEIR_STARTUP_GC=1)."""
+the collector on (TOKENWEIR_STARTUP_GC=1). `serve`'s engine core process pauses it during its
+build too (core_process._build)."""
 
 from __future__ import annotations
 
@@ -119,7 +120,66 @@ def test_serve_builds_with_the_collector_paused_and_serves_with_it_on(
 
     monkeypatch.setattr(LLMEngine, "__init__", build)
     monkeypatch.setattr(serve_module, "serve", serve)
-    # in-process: the engine process builds in its child (core_process.py pauses it there too)
+    # in-process: the engine process builds in its child (checked by the test below)
     assert main(["serve", tiny_llama_path, "--dtype", "float32", "--port", "0",
                  "--no-engine-process"]) == 0
     assert built == [False] and serving == [(True, True)]
+
+
+# `serve`'s engine core process (engine/core_process.py) builds in its own process, where the
+# test process's patches reach it only through the fork: this script, run as a process of its
+# own (tests/forkserver.py), forks the core as `serve` does (CoreClient.start), and the core
+# prints what the collector did during `core_process._build`.
+CORE_SCRIPT = """
+import gc, json, sys
+from tokenweir.config import EngineConfig
+from tokenweir.engine import core_process
+from tokenweir.engine.core_client import CoreClient
+
+passes = []
+gc.callbacks.append(lambda phase, info: phase == "start" and passes.append(info["generation"]))
+build = core_process._build
+
+def traced(config):  # runs in the core process (the fork inherits this module's patch)
+    before, frozen = len(passes), gc.get_freeze_count()
+    engine = build(config)
+    print(json.dumps({"passes": len(passes) - before, "enabled": gc.isenabled(),
+                      "froze": gc.get_freeze_count() > frozen}), flush=True)
+    return engine
+
+core_process._build = traced
+client = CoreClient.start(EngineConfig.from_kwargs(model=sys.argv[1], dtype="float32"), 0,
+                          "warning")
+client.wait_ready()
+client.send(("shutdown",))
+assert client.ended.result(120) is None
+client.close()
+"""
+
+
+def _core_build(path: str, tmp_path, switch: str) -> dict:
+    """What the collector did during the core process's build (TOKENWEIR_STARTUP_GC=switch)."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import forkserver
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "core_gc.py"
+    script.write_text(CORE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1",
+           "TOKENWEIR_STARTUP_GC": switch}
+    done = forkserver.run([sys.executable, str(script), path], env=env, cwd=str(tmp_path),
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_engine_core_process_builds_with_the_collector_paused(tiny_llama_path, tmp_path):
+    paused = _core_build(tiny_llama_path, tmp_path, "0")
+    assert paused == {"passes": 0, "enabled": True, "froze": True}
+    # probe: the same build with the collector left alone runs passes
+    alone = _core_build(tiny_llama_path, tmp_path, "1")
+    assert alone["passes"] > 0 and not alone["froze"], alone
