@@ -21,6 +21,17 @@ so on stderr. Children run with bytecode caching on (PYTHONDONTWRITEBYTECODE dro
 user's Python does: with it set, every start compiled tokenweir's modules again (~0.7 s of
 `import` on a busy 2-core machine).
 
+What makes one warm start slower than the next (start10, 2-vCPU AMD EPYC, exclusive lock):
+- torch's import alone (`import torch`, nothing else running) took 2.07-2.70 CPU-s for the
+  same work (39,965 page faults each time, no major fault, no steal): the VM's CPU speed moves
+  by ~25% from run to run; nothing tokenweir imports or calls pulls in sympy or torch._dynamo,
+  and loading torch.export / torch._meta_registrations lazily saved nothing measurable.
+- the page cache: this machine's DAMON scheme pages out file pages unmapped and unused for
+  ~60 s. Serve after evicting the load cache's entry: 3.26 3.09 3.04 s (warm 2.89 2.86 2.72);
+  after evicting torch's .so and .pyc files: 4.02 3.61 3.36 s. Asking the kernel to read
+  torch's libraries ahead (POSIX_FADV_WILLNEED at the CLI's start) did not help (serve after
+  eviction 3.59 s mean with it, 3.46 without; 4 interleaved pairs).
+
 Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
   --warm-only            per command one cold start (printed, to fill the cache), then only warm
   --cache-dir DIR        every start in DIR, kept (for A/B runs on one filled cache): only warm
