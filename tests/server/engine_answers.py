@@ -134,8 +134,24 @@ def differences(got, want, where: str = "") -> list[str]:
     return [] if got == want and type(got) is type(want) else [f"{where}: {got!r} != {want!r}"]
 
 
+# The CPU features the model's kernels choose their code by: token ids recorded on one kind of
+# machine are compared exactly only on the same kind (another may round a near-tie the other way).
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def machine() -> dict:
+    """{"cpu_flags": the KERNEL_FLAGS this CPU has, "torch": its version}."""
+    import torch  # only the recording's comparison needs it
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = set(next((line for line in info if line.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    return {"cpu_flags": [f for f in KERNEL_FLAGS if f in flags], "torch": torch.__version__}
+
+
 def main(root: str) -> None:
-    recorded = {}
+    recorded = {"machine": machine()}
     for flag in ("--no-engine-process", "--engine-process"):
         server, base = start_server(root, flag)
         try:

@@ -56,9 +56,6 @@ def test_the_same_answers_through_both_paths_as_recorded_and_metrics_count(both)
     golden = json.loads(ea.GOLDEN.read_text(encoding="utf-8"))
     got = {"--no-engine-process": ea.record(local), "--engine-process": ea.record(remote)}
     assert not ea.differences(got["--engine-process"], got["--no-engine-process"])
-    for flag, recorded in got.items():
-        assert not ea.differences(recorded, golden[flag]), (flag, ea.differences(
-            recorded, golden[flag])[:5])
     # probes: the recording holds enough to compare (token strings, every finish reason, the
     # core's counters sent with each tick and the API side's histograms)
     answers = golden["--engine-process"]["answers"]
@@ -69,6 +66,12 @@ def test_the_same_answers_through_both_paths_as_recorded_and_metrics_count(both)
     assert _grew(grew, "tokenweir:time_to_first_token_seconds_count") == len(ea.REQUESTS)
     assert httpx.get(remote + "/timeline", headers=HEADERS, trust_env=False,
                      timeout=60).status_code == 200
+    if golden["machine"] != ea.machine():  # kernels may round a near-tie otherwise
+        pytest.skip(f"the two paths agree; the recording is from {golden['machine']}, "
+                    f"not {ea.machine()}: not compared")
+    for flag, recorded in got.items():
+        assert not ea.differences(recorded, golden[flag]), (flag, ea.differences(
+            recorded, golden[flag])[:5])
 
 
 def _grew(grew: dict, name: str, label: str = "") -> float:
