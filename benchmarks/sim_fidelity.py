@@ -1088,7 +1088,8 @@ def _suite_errors(prediction: dict, counts: Optional[dict],
     summaries = [summarize(records) for records, _ in runs]
     out = {k: prediction[k] / mean(r[k] for r in summaries) - 1 for k in METRICS}
     if counts is not None:
-        out.update({k: counts[k] - mean(c[k] for _, c in runs) for k in SHOWN_COUNTS})
+        out.update({k: counts[k] - mean(c[k] for _, c in runs) for k in SHOWN_COUNTS
+                    if k in counts})
     return out
 
 
