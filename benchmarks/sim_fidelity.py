@@ -321,6 +321,25 @@ plus forward_phases (exclusive, floor 116 s, suite 134 s): slo speed-matched TTF
 simulated (floor 137.3; was 361.9, 133.6): MISSED in 1 against the floors (TTFT p90
 speed-matched), in 2 by issue 36's criterion. The lean did not move.
 
+fid10: which real step times make the real runs lean low (benchmarks/slo_step_residuals.py:
+each step the profile at the run's speed times a residual, by class). The kept run's own
+prefill-step residuals in their order, decode-only steps drawn as the speed-matched draws draw
+them, give TTFT p90 11.71 s over the 12 runs (real 11.34, speed-matched 12.98: the lean
+kept); the decode-only residuals with drawn prefill steps 12.99 (none of it). Shuffled,
+reversed, another run's of the same seed, smoothed (drift only), detrended (jitter only) or a
+pooled shape correction: 12.9-14.4 (none). The first half of the run's prefill steps carries
+all of it (11.47; the second half 13.32). It needs the run's own arrivals as recorded, too: at
+the workload's offsets less each arrival's lag (a median 6.4 ms) the draws reach 13.92 s and
+the real prefill residuals 15.31. An urgent request served at once or yielded as hopeless
+turns on milliseconds (seed 2, r2: TTFT 4.5 s or 23.7 s as arrivals move by their lags), so
+slo's TTFT p90 is decided by a few knife edges early in the run, which the engine crosses on
+the good side more often than the draws; no step-time or lag model tried here moves it (an
+in-simulator GIL lag, arrivals inside a prefill forward held to its next of 30 or 120 release
+points: 13.92, 13.94 s). Prefix hits are judged as requests whose lookup hit (COUNTS): 0.67 a
+run real (5 runs 0, 6 runs 1, 1 run 2) and 1.08 simulated (32 draws a run: 88 x 0, 211 x 1,
+57 x 2, 23 x 3, 5 x 4), 338 and 329 tokens a hit: the token gap is the count of hits, each a
+recomputed cut victim.
+
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
 ~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a
