@@ -23,13 +23,14 @@ A variant with noise in it runs --draws times (seeds 0..); the others once. Prin
 the real TTFT p90, its rank among --draws speed-matched draws, and each variant's mean; then
 the means over the runs, each against the real runs' and the speed-matched draws'.
 
-fid10 on fid7's 12 slo validation runs (profile /tmp/fid9/profile.json; real TTFT p90 mean
-11.34 s, speed-matched 13.05-13.09 s, +15%): real/noise 11.71 s (-10.5% against the
-speed-matched draws), noise/real 13.12 (+0.2%): the prefill steps' times carry the lean, the
-decode steps' none. shuffled/noise 13.37, reversed/noise 12.92, smooth/noise 13.02,
-detrended/noise 14.39: neither their distribution, nor their slow drift, nor their jitter
-alone; early/noise 11.47, late/noise 13.32: the first half of the run's prefill steps carries
-all of it.
+fid10 on fid7's 12 slo validation runs (profile /tmp/fid9/profile.json), as printed (TTFT
+p90 means over the runs; real 11.342 s): --draws 16, speed-matched 12.982 s (+14.5%):
+real/noise 11.713 (-9.8% against the speed-matched draws), noise/real 12.987 (+0.0%): the
+prefill steps' times carry the lean, the decode-only steps' none; shuffled/noise 13.293,
+smooth/noise 13.024, detrended/noise 14.385: neither their distribution, nor their slow drift,
+nor their jitter alone. --draws 12, speed-matched 13.047: early/noise 11.468, late/noise
+13.318: the first half of the run's prefill steps carries all of it. (reversed/noise 12.923
+at 24 draws, from the experiment script this tool was made from.)
 """
 
 from __future__ import annotations
