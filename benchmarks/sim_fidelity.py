@@ -28,7 +28,8 @@ The criterion (issue 36; `criterion`, printed last, and the exit status): per wo
 cell (total time, TTFT p50/p90, TPOT p50/p90), the simulator's mean over every validation run
 of every validation seed against the real runs' mean within max(5%, a perfect simulator's p90
 |error| for that cell: `format_perfect`); speed-matched, every cell within 5%; preemptions,
-swap-outs, prefix hits and cuts, real and simulated means within 10% or 1. Printed just before
+swap-outs, prefix hits (requests whose lookup hit; the tokens printed beside) and cuts, real and
+simulated means within 10% or 1. Printed just before
 it, `floored_criterion` (fid7) judges the speed-matched cells and the counts against their own
 noise floors as well: max(5%, a perfect simulator's p90 speed-matched, `perfect_speed_matched`)
 and 10% or 1 or a perfect simulator's p90 |difference| per count (both floors printed by
@@ -320,6 +321,25 @@ plus forward_phases (exclusive, floor 116 s, suite 134 s): slo speed-matched TTF
 simulated (floor 137.3; was 361.9, 133.6): MISSED in 1 against the floors (TTFT p90
 speed-matched), in 2 by issue 36's criterion. The lean did not move.
 
+fid10: which real step times make the real runs lean low (benchmarks/slo_step_residuals.py:
+each step the profile at the run's speed times a residual, by class). The kept run's own
+prefill-step residuals in their order, decode-only steps drawn as the speed-matched draws draw
+them, give TTFT p90 11.71 s over the 12 runs (real 11.34, speed-matched 12.98: the lean
+kept); the decode-only residuals with drawn prefill steps 12.99 (none of it). Shuffled,
+reversed, another run's of the same seed, smoothed (drift only), detrended (jitter only) or a
+pooled shape correction: 12.9-14.4 (none). The first half of the run's prefill steps carries
+all of it (11.47; the second half 13.32). It needs the run's own arrivals as recorded, too: at
+the workload's offsets less each arrival's lag (a median 6.4 ms) the draws reach 13.92 s and
+the real prefill residuals 15.31. An urgent request served at once or yielded as hopeless
+turns on milliseconds (seed 2, r2: TTFT 4.5 s or 23.7 s as arrivals move by their lags), so
+slo's TTFT p90 is decided by a few knife edges early in the run, which the engine crosses on
+the good side more often than the draws; no step-time or lag model tried here moves it (an
+in-simulator GIL lag, arrivals inside a prefill forward held to its next of 30 or 120 release
+points: 13.92, 13.94 s). Prefix hits are judged as requests whose lookup hit (COUNTS): 0.67 a
+run real (5 runs 0, 6 runs 1, 1 run 2) and 1.08 simulated (32 draws a run: 88 x 0, 211 x 1,
+57 x 2, 23 x 3, 5 x 4), 338 and 329 tokens a hit: the token gap is the count of hits, each a
+recomputed cut victim.
+
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
 ~10 points per 1% (overload's queue-bound TTFT p50 in issue 16) cannot be held to 5% by a
@@ -354,7 +374,14 @@ from tokenweir.sim.workload import RequestSpec, synthetic  # noqa: E402
 TARGET = 0.05
 COUNT_TOLERANCE = 0.10  # counts: real and simulated within 10% or 1 (`counts_agree`)
 METRICS = ("total_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
-COUNTS = ("preemptions", "swap_outs", "prefix_hits", "cuts")
+# The counts issue 36 judges ("within 10% or 1"): events, each one a request's. A prefix hit is
+# counted as a request whose prefix-cache lookup hit (`prefix_hit_requests`, fid10): in slo the
+# hits come from 0-2 recomputed cut victims per run, each hit worth 192-544 tokens (338 per hit
+# real, 329 simulated in fid7's suite), so a token count is one event's size times a count of
+# 0-2, and "within 10% or 1" in tokens judged a count of events to a third of one. The tokens
+# are still counted and printed beside (SHOWN_COUNTS), not judged.
+COUNTS = ("preemptions", "swap_outs", "prefix_hit_requests", "cuts")
+SHOWN_COUNTS = COUNTS + ("prefix_hit_tokens",)
 MAX_MODEL_LEN = 1024
 # The slo workload's TTFT line (`slo_line`): its deadlines (a multiple of the line's solo TTFT
 # for the prompt: SLO_URGENT for a quarter of the requests, SLO_GENEROUS for the rest) and the
@@ -871,8 +898,10 @@ def summarize(records: list[dict]) -> dict:
 
 
 def step_counts(trace) -> dict:
-    """Preemptions by recompute, swap-outs (a request newly in `swapped`), prefix-hit tokens
-    and mid-step cuts, from a run's step records."""
+    """Preemptions by recompute, swap-outs (a request newly in `swapped`), mid-step cuts, and
+    prefix hits from a run's step records: the requests whose lookup hit
+    ("prefix_hit_requests", `prefix_hit_events`) and the prompt tokens found
+    ("prefix_hit_tokens", the steps' `prefix_hits`)."""
     preempted, swap_outs, hits, cuts = 0, 0, 0, 0
     swapped_before: set = set()
     for s in trace.steps:
@@ -882,7 +911,27 @@ def step_counts(trace) -> dict:
         swapped_before = now
         hits += s.get("prefix_hits", 0)
         cuts += len(s.get("cut", []))
-    return {"preemptions": preempted, "swap_outs": swap_outs, "prefix_hits": hits, "cuts": cuts}
+    return {"preemptions": preempted, "swap_outs": swap_outs, "cuts": cuts,
+            "prefix_hit_requests": prefix_hit_events(trace.steps)[0], "prefix_hit_tokens": hits}
+
+
+def prefix_hit_events(steps: list[dict]) -> tuple[int, int]:
+    """(requests whose prefix-cache lookup hit, the tokens they found): a request is looked
+    up when it is admitted, first or again after a recompute preemption (a swapped-out one
+    keeps its KV and is not); it hit when its first chunk after that starts past token 0
+    (context - new tokens > 0). The tokens sum to the steps' `prefix_hits`."""
+    admitted: set = set()
+    events = tokens = 0
+    for s in steps:
+        for r in s["reqs"]:
+            if r["id"] in admitted:
+                continue
+            admitted.add(r["id"])
+            cached = r["context"] - r["prefill"] - r["decode"]
+            if cached > 0:
+                events, tokens = events + 1, tokens + cached
+        admitted.difference_update(s.get("preempted", []))
+    return events, tokens
 
 
 def realized_specs(specs: list[RequestSpec], records: list[dict]) -> list[RequestSpec]:
@@ -920,8 +969,8 @@ def compare(name: str, ours: list[tuple[list[dict], dict]],
             "real_spread": {k: (min(r[k] for r in ref_runs) / ref[k] - 1,
                                 max(r[k] for r in ref_runs) / ref[k] - 1) for k in METRICS},
             "real_runs": ref_runs, "sim_runs": mine_runs,
-            "counts_real": {k: mean(t[1][k] for t in theirs) for k in COUNTS},
-            "counts_sim": {k: mean(o[1][k] for o in ours) for k in COUNTS}}
+            "counts_real": {k: mean(t[1][k] for t in theirs) for k in SHOWN_COUNTS},
+            "counts_sim": {k: mean(o[1][k] for o in ours) for k in SHOWN_COUNTS}}
 
 
 def run_line(name: str, trace: Path) -> Optional[dict]:
@@ -1058,7 +1107,8 @@ def _suite_errors(prediction: dict, counts: Optional[dict],
     summaries = [summarize(records) for records, _ in runs]
     out = {k: prediction[k] / mean(r[k] for r in summaries) - 1 for k in METRICS}
     if counts is not None:
-        out.update({k: counts[k] - mean(c[k] for _, c in runs) for k in COUNTS})
+        out.update({k: counts[k] - mean(c[k] for _, c in runs) for k in SHOWN_COUNTS
+                    if k in counts})
     return out
 
 
@@ -1263,16 +1313,16 @@ def format_floors(rows: list[dict], perfect: dict[str, list[dict]],
     """The speed-matched table's floor (`perfect_speed_matched`: p90 |error| per cell) and
     the counts' (`perfect_simulator` with counts: p90 |predicted - synthetic| per count), and
     the speed-matched cells beyond max(TARGET, their floor)."""
-    floor, counts = perfect_floor(matched), perfect_floor(perfect, COUNTS)
+    floor, counts = perfect_floor(matched), perfect_floor(perfect, SHOWN_COUNTS)
     lines = [f"speed-matched floor: a perfect simulator's |error| p90, its runs measured and "
              f"rerun at 1.0x (`perfect_speed_matched`); counts floor: its |sim - real| p90",
              f"{'workload':10s}" + "".join(f"{k:>13s}" for k in METRICS)
-             + "".join(f"{k:>13s}" for k in COUNTS)]
+             + "".join(f"{k:>20s}" for k in SHOWN_COUNTS)]
     for r in rows:
         w = r["workload"]
         lines.append(f"{w:10s}" + "".join(f"{100 * floor.get((w, k), 0.0):12.1f}%"
                                           for k in METRICS)
-                     + "".join(f"{counts.get((w, k), 0.0):13.1f}" for k in COUNTS))
+                     + "".join(f"{counts.get((w, k), 0.0):20.1f}" for k in SHOWN_COUNTS))
     beyond = [f"{r['workload']} {k} {100 * r['speed_matched']['rel_error'][k]:+.1f}% (p90 "
               f"{100 * floor.get((r['workload'], k), 0.0):.1f}%)" for r in rows for k in METRICS
               if abs(r["speed_matched"]["rel_error"][k]) > _allowed(floor, r["workload"], k)]
@@ -1285,6 +1335,13 @@ def _count(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
 
 
+def _pair(row: dict, key: str) -> str:
+    """"real/sim" of one count of a row ("-" for a count the row does not carry)."""
+    if key not in row["counts_real"]:
+        return "-"
+    return _count(row["counts_real"][key]) + "/" + _count(row["counts_sim"][key])
+
+
 def format_table(rows: list[dict]) -> str:
     """The errors per workload; with several real runs, beside each error the real runs'
     spread [min..max, % of their mean], and a cell whose error lies inside that spread (the
@@ -1292,7 +1349,7 @@ def format_table(rows: list[dict]) -> str:
     multi = any(r.get("runs", 1) > 1 for r in rows)
     width = 25 if multi else 13
     head = (f"{'workload':10s}" + "".join(f"{k:>{width}s}" for k in METRICS)
-            + "".join(f"{k:>15s}" for k in COUNTS))
+            + "".join(f"{k:>20s}" for k in SHOWN_COUNTS))
     what = (f"errors: sim vs the mean of {max(r.get('runs', 1) for r in rows)} real runs "
             f"[their min..max around it]; counts: real mean/sim" if multi
             else "errors: sim vs real; counts: real/sim")
@@ -1307,8 +1364,7 @@ def format_table(rows: list[dict]) -> str:
                 cells.append(f"{e:+8.1f}%{inside}[{lo:+5.1f}..{hi:+5.1f}]".rjust(width))
             else:
                 cells.append(f"{e:+{width - 1}.1f}%")
-        counts = "".join(f"{_count(r['counts_real'][k]) + '/' + _count(r['counts_sim'][k]):>15s}"
-                         for k in COUNTS)
+        counts = "".join(f"{_pair(r, k):>20s}" for k in SHOWN_COUNTS)
         lines.append(f"{r['workload']:10s}" + "".join(cells) + counts)
     errors = [e for r in rows for e in r["rel_error"].values()]
     worst = max(abs(e) for e in errors)
