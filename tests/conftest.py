@@ -81,6 +81,9 @@ _share_httpx_ssl_contexts()
 
 
 def pytest_configure(config):
+    if os.environ.get("TOKENWEIR_TEST_TIMELINE"):
+        import psutil
+        _TIMELINE.append({"event": "process_start", "t": psutil.Process().create_time()})
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped where none is visible)")
 
 
@@ -120,3 +123,41 @@ def pytest_xdist_make_scheduler(config, log):
             return SHARED_FIXTURE_UNITS.get(scope, scope)
 
     return SharedFixtureFileScheduling(config, log)
+
+
+# ---- the suite's own timeline (opt-in: TOKENWEIR_TEST_TIMELINE=DIR) -------------------------
+# Each test process (each xdist worker, or the lone process) writes DIR/<worker>.jsonl at its
+# end: when the process started, when its collection ended, and each test's start and end
+# (wall-clock seconds), so a run's per-worker fixed costs and its schedule's tail can be read
+# (one line per event: {"event", "t", ...}). Off unless the variable is set.
+_TIMELINE: list = []
+
+
+def _timeline_add(event: str, **fields) -> None:
+    if os.environ.get("TOKENWEIR_TEST_TIMELINE"):
+        import time
+        _TIMELINE.append({"event": event, "t": time.time(), **fields})
+
+
+def pytest_collection_finish(session):
+    _timeline_add("collected", items=len(session.items))
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _timeline_add("start", nodeid=nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _timeline_add("end", nodeid=nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    folder = os.environ.get("TOKENWEIR_TEST_TIMELINE")
+    if not folder:
+        return
+    import json
+    _timeline_add("session_end")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{worker}.jsonl"), "w") as out:
+        out.writelines(json.dumps(event) + "\n" for event in _TIMELINE)
