@@ -125,26 +125,15 @@ SHARED_FIXTURE_UNITS = {
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with the files of SHARED_FIXTURE_UNITS grouped, handed out costliest
-    first (tests/file_costs.py); other modes as xdist's."""
+    """--dist loadfile with the files of SHARED_FIXTURE_UNITS grouped; other modes as xdist's."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
-
-    import file_costs  # tests/file_costs.py
 
     class SharedFixtureFileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
             return SHARED_FIXTURE_UNITS.get(scope, scope)
-
-        def _assign_work_unit(self, node) -> None:
-            if not getattr(self, "_ordered", False):  # the queue is complete by the first call
-                ordered = file_costs.longest_first(self.workqueue)
-                self.workqueue.clear()
-                self.workqueue.update(ordered)
-                self._ordered = True
-            super()._assign_work_unit(node)
 
     return SharedFixtureFileScheduling(config, log)
 
