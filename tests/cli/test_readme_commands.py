@@ -224,7 +224,7 @@ def _serve_until_healthy(cwd: Path) -> None:
                     if r.status == 200:
                         return
             except OSError:
-                time.sleep(1)
+                time.sleep(0.2)
         raise AssertionError(f"serve never answered /health: {proc.stderr.read()[-800:]}"
                              if proc.poll() is not None else "serve: no /health in 600 s")
     finally:

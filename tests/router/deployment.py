@@ -58,7 +58,7 @@ def wait_healthy(proc: Optional[subprocess.Popen], base: str, ready_s: float = 6
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{base} did not come up")
-        time.sleep(0.3)
+        time.sleep(0.1)
 
 
 def start_replica(port: Optional[int] = None,

@@ -62,7 +62,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
             except ProcessLookupError:
                 proc.wait(10)
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)
 
 
 @contextmanager
@@ -94,5 +94,5 @@ def _wait_started(proc: subprocess.Popen, log) -> None:
             return
         if proc.poll() is not None:
             raise RuntimeError(f"ray start exited {proc.returncode}: {text[-3000:]}")
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise RuntimeError("ray start --head did not start in 180 s")

@@ -15,23 +15,13 @@ import time
 import httpx
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings
 
-import probes  # noqa: E402  tests/server/probes.py
+import probes  # tests/server/probes.py
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLES_PER_MODE = {"/v1/completions": 50, "/v1/chat/completions": 50}
 TOKEN_CAPS = {"max_tokens": 2, "max_completion_tokens": 2, "min_tokens": 1}
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc, base = probes.start_server(ROOT, "--max-waiting-requests", "64")
-    try:
-        yield base
-    finally:
-        probes.stop_server(proc)
 
 
 def _cap_tokens(case) -> None:
@@ -62,7 +52,24 @@ def _fuzz(schema, base: str, path: str, method: str, mode, examples: int,
     run()
 
 
-def test_openapi_fuzz_no_5xx_and_engine_serves_after(server):
+@pytest.fixture(scope="module")
+def schemathesis():
+    """Imported here, not at collection: every xdist worker collects this file, one runs it
+    (the import is ~0.5 s). Its pytest plugin is off (pyproject's addopts): this file uses
+    it as a library."""
+    return pytest.importorskip("schemathesis")
+
+
+@pytest.fixture(scope="module")
+def server(schemathesis):
+    proc, base = probes.start_server(ROOT, "--max-waiting-requests", "64")
+    try:
+        yield base
+    finally:
+        probes.stop_server(proc)
+
+
+def test_openapi_fuzz_no_5xx_and_engine_serves_after(server, schemathesis):
     started = time.monotonic()
     document = httpx.get(server + "/openapi.json", trust_env=False, timeout=30).json()
     schema = schemathesis.openapi.from_dict(document)

@@ -64,7 +64,7 @@ def server():
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not come up")
-            time.sleep(0.5)
+            time.sleep(0.1)
         yield {"base": base, "proc": proc}
     finally:
         if proc.poll() is None:
