@@ -257,8 +257,24 @@ class KVCacheManager:
         start = self.num_registered.get(rid, 0)
         if full <= start:
             return
-        if filled_ids is not None:
-            self._register_filled(rid, full, start, filled_ids)
+        if filled_ids is not None:  # its one block full - 1, keyed by `filled_ids`
+            assert start == full - 1, f"{rid}: {full - start} blocks to publish, one key given"
+            blocks = self.req_to_blocks[rid]
+            block = blocks[full - 1]
+            if full == 1:
+                key = (*ROOT_PARENT, filled_ids)
+            else:
+                parent = blocks[full - 2]
+                # freed for the window: no key (the loop's break below)
+                key = None if parent.block_id == 0 else \
+                    (parent.block_id, parent.generation, filled_ids)
+            # pool.register(block, key), inlined
+            if key is not None and block.key is None and \
+                    self.pool.cached.setdefault(key, block) is block:
+                block.key = key
+            self.num_registered[rid] = full
+            if self.registration_behind:
+                self.registration_behind.discard(rid)
             return
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
         cached, pack = self.pool.cached, self._pack
@@ -278,26 +294,6 @@ class KVCacheManager:
             block = blocks[k]  # pool.register(block, key), inlined
             if block.key is None and cached.setdefault(key, block) is block:
                 block.key = key
-        self.num_registered[rid] = full
-        self.registration_behind.discard(rid)
-
-    def _register_filled(self, rid: str, full: int, start: int,
-                         ids: Union[bytes, tuple]) -> None:
-        """`register_computed_blocks`'s loop for its one block `full - 1`, keyed by `ids`."""
-        assert start == full - 1, f"{rid}: {full - start} blocks to publish, one key given"
-        blocks = self.req_to_blocks[rid]
-        if full == 1:
-            key = (*ROOT_PARENT, ids)
-        else:
-            parent = blocks[full - 2]
-            if parent.block_id == 0:  # freed for the window: no key (the loop's break)
-                key = None
-            else:
-                key = (parent.block_id, parent.generation, ids)
-        block = blocks[full - 1]  # pool.register(block, key), inlined
-        if key is not None and block.key is None and \
-                self.pool.cached.setdefault(key, block) is block:
-            block.key = key
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
 
@@ -439,14 +435,18 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block the request holds (device and host). The tail block is freed
         first, so a request's later blocks are reused before its earlier ones."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_registered.pop(request.request_id, None)
-        self.registration_behind.discard(request.request_id)
-        self._fresh_forks.discard(request.request_id)
-        if self._num_skipped.pop(request.request_id, 0):  # its leading null blocks stay
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, [])
+        self.num_registered.pop(rid, None)
+        if self.registration_behind:  # (the sets are empty on a run without swaps, forks)
+            self.registration_behind.discard(rid)
+        if self._fresh_forks:
+            self._fresh_forks.discard(rid)
+        if self._num_skipped and self._num_skipped.pop(rid, 0):  # its null blocks stay
             blocks = [b for b in blocks if b is not self.pool.null_block]
         self.pool.free_blocks(reversed(blocks))
-        self.host_pool.free(self.req_to_host_blocks.pop(request.request_id, []))
+        if self.req_to_host_blocks:
+            self.host_pool.free(self.req_to_host_blocks.pop(rid, []))
 
     # ---- swap --------------------------------------------------------------------------
     def is_swapped(self, request_id: str) -> bool:

@@ -232,17 +232,18 @@ class DecodeStretch:
         bs = len(self._buckets)
         slow = self._slow_at.pop(j, None)
         filled = self._buckets[(j + 1) % bs] if self.sched.kv.enable_prefix_caching else ()
-        touched = sorted(set(filled).union(slow)) if slow else filled
         n_before = self.n
         outputs = []
-        for i in touched:
-            if not alive[i]:
-                continue
-            if slow is not None and i in slow:
-                out = self._slow_token(i, j, now)
-                outputs.append((i, out))
-            else:  # a block filled: its tokens published
-                self._fill_block(i, j)
+        if slow is None:  # only blocks filled (a bucket holds alive rows only)
+            self._fill_blocks(filled, j)
+        else:
+            for i in sorted(set(filled).union(slow)):
+                if not alive[i]:
+                    continue
+                if i in slow:
+                    outputs.append((i, self._slow_token(i, j, now)))
+                else:  # a block filled: its tokens published
+                    self._fill_block(i, j)
         self.sched.stats.generation_tokens += n_before - (len(slow) if slow else 0)
         self.context += n_before
         self.j = j + 1
@@ -251,6 +252,23 @@ class DecodeStretch:
     def steps_in(self, i: int) -> int:
         """Stretch steps row i has decoded (through the last update)."""
         return self.j - self._j0[i]
+
+    def _fill_blocks(self, filled: list[int], j: int) -> None:
+        """`_fill_block(i, j)` for each row i in `filled`, in order (its body inlined for the
+        rows never preempted: change them together)."""
+        rows, c0, at, rule = self.rows, self._c0, self._at, self._block_key
+        register, bs, c_next = self.sched.kv.register_computed_blocks, len(self._buckets), j + 1
+        for i in filled:
+            r = rows[i]
+            if r.num_preemptions:
+                self._fill_block(i, j)
+                continue
+            c = r.num_computed_tokens = c0[i] + c_next
+            at[i] = c_next
+            ids = rule(r, c // bs - 1) if rule is not None else None
+            if ids is None:
+                self._sync_tokens(i, c_next)
+            register(r, ids)
 
     def _fill_block(self, i: int, j: int) -> None:
         """Row i through step j's update, whose token fills a block, which is published: by
