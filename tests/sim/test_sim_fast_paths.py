@@ -341,3 +341,9 @@ def test_the_block_key_rule_keys_the_regular_tokens_of_a_block(vocab_size):
             else:  # the token at position p is sampled from p - 1 computed tokens
                 tokens = runner.regular_token_ids(request, k * bs - 1, bs)
                 assert got == block_tokens_key(pack, tokens)
+            # its table form (what a decode stretch reads) gives the same keys
+            first, offset = rule.row(request)
+            assert (k >= first) == (got is not None)
+            if k >= first:
+                start = (k * bs + offset) % rule.period
+                assert (rule.table[start] or rule.make(start)) == got
