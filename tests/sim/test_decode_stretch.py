@@ -23,7 +23,7 @@ from tokenweir.sim.cluster import build_cluster
 from tokenweir.sim.digest import cluster_digest, instance_digest
 from tokenweir.sim.hardware import get_hardware, get_shape
 from tokenweir.sim.latency import NoisyLatencyModel, RooflineLatencyModel
-from tokenweir.sim.sim_runner import SimRunner
+from tokenweir.sim.sim_runner import RegularBlockKeys, SimRunner
 from tokenweir.sim.sessions import synthetic_sessions
 from tokenweir.sim.workload import synthetic
 
@@ -304,3 +304,39 @@ def test_stretches_publish_most_output_blocks_by_the_block_key_rule(monkeypatch)
     monkeypatch.setattr(SimRunner, "regular_block_rule", counting)
     _compare("roomy, no gaps", 1)
     assert sum(given) > 0.6 * len(given) > 100
+
+
+def test_a_table_rule_one_block_off_is_caught(monkeypatch):
+    """The stretch reads the runner's rule as a table (TableBlockKeyRule) for the rows' fills:
+    a row offset one block off there (the callable form left right) publishes keys no token
+    list holds, and the run differs."""
+    row = RegularBlockKeys.row
+
+    def shifted(self, request):
+        first, offset = row(self, request)
+        return first, (offset + self.block_size) % self.period
+    off = lambda: monkeypatch.setattr(RegularBlockKeys, "row", shifted)  # noqa: E731
+    assert _differs_when("roomy, no gaps", off)
+
+
+def test_stretches_publish_most_output_blocks_through_the_table(monkeypatch):
+    """Probe for the comparisons above: most of a stretch run's output blocks were keyed by
+    a table read (the rows' path), not by calling the rule (the path of steps with a finish)."""
+    reads, calls = [], []
+
+    class CountingTable(list):
+        def __getitem__(self, start):
+            reads.append(start)
+            return list.__getitem__(self, start)
+    init, call = RegularBlockKeys.__init__, RegularBlockKeys.__call__
+
+    def counting_init(self, walk, span, block_size, inverse, table):
+        init(self, walk, span, block_size, inverse, CountingTable(table))
+
+    def counting_call(self, request, k):
+        calls.append(k)
+        return call(self, request, k)
+    monkeypatch.setattr(RegularBlockKeys, "__init__", counting_init)
+    monkeypatch.setattr(RegularBlockKeys, "__call__", counting_call)
+    _compare("roomy, no gaps", 1)
+    assert len(reads) > 100 and len(reads) > len(calls)

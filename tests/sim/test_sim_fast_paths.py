@@ -36,6 +36,26 @@ def test_value_counts_percentiles_and_mean_match_the_full_sorted_sample():
     assert describe(ValueCounts())["p50"] != describe(ValueCounts())["p50"]  # nan when empty
 
 
+def test_value_counts_fold_their_adds_into_the_map_an_eager_add_makes():
+    """`add` defers (pending lists); `counts`, read at any point, is the dict that adding each
+    value at once would have made: the same counts, in the same order of first appearance."""
+    rng = random.Random(8)
+    counts, eager = ValueCounts(), {}
+    for i in range(3000):
+        value, weight = rng.choice([0.5, 0.25, 3.0, rng.random()]), rng.randint(1, 9)
+        counts.add(value, weight)
+        eager[value] = eager.get(value, 0) + weight
+        if i % 397 == 0 or i == 2999:
+            assert list(counts.counts.items()) == list(eager.items())
+    merged = ValueCounts()
+    merged.extend(counts)
+    merged.extend([0.25, 7.0])
+    eager[0.25] += 1
+    eager[7.0] = 1
+    assert list(merged.counts.items()) == list(eager.items())
+    assert len(merged) == sum(eager.values())
+
+
 def _specs():
     return synthetic(120, 400.0, seed=7, prompt="lognormal:100:0.7", output="uniform:2:40",
                      num_prefix_groups=2, prefix_len=48, max_model_len=1024)
@@ -341,3 +361,9 @@ def test_the_block_key_rule_keys_the_regular_tokens_of_a_block(vocab_size):
             else:  # the token at position p is sampled from p - 1 computed tokens
                 tokens = runner.regular_token_ids(request, k * bs - 1, bs)
                 assert got == block_tokens_key(pack, tokens)
+            # its table form (what a decode stretch reads) gives the same keys
+            first, offset = rule.row(request)
+            assert (k >= first) == (got is not None)
+            if k >= first:
+                start = (k * bs + offset) % rule.period
+                assert (rule.table[start] or rule.make(start)) == got

@@ -10,9 +10,12 @@ depends on the decisions at all (is no constant) is test_sim_scale's decision-ch
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from test_sim_scale import _small_cluster_digest
 
@@ -39,3 +42,35 @@ def test_the_cluster_benchmark_decides_as_before_the_speed_work():
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}).stdout
     assert "requests 2000/2000" in out
     assert f"digest {BENCH_2000_16}" in out.splitlines()
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[")[1].split("]")[0]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or
+                    tuple(map(int, platform.libc_ver()[1].split(".")[:2])) < (2, 35),
+                    reason="glibc.malloc.hugetlb needs glibc >= 2.35")
+def test_huge_pages_change_where_objects_live_not_what_is_decided():
+    """`--huge-pages` re-executes the benchmark with its objects in glibc malloc on
+    transparent huge pages: the same digest; probe: the run's memory is in huge pages
+    (where the kernel offers them) and the default run's is not."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_speed.py"), "--cluster",
+           "--num-requests", "2000", "--num-instances", "16"]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    outs = [subprocess.run(cmd + extra, capture_output=True, text=True, check=True, cwd=ROOT,
+                           env=env).stdout.splitlines() for extra in ([], ["--huge-pages"])]
+    huge_kib = []
+    for out, where in zip(outs, ("pymalloc", "glibc malloc on transparent huge pages")):
+        assert f"digest {BENCH_2000_16}" in out
+        [line] = [x for x in out if x.startswith("objects: ")]
+        assert line.startswith(f"objects: {where}")
+        huge_kib.append(int(line.split("AnonHugePages ")[1].split()[0]))
+    if _thp_mode() in ("madvise", "always"):
+        assert huge_kib[1] > 10_000  # the probe: tens of MB in huge pages
+    if _thp_mode() == "madvise":
+        assert huge_kib[0] == 0

@@ -138,8 +138,18 @@ class BlockPool:
         return blocks
 
     def get_new_block(self) -> KVBlock:
-        """`get_new_blocks(1)[0]`, without the lists: the least recently freed block, ref 1."""
-        block = self.free_queue.popleft()
+        """`get_new_blocks(1)[0]`, without the lists: the least recently freed block, ref 1.
+        (FreeBlockQueue.popleft inlined: change them together.)"""
+        queue = self.free_queue
+        head = queue._head
+        block = head.next_free
+        if block is None or block is queue._tail:
+            raise ValueError("no free blocks")
+        nxt = block.next_free
+        head.next_free = nxt
+        nxt.prev_free = head
+        block.prev_free = block.next_free = None
+        queue.num_free_blocks -= 1
         if block.key is not None:  # as get_new_blocks
             del self.cached[block.key]
             block.key = None

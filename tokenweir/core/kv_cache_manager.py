@@ -29,6 +29,7 @@ KVContentRunner checks it).
 from __future__ import annotations
 
 import struct
+from array import array
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -151,6 +152,9 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self._num_skipped: dict[str, int] = {}  # leading blocks freed for the window, per request
         self._pack = block_key_packer(block_size)  # a full block's ids (block_tokens_key)
+        # an int64 array's bytes are what `_pack` makes of the same ids (_pack_blocks)
+        self._array_packs = array("q").itemsize == 8 and \
+            self._pack(*range(block_size)) == array("q", range(block_size)).tobytes()
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
@@ -257,17 +261,37 @@ class KVCacheManager:
         start = self.num_registered.get(rid, 0)
         if full <= start:
             return
-        if filled_ids is not None:
-            self._register_filled(rid, full, start, filled_ids)
+        if filled_ids is not None:  # its one block full - 1, keyed by `filled_ids`
+            assert start == full - 1, f"{rid}: {full - start} blocks to publish, one key given"
+            blocks = self.req_to_blocks[rid]
+            block = blocks[full - 1]
+            if full == 1:
+                key = (*ROOT_PARENT, filled_ids)
+            else:
+                parent = blocks[full - 2]
+                # freed for the window: no key (the loop's break below)
+                key = None if parent.block_id == 0 else \
+                    (parent.block_id, parent.generation, filled_ids)
+            # pool.register(block, key), inlined
+            if key is not None and block.key is None and \
+                    self.pool.cached.setdefault(key, block) is block:
+                block.key = key
+            self.num_registered[rid] = full
+            if self.registration_behind:
+                self.registration_behind.discard(rid)
             return
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
         cached, pack = self.pool.cached, self._pack
+        packed, width = self._pack_blocks(tokens, start, full)
         for k in range(start, full):
-            chunk = tokens[k * bs:(k + 1) * bs]
-            try:  # block_tokens_key(pack, chunk), inlined
-                ids = pack(*chunk)
-            except struct.error:
-                ids = tuple(chunk)
+            if packed is not None:  # block k's slice: what pack gives its ids
+                ids = packed[(k - start) * width:(k - start + 1) * width]
+            else:
+                chunk = tokens[k * bs:(k + 1) * bs]
+                try:  # block_tokens_key(pack, chunk), inlined
+                    ids = pack(*chunk)
+                except struct.error:
+                    ids = tuple(chunk)
             if k == 0:
                 key = (*ROOT_PARENT, ids)
             else:  # self._key((parent id, parent generation), tokens, k), inlined
@@ -281,25 +305,18 @@ class KVCacheManager:
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
 
-    def _register_filled(self, rid: str, full: int, start: int,
-                         ids: Union[bytes, tuple]) -> None:
-        """`register_computed_blocks`'s loop for its one block `full - 1`, keyed by `ids`."""
-        assert start == full - 1, f"{rid}: {full - start} blocks to publish, one key given"
-        blocks = self.req_to_blocks[rid]
-        if full == 1:
-            key = (*ROOT_PARENT, ids)
-        else:
-            parent = blocks[full - 2]
-            if parent.block_id == 0:  # freed for the window: no key (the loop's break)
-                key = None
-            else:
-                key = (parent.block_id, parent.generation, ids)
-        block = blocks[full - 1]  # pool.register(block, key), inlined
-        if key is not None and block.key is None and \
-                self.pool.cached.setdefault(key, block) is block:
-            block.key = key
-        self.num_registered[rid] = full
-        self.registration_behind.discard(rid)
+    def _pack_blocks(self, tokens: list[int], start: int,
+                     full: int) -> tuple[Optional[bytes], int]:
+        """(blocks start..full-1's ids packed as `block_tokens_key` packs each, one after
+        another, in one C call; the bytes per block), or (None, 0) when one block, or an id
+        that int64 does not hold (each block then takes block_tokens_key's own path)."""
+        if full - start < 2 or not self._array_packs:
+            return None, 0
+        bs = self.block_size
+        try:
+            return array("q", tokens[start * bs:full * bs]).tobytes(), 8 * bs
+        except (OverflowError, TypeError):
+            return None, 0
 
     def has_lagging_registrations(self) -> bool:
         """True while some request's published blocks lag its computed full blocks although no
@@ -439,14 +456,18 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block the request holds (device and host). The tail block is freed
         first, so a request's later blocks are reused before its earlier ones."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_registered.pop(request.request_id, None)
-        self.registration_behind.discard(request.request_id)
-        self._fresh_forks.discard(request.request_id)
-        if self._num_skipped.pop(request.request_id, 0):  # its leading null blocks stay
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, [])
+        self.num_registered.pop(rid, None)
+        if self.registration_behind:  # (the sets are empty on a run without swaps, forks)
+            self.registration_behind.discard(rid)
+        if self._fresh_forks:
+            self._fresh_forks.discard(rid)
+        if self._num_skipped and self._num_skipped.pop(rid, 0):  # its null blocks stay
             blocks = [b for b in blocks if b is not self.pool.null_block]
         self.pool.free_blocks(reversed(blocks))
-        self.host_pool.free(self.req_to_host_blocks.pop(request.request_id, []))
+        if self.req_to_host_blocks:
+            self.host_pool.free(self.req_to_host_blocks.pop(rid, []))
 
     # ---- swap --------------------------------------------------------------------------
     def is_swapped(self, request_id: str) -> bool:

@@ -15,18 +15,35 @@ from typing import Iterable, Iterator, Union
 
 
 class ValueCounts:
-    """A multiset of floats. Iterating yields every sample, in ascending order."""
+    """A multiset of floats. Iterating yields every sample, in ascending order.
 
-    __slots__ = ("counts", "_n")
+    `add` only appends to two pending lists (a simulation adds once per step, and a run's
+    many instances' maps would each be a cold dict by then); `counts` folds them in, in the
+    order they were added, at the next read: the map and its order are those of adding each
+    at once."""
+
+    __slots__ = ("_counts", "_n", "_values", "_weights")
 
     def __init__(self, values: Iterable[float] = ()) -> None:
-        self.counts: dict[float, int] = {}
+        self._counts: dict[float, int] = {}
         self._n = 0
+        self._values: list[float] = []  # added, not yet folded into _counts
+        self._weights: list[int] = []
         self.extend(values)
 
+    @property
+    def counts(self) -> dict[float, int]:
+        """value -> count, in order of first appearance (read-only)."""
+        if self._values:
+            counts = self._counts
+            for value, count in zip(self._values, self._weights):
+                counts[value] = counts.get(value, 0) + count
+            self._values, self._weights = [], []
+        return self._counts
+
     def add(self, value: float, count: int = 1) -> None:
-        counts = self.counts
-        counts[value] = counts.get(value, 0) + count
+        self._values.append(value)
+        self._weights.append(count)
         self._n += count
 
     def extend(self, values: Union[Iterable[float], "ValueCounts"]) -> None:
@@ -45,16 +62,18 @@ class ValueCounts:
         return self._n
 
     def __iter__(self) -> Iterator[float]:
-        for value in sorted(self.counts):
-            for _ in range(self.counts[value]):
+        counts = self.counts
+        for value in sorted(counts):
+            for _ in range(counts[value]):
                 yield value
 
     def sorted_runs(self) -> tuple[list[float], list[int]]:
         """Distinct values ascending, and the cumulative count through each."""
-        values = sorted(self.counts)
+        counts = self.counts
+        values = sorted(counts)
         cumulative, total = [], 0
         for value in values:
-            total += self.counts[value]
+            total += counts[value]
             cumulative.append(total)
         return values, cumulative
 

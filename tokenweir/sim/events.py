@@ -95,6 +95,15 @@ class EventQueue:
         time, kind, _, event = heapq.heappop(self._heap)
         return time, kind, event
 
+    def run(self, handlers: list) -> float:
+        """Pop every event in order, each to `handlers[kind](event, time)` (which may push
+        more), until none is left; returns the last event's time (0.0: none)."""
+        heap, pop, now = self._heap, heapq.heappop, 0.0
+        while heap:
+            now, kind, _, event = pop(heap)
+            handlers[kind](event, now)
+        return now
+
     def __bool__(self) -> bool:
         return bool(self._heap)
 

@@ -81,11 +81,47 @@ def shared_regular_ids(vocab_size: int) -> list[int]:
 
 
 @lru_cache(maxsize=None)
-def shared_block_keys(vocab_size: int, block_size: int) -> dict:
+def shared_block_keys(vocab_size: int, block_size: int) -> list:
     """Walk offset m -> the prefix-cache key ids (`block_tokens_key`) of the `block_size`
-    regular ids `shared_token_walk(vocab_size)[m:m + block_size]`, filled as blocks are
-    published: one map for the whole process (a runner's rows fill blocks at every offset)."""
-    return {}
+    regular ids `shared_token_walk(vocab_size)[m:m + block_size]` (None until a block at that
+    offset is published): one table for the whole process (a runner's rows fill blocks at
+    every offset)."""
+    return [None] * (vocab_size - _FIRST_REGULAR_TOKEN)
+
+
+class RegularBlockKeys:
+    """A runner's block-key rule (`SimRunner.regular_block_rule`): called as (request, k), and
+    in its table form, which a decode stretch reads per row (core/sched/decode_stretch.py's
+    TableBlockKeyRule): block k of a request is keyed by
+    `table[(k * block_size + offset) % period]` (`make(start)` where that is None) for every
+    k >= first, where (first, offset) = `row(request)`; blocks before `first` hold a prompt
+    position (no key)."""
+
+    __slots__ = ("_walk", "period", "block_size", "_inverse", "table", "_pack")
+
+    def __init__(self, walk: list[int], span: int, block_size: int, inverse_stride: int,
+                 table: list) -> None:
+        self._walk, self.period, self.block_size = walk, span, block_size
+        self._inverse, self.table = inverse_stride, table
+        self._pack = block_key_packer(block_size)
+
+    def row(self, request) -> tuple[int, int]:
+        """(the first block holding no prompt position, the row's walk offset)."""
+        first = -(-len(request.prompt_token_ids) // self.block_size)
+        return first, len(request.request_id) * self._inverse % self.period
+
+    def make(self, start: int):
+        """The key ids at walk offset `start`, made once and kept in the table."""
+        ids = self.table[start] = block_tokens_key(self._pack,
+                                                   self._walk[start:start + self.block_size])
+        return ids
+
+    def __call__(self, request, k: int):
+        position = k * self.block_size
+        if position < len(request.prompt_token_ids):  # num_prompt_tokens, without a call
+            return None
+        start = (position + len(request.request_id) * self._inverse) % self.period
+        return self.table[start] or self.make(start)
 
 
 class _Tracked:
@@ -264,28 +300,17 @@ class SimRunner:
         ids, offset = self._regular_ids, len(request.request_id)
         return [ids[(k * _TOKEN_STRIDE + offset) % span] for k in range(first, first + count)]
 
-    def regular_block_rule(self, block_size: int):
+    def regular_block_rule(self, block_size: int) -> Optional["RegularBlockKeys"]:
         """(request, k) -> the key ids (`block_tokens_key`) of the request's block k when every
         one of its `block_size` tokens is a regular output sample (positions past the prompt,
         none of them EOS: the caller knows), as `regular_token_ids` gives them, without its
         token list; None where a position is the prompt's. None (no rule) where the walk is
-        empty or shorter than a block."""
+        empty or shorter than a block. The rule also has its table form (RegularBlockKeys)."""
         walk, span = self._walk, len(self._regular_ids)
         if not walk or block_size > span:
             return None
-        keys, inverse = shared_block_keys(self.vocab_size, block_size), self._inverse_stride
-        pack = block_key_packer(block_size)
-
-        def block_key(request, k: int):
-            position = k * block_size
-            if position < len(request.prompt_token_ids):  # num_prompt_tokens, without a call
-                return None
-            start = (position + len(request.request_id) * inverse) % span
-            ids = keys.get(start)
-            if ids is None:
-                ids = keys[start] = block_tokens_key(pack, walk[start:start + block_size])
-            return ids
-        return block_key
+        return RegularBlockKeys(walk, span, block_size, self._inverse_stride,
+                                shared_block_keys(self.vocab_size, block_size))
 
     def execute_beside(self, out: SchedulerOutput, num_decodes: int,
                        decode_context: int) -> ModelRunnerOutput:

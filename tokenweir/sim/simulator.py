@@ -136,14 +136,9 @@ class Simulator:
     def _run(self) -> ClusterResult:
         started = time.perf_counter()
         self._queue_first_arrivals()
-        events = self.events
         by_kind = {ARRIVAL: self._on_arrival, TRANSFER_DONE: self._on_transfer_done,
                    STEP_END: self._on_step_end, WAKE: self._on_wake, POLL: self._on_poll}
-        handlers = [by_kind[kind] for kind in sorted(EventKind)]  # indexed by kind
-        now = 0.0
-        while events:
-            now, kind, event = events.pop()
-            handlers[kind](event, now)
+        now = self.events.run([by_kind[kind] for kind in sorted(EventKind)])  # by kind
         self._check_drained(now)
         return self._result(now, time.perf_counter() - started)
 

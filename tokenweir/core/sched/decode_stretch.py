@@ -45,7 +45,7 @@ plus the blocks the tail's chunks take.
 from __future__ import annotations
 
 from itertools import compress
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from tokenweir.core.outputs import EngineCoreOutput, SchedulerOutput
 from tokenweir.core.sched import stats as count
@@ -60,6 +60,21 @@ TokenRule = Callable[[Request, int, int], list[int]]
 # (request, k) -> block k's ids as the KV manager keys them (kv_cache_manager.block_tokens_key)
 # when the runner's rule alone gives every one of its tokens, else None
 BlockKeyRule = Callable[[Request, int], object]
+
+
+class TableBlockKeyRule(Protocol):
+    """A BlockKeyRule that is also a table walk (the simulator's runner's: a row's block k
+    is keyed by `table[(k * block_size + offset) % period]`, `make(start)` where that is None,
+    for k >= first, where (first, offset) = `row(request)`; none before): the stretch reads
+    it per row instead of calling the rule per filled block."""
+
+    table: list
+    period: int
+    block_size: int  # the KV manager's
+
+    def __call__(self, request: Request, k: int) -> object: ...
+    def row(self, request: Request) -> tuple[int, int]: ...
+    def make(self, start: int) -> object: ...
 _HOOKS = ("begin_step", "on_scheduled", "victim_to_free", "end_step")
 
 
@@ -101,6 +116,8 @@ class DecodeStretch:
                  block_key: Optional[BlockKeyRule] = None) -> None:
         self.sched, self._tokens, self._eos = sched, tokens, eos_token_id
         self._block_key = block_key
+        self._table = block_key if hasattr(block_key, "row") else None  # TableBlockKeyRule
+        assert self._table is None or self._table.block_size == sched.kv.block_size
         self.active = False
         self.num_steps = 0  # steps advanced in stretches (probe)
         self.num_beside_steps = 0  # of those, steps that scheduled more than the rows (probe)
@@ -116,6 +133,8 @@ class DecodeStretch:
         self._tok: list[int] = []  # steps whose tokens its token list holds
         self._alive: list[bool] = []
         self._eos_step: list[int] = []
+        self._kfirst: list[int] = []  # with a table rule: its (first, offset) = row(request)
+        self._koff: list[int] = []
         self._buckets: list[list[int]] = []  # residue -> alive rows on a boundary at j = it
         self._slow_at: dict[int, list[int]] = {}  # step -> rows leaving the fast path then
         self.j = 0  # steps completed
@@ -148,6 +167,10 @@ class DecodeStretch:
         self._tok.append(j)
         self._alive.append(True)
         self._eos_step.append(eos_step)
+        if self._table is not None:
+            first, offset = self._table.row(r)
+            self._kfirst.append(first)
+            self._koff.append(offset)
         self._buckets[(j - c) % len(self._buckets)].append(i)  # on a boundary: c0 + j' = 0 mod bs
         cap_step = j + max(0, r.fast_length_cap - len(r.all_token_ids) - 1)
         self._slow_at.setdefault(min(eos_step, cap_step), []).append(i)
@@ -232,17 +255,18 @@ class DecodeStretch:
         bs = len(self._buckets)
         slow = self._slow_at.pop(j, None)
         filled = self._buckets[(j + 1) % bs] if self.sched.kv.enable_prefix_caching else ()
-        touched = sorted(set(filled).union(slow)) if slow else filled
         n_before = self.n
         outputs = []
-        for i in touched:
-            if not alive[i]:
-                continue
-            if slow is not None and i in slow:
-                out = self._slow_token(i, j, now)
-                outputs.append((i, out))
-            else:  # a block filled: its tokens published
-                self._fill_block(i, j)
+        if slow is None:  # only blocks filled (a bucket holds alive rows only)
+            self._fill_blocks(filled, j)
+        else:
+            for i in sorted(set(filled).union(slow)):
+                if not alive[i]:
+                    continue
+                if i in slow:
+                    outputs.append((i, self._slow_token(i, j, now)))
+                else:  # a block filled: its tokens published
+                    self._fill_block(i, j)
         self.sched.stats.generation_tokens += n_before - (len(slow) if slow else 0)
         self.context += n_before
         self.j = j + 1
@@ -251,6 +275,33 @@ class DecodeStretch:
     def steps_in(self, i: int) -> int:
         """Stretch steps row i has decoded (through the last update)."""
         return self.j - self._j0[i]
+
+    def _fill_blocks(self, filled: list[int], j: int) -> None:
+        """`_fill_block(i, j)` for each row i in `filled`, in order (its body inlined for the
+        rows never preempted: change them together)."""
+        if self._table is None:
+            for i in filled:
+                self._fill_block(i, j)
+            return
+        rows, c0, at, kfirst, koff = self.rows, self._c0, self._at, self._kfirst, self._koff
+        register, bs, c_next = self.sched.kv.register_computed_blocks, len(self._buckets), j + 1
+        table, period, make = self._table.table, self._table.period, self._table.make
+        for i in filled:
+            r = rows[i]
+            if r.num_preemptions:
+                self._fill_block(i, j)
+                continue
+            c = r.num_computed_tokens = c0[i] + c_next
+            at[i] = c_next
+            k = c // bs - 1  # the rule's key of block k (TableBlockKeyRule), inlined
+            if k >= kfirst[i]:
+                start = (k * bs + koff[i]) % period
+                ids = table[start] or make(start)
+            else:
+                ids = None
+            if ids is None:
+                self._sync_tokens(i, c_next)
+            register(r, ids)
 
     def _fill_block(self, i: int, j: int) -> None:
         """Row i through step j's update, whose token fills a block, which is published: by
