@@ -18,6 +18,7 @@ import os
 import signal
 from typing import Any
 
+from tokenweir import startup_gc  # (gc, os, contextlib: _build's pause starts before anything)
 from tokenweir.engine.core_protocol import (ReadyInfo, abort_after_failed_step, apply_finishes,
                                             to_record)
 
@@ -60,10 +61,9 @@ def core_main(config, conn, api_end, timeline_steps: int, log_level: str) -> Non
 
 
 def _build(config):
-    from tokenweir import startup_gc
-    from tokenweir.model import prefetch
+    with startup_gc.paused():  # as the in-process build (startup_gc.py), imports included
+        from tokenweir.model import prefetch
 
-    with startup_gc.paused():  # as the in-process build (startup_gc.py)
         prefetch.start_for_model(config.model.model)  # the load cache checked while torch imports
         from tokenweir.engine.llm_engine import LLMEngine
 
