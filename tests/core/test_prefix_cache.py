@@ -359,34 +359,3 @@ def test_ids_beyond_int64_key_as_tuples_and_still_hit_exactly():
     assert kv.get_computed_blocks(same).num_blocks == 2
     other = make_prompt_request("c", [huge + 1, 2, 3, 4, 5, 6, 7, 8, 9], 1)
     assert kv.get_computed_blocks(other).num_blocks == 0
-
-
-def test_registration_packs_many_blocks_as_block_tokens_key_packs_each():
-    """`register_computed_blocks` packs a request's new full blocks in one C call (_pack_blocks):
-    each published key is still (parent id, parent generation, block_tokens_key of the block's
-    ids), also where one id does not fit an int64 (every block then takes the per-block path,
-    that block a tuple), and a later identical prompt hits every block."""
-    from tokenweir.core.kv_cache_manager import block_key_packer, block_tokens_key
-    from tokenweir.request import Request, SamplingParams
-    pack = block_key_packer(4)
-    for big in (False, True):
-        kv = KVCacheManager(64, 4, enable_prefix_caching=True)
-        tokens = [(7 * i + 3) % 1000 for i in range(4 * 9 + 2)]
-        if big:
-            tokens[13] = 1 << 70
-        reqs = []
-        for name in ("a", "b"):
-            r = Request(request_id=name, prompt_token_ids=list(tokens),
-                        sampling_params=SamplingParams(max_tokens=1), max_tokens=1)
-            hits = kv.get_computed_blocks(r)
-            assert kv.allocate_slots(r, len(tokens) - hits.num_tokens, computed_blocks=hits)
-            r.num_computed_tokens = len(tokens)
-            kv.register_computed_blocks(r)
-            reqs.append((r, hits))
-        blocks = kv.req_to_blocks["a"]
-        for k in range(9):
-            ids = block_tokens_key(pack, tokens[4 * k:4 * k + 4])
-            assert isinstance(ids, tuple) == (big and k == 3)
-            parent = ROOT_PARENT if k == 0 else (blocks[k - 1].block_id, blocks[k - 1].generation)
-            assert kv.pool.cached[(*parent, ids)] is blocks[k]
-        assert reqs[1][1].num_blocks == 9  # the probe: the second prompt hit every full block

@@ -29,7 +29,6 @@ KVContentRunner checks it).
 from __future__ import annotations
 
 import struct
-from array import array
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -152,9 +151,6 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self._num_skipped: dict[str, int] = {}  # leading blocks freed for the window, per request
         self._pack = block_key_packer(block_size)  # a full block's ids (block_tokens_key)
-        # an int64 array's bytes are what `_pack` makes of the same ids (_pack_blocks)
-        self._array_packs = array("q").itemsize == 8 and \
-            self._pack(*range(block_size)) == array("q", range(block_size)).tobytes()
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
@@ -282,16 +278,12 @@ class KVCacheManager:
             return
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
         cached, pack = self.pool.cached, self._pack
-        packed, width = self._pack_blocks(tokens, start, full)
         for k in range(start, full):
-            if packed is not None:  # block k's slice: what pack gives its ids
-                ids = packed[(k - start) * width:(k - start + 1) * width]
-            else:
-                chunk = tokens[k * bs:(k + 1) * bs]
-                try:  # block_tokens_key(pack, chunk), inlined
-                    ids = pack(*chunk)
-                except struct.error:
-                    ids = tuple(chunk)
+            chunk = tokens[k * bs:(k + 1) * bs]
+            try:  # block_tokens_key(pack, chunk), inlined
+                ids = pack(*chunk)
+            except struct.error:
+                ids = tuple(chunk)
             if k == 0:
                 key = (*ROOT_PARENT, ids)
             else:  # self._key((parent id, parent generation), tokens, k), inlined
@@ -304,19 +296,6 @@ class KVCacheManager:
                 block.key = key
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
-
-    def _pack_blocks(self, tokens: list[int], start: int,
-                     full: int) -> tuple[Optional[bytes], int]:
-        """(blocks start..full-1's ids packed as `block_tokens_key` packs each, one after
-        another, in one C call; the bytes per block), or (None, 0) when one block, or an id
-        that int64 does not hold (each block then takes block_tokens_key's own path)."""
-        if full - start < 2 or not self._array_packs:
-            return None, 0
-        bs = self.block_size
-        try:
-            return array("q", tokens[start * bs:full * bs]).tobytes(), 8 * bs
-        except (OverflowError, TypeError):
-            return None, 0
 
     def has_lagging_registrations(self) -> bool:
         """True while some request's published blocks lag its computed full blocks although no
