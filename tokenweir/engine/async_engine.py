@@ -152,6 +152,11 @@ class AsyncEngine:
     def num_active(self) -> int:
         return len(self._queues)
 
+    def step_ring(self, capacity: int):
+        """Where GET /timeline reads the last `capacity` steps' records (the core's side
+        records them: engine/core_side.py); call before `start`."""
+        return self._side.step_ring(capacity)
+
     async def drain(self, timeout: float) -> bool:
         """Wait (up to `timeout` s) for in-flight requests to finish; True if they all did."""
         deadline = time.monotonic() + timeout

@@ -290,12 +290,3 @@ class RemoteEngine(InputProcessor):
         for request_id in gone:
             self.mirrors.pop(request_id, None)
 
-
-class RemoteTimeline:
-    """`/timeline`'s ring, read from the core (its StepRing) between its steps."""
-
-    def __init__(self, client: CoreClient) -> None:
-        self.client = client
-
-    def trace(self, meta: Optional[dict] = None):
-        return self.client.call("timeline")

@@ -21,6 +21,8 @@ Contract of a side (called from any thread unless said):
 - `close()`: after `stop` (and the wait for the start's Future): release what the side holds.
 - `outputs_dropped()`: the output side dropped output states without a final record (an abort,
   a failure): forget whatever the side keeps for them.
+- `step_ring(capacity)`: what GET /timeline reads the last steps' records from (called once,
+  before `start`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,14 @@ class LocalCore:
 
     def outputs_dropped(self) -> None:
         """Nothing kept here: the scheduler frees a request's state when it ends."""
+
+    def step_ring(self, capacity: int):
+        """A StepRing of the last `capacity` steps, fed by the engine's step observer."""
+        from tokenweir.timeline.records import StepRing
+
+        ring = StepRing(capacity=capacity)
+        self.engine.add_trace_sink(ring)  # timeline/tracer.py
+        return ring
 
     # ---- the engine thread ----------------------------------------------------------------
     # Owns the scheduler: every EngineCore call happens here. It never touches the output
@@ -209,6 +219,10 @@ class RemoteCore:
     def outputs_dropped(self) -> None:
         self.engine.prune()
 
+    def step_ring(self, capacity: int):
+        """The core process records the steps (engine/core_process.py); read on demand."""
+        return RemoteTimeline(self.client)
+
     # ---- the CoreClient's receiver thread --------------------------------------------------
     def _on_tick(self, events: list, metrics: list) -> None:
         front = self._front
@@ -226,3 +240,14 @@ class RemoteCore:
     def _on_end(self, reason: Optional[str]) -> None:
         """The core said "bye" (reason None) or died (reason: why)."""
         self._front.core_ended(reason)
+
+
+class RemoteTimeline:
+    """`/timeline`'s ring, read from the core (its StepRing) between its steps, over a
+    CoreClient."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def trace(self, meta: Optional[dict] = None):
+        return self.client.call("timeline")

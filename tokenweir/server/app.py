@@ -50,18 +50,7 @@ build_app = create_app  # the name server/cli.py has always called
 
 def _record_timeline(engine: AsyncEngine, steps: int):
     """A ring of the last `steps` step records for GET /timeline (None: off)."""
-    if steps <= 0:
-        return None
-    client = getattr(engine.engine, "client", None)
-    if client is not None:  # the core process records the steps (engine/core_process.py)
-        from tokenweir.engine.core_client import RemoteTimeline
-
-        return RemoteTimeline(client)
-    from tokenweir.timeline.records import StepRing
-
-    ring = StepRing(capacity=steps)
-    engine.engine.add_trace_sink(ring)  # the engine's step observer (timeline/tracer.py)
-    return ring
+    return engine.step_ring(steps) if steps > 0 else None
 
 
 @contextlib.asynccontextmanager
