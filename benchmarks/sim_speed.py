@@ -10,17 +10,20 @@ Prints wall time AND process CPU time (on a busy machine wall time overstates), 
 requests per second, the cost per generated token, and a digest of everything the run decided
 (two runs of the same inputs print the same digest).
 
-    python benchmarks/sim_speed.py [--num-requests N] [--profile] [--huge-pages]
+    python benchmarks/sim_speed.py [--num-requests N] [--profile] [--no-huge-pages]
     python benchmarks/sim_speed.py --cluster [--num-requests N] [--num-instances N] [--profile]
 
-`--huge-pages` runs the simulation in a process whose Python objects come from glibc malloc
-(PYTHONMALLOC=malloc) backed by transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1,
-glibc >= 2.35; the kernel's THP mode "madvise" or "always"): the script re-executes itself
-with those two variables. It changes no decision (same digest), only where the objects live:
-a 64-instance cluster's objects (blocks, prefix-cache keys, router LRUs: ~200 MB at 20k
-requests) span more 4 KiB pages than the TLB holds, and most block operations touch a block
-freed thousands of operations earlier. Measured (simrun9, exclusive, taskset -c 0, 20k
-cluster, 3 interleaved pairs): 13.3 / 11.6 / 12.3 s plain, 11.7 / 11.1 / 11.0 s with it.
+Huge pages (the default where the machine offers them: glibc >= 2.35 and the kernel's
+transparent huge pages in mode "madvise" or "always"; `--no-huge-pages` turns them off): the
+simulation runs in a process whose Python objects come from glibc malloc (PYTHONMALLOC=malloc)
+backed by transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1): the script
+re-executes itself with those two variables. It changes no decision (same digest), only where
+the objects live: a 64-instance cluster's objects (blocks, prefix-cache keys, router LRUs:
+~200 MB at 20k requests, ~575 MB at 100k) span more 4 KiB pages than the TLB holds, and most
+block operations touch a block freed thousands of operations earlier. Measured (exclusive,
+taskset -c 0, 3 interleaved pairs): simrun9 on an AMD EPYC, 20k cluster: 13.3 / 11.6 / 12.3 s
+plain, 11.7 / 11.1 / 11.0 s with them; sim11 on an Intel Xeon (AVX-512, AMX), 100k cluster:
+38.2 / 39.6 / 36.8 s plain, 34.3 / 34.8 / 33.0 s with them (digest b31c8d01 both).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
+import platform
 import pstats
 import sys
 import time
@@ -43,6 +47,7 @@ from tokenweir.sim.workload import synthetic  # noqa: E402
 
 ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 HUGE_PAGES_ENV = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def in_huge_pages() -> bool:
@@ -60,6 +65,18 @@ def anon_huge_kib() -> int:
     except OSError:
         pass
     return -1
+
+
+def huge_pages_offered() -> bool:
+    """glibc >= 2.35 (its malloc.hugetlb tunable) and transparent huge pages the kernel gives
+    on madvise or always: what `--huge-pages` needs to do anything."""
+    name, version = platform.libc_ver()
+    try:
+        glibc_ok = name == "glibc" and tuple(map(int, version.split(".")[:2])) >= (2, 35)
+        mode = Path(THP_MODE).read_text().split("[")[1].split("]")[0]
+    except (OSError, ValueError, IndexError):
+        return False
+    return glibc_ok and mode in ("madvise", "always")
 
 
 def reexec_in_huge_pages() -> None:
@@ -105,11 +122,13 @@ def main() -> int:
     parser.add_argument("--prefix-groups", type=int, default=256)
     parser.add_argument("--prefix-len", type=int, default=128)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--huge-pages", action="store_true",
+    parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
                         help="Python objects in glibc malloc on transparent huge pages "
-                             "(re-executes with PYTHONMALLOC=malloc and glibc.malloc.hugetlb=1)")
+                             "(re-executes with PYTHONMALLOC=malloc and glibc.malloc.hugetlb=1); "
+                             "default: on where the machine offers them")
     args = parser.parse_args()
-    if args.huge_pages and not in_huge_pages():
+    huge = huge_pages_offered() if args.huge_pages is None else args.huge_pages
+    if huge and not in_huge_pages():
         reexec_in_huge_pages()
     if args.num_requests is None:
         args.num_requests = 1_000_000 if args.cluster else 100_000
@@ -139,8 +158,8 @@ def main() -> int:
           f"{wall / max(1, m['num_steps']) * 1e3:.3f} ms per step (target: < {target} s)")
     print(f"cpu time {cpu:.1f} s (this process; workload setup {setup_cpu:.1f} s more), "
           f"{cpu / generated * 1e6:.2f} us per token")
-    print("objects: " + ("glibc malloc on transparent huge pages (--huge-pages)"
-                         if in_huge_pages() else "pymalloc (the default)")
+    print("objects: " + ("glibc malloc on transparent huge pages" if in_huge_pages()
+                         else "pymalloc")
           + f", AnonHugePages {anon_huge_kib()} kB")
     if digest:
         print(f"digest {digest}")
