@@ -13,8 +13,9 @@ requests per second, the cost per generated token, and a digest of everything th
     python benchmarks/sim_speed.py [--num-requests N] [--profile] [--no-huge-pages]
     python benchmarks/sim_speed.py --cluster [--num-requests N] [--num-instances N] [--profile]
 
-Huge pages (the default where the machine offers them: glibc >= 2.35 and the kernel's
-transparent huge pages in mode "madvise" or "always"; `--no-huge-pages` turns them off): the
+Huge pages (the default for `--cluster` where the machine offers them: glibc >= 2.35 and the
+kernel's transparent huge pages in mode "madvise" or "always"; `--no-huge-pages` turns them
+off, `--huge-pages` on for the single instance too, where they were not timed): the
 simulation runs in a process whose Python objects come from glibc malloc (PYTHONMALLOC=malloc)
 backed by transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1): the script
 re-executes itself with those two variables. It changes no decision (same digest), only where
@@ -125,9 +126,10 @@ def main() -> int:
     parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
                         help="Python objects in glibc malloc on transparent huge pages "
                              "(re-executes with PYTHONMALLOC=malloc and glibc.malloc.hugetlb=1); "
-                             "default: on where the machine offers them")
+                             "default: on for --cluster where the machine offers them")
     args = parser.parse_args()
-    huge = huge_pages_offered() if args.huge_pages is None else args.huge_pages
+    huge = (args.cluster and huge_pages_offered()) if args.huge_pages is None \
+        else args.huge_pages
     if huge and not in_huge_pages():
         reexec_in_huge_pages()
     if args.num_requests is None:

@@ -59,10 +59,10 @@ def _glibc_has_hugetlb() -> bool:
 
 @pytest.mark.skipif(not _glibc_has_hugetlb(), reason="glibc.malloc.hugetlb needs glibc >= 2.35")
 def test_huge_pages_change_where_objects_live_not_what_is_decided():
-    """Huge pages (the default where offered; `--no-huge-pages` off, `--huge-pages` on) re-execute
-    the benchmark with its objects in glibc malloc on transparent huge pages: the same digest
-    every way; probes: the run's memory is in huge pages (where the kernel offers them), the
-    default run's too, and the `--no-huge-pages` run's is not."""
+    """Huge pages (the default for --cluster where offered; `--no-huge-pages` off,
+    `--huge-pages` on) re-execute the benchmark with its objects in glibc malloc on transparent
+    huge pages: the same digest every way; probes: the run's memory is in huge pages (where
+    the kernel offers them), the default run's too, and the `--no-huge-pages` run's is not."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_speed.py"), "--cluster",
            "--num-requests", "2000", "--num-instances", "16"]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
