@@ -10,8 +10,9 @@ Prints wall time AND process CPU time (on a busy machine wall time overstates), 
 requests per second, the cost per generated token, and a digest of everything the run decided
 (two runs of the same inputs print the same digest).
 
-    python benchmarks/sim_speed.py [--num-requests N] [--profile] [--no-huge-pages]
+    python benchmarks/sim_speed.py [--num-requests N] [--profile] [--huge-pages]
     python benchmarks/sim_speed.py --cluster [--num-requests N] [--num-instances N] [--profile]
+                                   [--no-huge-pages]
 
 Huge pages (the default for `--cluster` where the machine offers them: glibc >= 2.35 and the
 kernel's transparent huge pages in mode "madvise" or "always"; `--no-huge-pages` turns them
