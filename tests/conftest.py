@@ -124,54 +124,16 @@ SHARED_FIXTURE_UNITS = {
 }
 
 
-# Units with few tests but many seconds, sent out before every other unit, costliest first.
-# xdist's loadfile queue is ordered by test count, so these went last, and one worker ran
-# them alone while the other had finished (base 50a3dc4, Intel Xeon, 2 workers: gw1 ended
-# 11.7 s after gw0; test_fuzz, 1 test, 10 s, was the last unit of a worker). Chosen from that
-# run's --durations: units of at most 10 tests costing 4 s or more. Only the order changes:
-# a name missing here costs time, never a test (test_suite_schedule.py checks each name).
-SEND_FIRST = (
-    "tests/router/test_ray_*.py", "tests/model/test_model_real.py",
-    "tests/server/test_forkserver.py", "tests/core/test_random_invariants.py",
-    "tests/server/test_engine_process.py", "tests/server/test_start_gate.py",
-    "tests/server/test_fuzz.py", "tests/engine/test_gpu_benchmark.py",
-    "tests/router/test_router.py", "tests/engine/test_slo_cut.py",
-    "tests/timeline/test_timeline_browser.py", "tests/guided/test_guided_server.py",
-    "tests/model/test_row_buckets.py", "tests/sim/test_golden_results.py",
-    "tests/sim/test_sim_scale.py", "tests/cli/test_import_graph.py",
-    "tests/model/test_kernel_build_lock.py", "tests/router/test_data_parallel.py",
-    "tests/sim/test_sim_speed_digests.py", "tests/cli/test_readme_commands.py",
-    "tests/parallel/test_tensor_parallel.py",
-)
-
-
-def send_first(workqueue, first=None) -> None:
-    """Move the units named in `first` (default SEND_FIRST; in that order) to the front of
-    xdist's workqueue (an OrderedDict unit -> its tests); the others keep their order."""
-    first = SEND_FIRST if first is None else first
-    for scope in reversed([s for s in first if s in workqueue]):
-        workqueue.move_to_end(scope, last=False)
-
-
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with the files of SHARED_FIXTURE_UNITS grouped and SEND_FIRST's units
-    sent out first; other modes as xdist's."""
+    """--dist loadfile with the files of SHARED_FIXTURE_UNITS grouped; other modes as xdist's."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class SharedFixtureFileScheduling(LoadFileScheduling):
-        ordered = False
-
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
             return SHARED_FIXTURE_UNITS.get(scope, scope)
-
-        def _assign_work_unit(self, node) -> None:
-            if not self.ordered:  # the first call: schedule() has just filled the queue
-                self.ordered = True
-                send_first(self.workqueue)
-            super()._assign_work_unit(node)
 
     return SharedFixtureFileScheduling(config, log)
 
