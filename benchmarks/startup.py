@@ -43,6 +43,8 @@ Usage: python benchmarks/startup.py [--repeats 2] [--model smollm2-135m]
   --preimport MODULE     imported by the child before the command starts (counted in `import`),
                          e.g. tokenweir.server.serve: serve's server stack up front, not
                          overlapped with the engine's build
+  --dtype DTYPE          the command's --dtype (default: none given, i.e. auto); the last
+                         column prints the dtype each start's model was built in
   --serve-flag FLAG      serve: one more flag for `tokenweir serve` (repeatable), e.g.
                          --serve-flag=--no-engine-process for the in-process engine
   --first-request N      serve: once /health answers 200, time one completion of a ~N-token
@@ -108,10 +110,24 @@ def _timed(owner, attribute: str, phase: str, times: dict) -> None:
 
 
 def _instrument_loader(loader, times: dict) -> None:
+    _record_dtype(loader, times)
     _timed(loader, "open_gguf_cached", "model read", times)
     _timed(loader, "_open_hf_dir", "model read", times)
     _timed(loader, "_build", "weights", times)
     _timed(loader, "_attach_packed", "packed", times)
+
+
+def _record_dtype(loader, times: dict) -> None:
+    """times["dtype"]: the dtype the model was built in (load_model's argument as the
+    command resolved it: `auto` has become bfloat16 or float32 by then)."""
+    real = loader.load_model
+
+    def load_model(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        times.setdefault("dtype", str(loaded.model.lm_head_weight.dtype).replace("torch.", ""))
+        return loaded
+
+    loader.load_model = load_model
 
 
 def _on_import(hooks: dict, spans: tuple = ()) -> None:
@@ -254,6 +270,21 @@ def _core_events(module, events: list, started: float, out: str) -> None:
     module.core_main = core_main
 
 
+def _core_phases(module, times: dict, out: str) -> None:
+    """Serve with the engine core in its own process (forked after this hook ran, so the
+    loader, kernel and warm-up wrappers are in it too and fill the core's copy of `times`):
+    the core writes its phases to OUT.core-phases when it tells the API process "ready"
+    (ready_info runs right before that message), so the file is there before /health answers
+    200. The parent's row takes the core's phases over the API process's own."""
+    real = module.ready_info
+
+    def ready_info(engine):
+        _dump(times, out + ".core-phases")
+        return real(engine)
+
+    module.ready_info = ready_info
+
+
 def _apply_patches(patches: list[str]) -> None:
     """MOD:ATTR=VALUE, VALUE a Python literal: setattr(import_module(MOD), ATTR, VALUE)."""
     import ast
@@ -267,7 +298,7 @@ def _apply_patches(patches: list[str]) -> None:
 
 def child(command: str, model: str, started: float, out: str, port: int,
           patches: list[str], preimports: list[str], timeline: bool = False,
-          serve_flags: tuple = ()) -> int:
+          serve_flags: tuple = (), dtype: str = "") -> int:
     import atexit
     import importlib
 
@@ -300,21 +331,24 @@ def child(command: str, model: str, started: float, out: str, port: int,
 
         serve_module.make_server = make_server
 
-    more = {"tokenweir.server.serve": on_serve}
-    if timeline:
-        more["tokenweir.engine.core_process"] = lambda m: _core_events(m, events, started, out)
+    more = _merge_hooks({"tokenweir.server.serve": on_serve,
+                         "tokenweir.engine.core_process": lambda m: _core_phases(m, times, out)},
+                        {"tokenweir.engine.core_process":
+                         lambda m: _core_events(m, events, started, out)} if timeline else {})
     _instrument(times, started, on_engine, events, more)
     from tokenweir.cli import main
 
     for module in preimports:
         importlib.import_module(module)
     _apply_patches(patches)
+    dtype_flag = ["--dtype", dtype] if dtype else []
     if command == "generate":
-        args = ["generate", "--model", model, "--max-tokens", "4"]
+        args = ["generate", "--model", model, "--max-tokens", "4", *dtype_flag]
         for prompt in PROMPTS:
             args += ["--prompt", prompt]
         return main(args)
-    return main(["serve", model, "--port", str(port), "--log-level", "warning", *serve_flags])
+    return main(["serve", model, "--port", str(port), "--log-level", "warning", *dtype_flag,
+                 *serve_flags])
 
 
 # ---- parent: runs and the table -------------------------------------------------------------
@@ -326,7 +360,7 @@ def _free_port() -> int:
 
 def run_once(command: str, model: str, cache_dir: str, patches: list[str],
              extra_env: list[str], preimports: list[str], timeline: bool = False,
-             first_request: int = 0, serve_flags: tuple = ()) -> dict:
+             first_request: int = 0, serve_flags: tuple = (), dtype: str = "") -> dict:
     """One start's row of phase times; with timeline, its events under "timeline"."""
     out = tempfile.mktemp(prefix="tokenweir-startup-", suffix=".json")
     port = _free_port()
@@ -342,6 +376,7 @@ def run_once(command: str, model: str, cache_dir: str, patches: list[str],
         cmd += ["--preimport", module]
     cmd += ["--timeline"] if timeline else []
     cmd += [f"--serve-flag={flag}" for flag in serve_flags]
+    cmd += ["--dtype", dtype] if dtype else []
     if command == "generate":
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         row = _read_json(out)
@@ -349,7 +384,8 @@ def run_once(command: str, model: str, cache_dir: str, patches: list[str],
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
         try:
             ready = _wait_health(port, proc)
-            row = {**_read_json(out + ".engine"), "ready": ready - started}
+            row = {**_read_json(out + ".engine"), **_core_phases_row(out),
+                   "ready": ready - started}
             if first_request:
                 row["first req"] = _time_request(port, model, first_request)
         finally:
@@ -358,6 +394,17 @@ def run_once(command: str, model: str, cache_dir: str, patches: list[str],
     if timeline:
         core = _read_json(out + ".core") if os.path.exists(out + ".core") else []
         row["timeline"] = sorted(_read_json(out + ".events") + core)
+    return row
+
+
+def _core_phases_row(out: str) -> dict:
+    """The engine core process's phases (_core_phases), {} when it wrote none (the in-process
+    engine, --no-engine-process: the API process's own file has them)."""
+    path = out + ".core-phases"
+    if not os.path.exists(path):
+        return {}
+    row = _read_json(path)
+    os.remove(path)
     return row
 
 
@@ -423,11 +470,13 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true")
     parser.add_argument("--first-request", type=int, default=0)
     parser.add_argument("--serve-flag", action="append", default=[])
+    parser.add_argument("--dtype", default="", choices=("", "auto", "float32", "bfloat16"))
     args = parser.parse_args()
     if args.child:
         sys.exit(child(args.child, args.model, args.started, args.out, args.port, args.patch,
-                       args.preimport, args.timeline, tuple(args.serve_flag)))
-    print(f"{'command':9} {'start':5} {'run':>3}  " + "  ".join(f"{p:>10}" for p in PHASES))
+                       args.preimport, args.timeline, tuple(args.serve_flag), args.dtype))
+    print(f"{'command':9} {'start':5} {'run':>3}  " + "  ".join(f"{p:>10}" for p in PHASES)
+          + "  dtype")
     for command in args.commands:
         numbers = {"cold": 0, "warm": 0}
         for modes in _schedule(args.repeats, args.warm_only or bool(args.cache_dir)):
@@ -438,11 +487,12 @@ def main() -> None:
                 for mode in modes:
                     row = run_once(command, args.model, cache_dir, args.patch, args.env,
                                    args.preimport, args.timeline, args.first_request,
-                                   tuple(args.serve_flag))
+                                   tuple(args.serve_flag), args.dtype)
                     cells = "  ".join(f"{row[p]:>9.2f}s" if p in row else f"{'-':>10}"
                                       for p in PHASES)
                     numbers[mode] += 1
-                    print(f"{command:9} {mode:5} {numbers[mode]:>3}  {cells}", flush=True)
+                    print(f"{command:9} {mode:5} {numbers[mode]:>3}  {cells}  "
+                          f"{row.get('dtype', '-')}", flush=True)
                     if "timeline" in row:
                         print(format_timeline(row["timeline"]), flush=True)
             finally:

@@ -67,6 +67,9 @@ WEIGHTS_FILE, _TOKENIZER, _MANIFEST = "weights.safetensors", "tokenizer.json", "
 _DERIVING_MODULES = ("load_cache.py", "loader.py", "tokenizer.py", "arch.py", "llama.py")
 _DERIVING_PACKAGES = ("gguf", "tokenizers", "numpy")
 _DATA_ALIGN = 64  # the tensor data starts at a multiple of this (float32 views need 4)
+# safetensors dtype name -> (torch dtype name, bytes per element): what a weights file may hold
+# (the entry's own file: F32; model/load_cache_cast.py's: BF16 or F16)
+SAFETENSORS_DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2)}
 
 
 class CacheCorrupt(Exception):
@@ -174,14 +177,15 @@ def arch_from_json(data: dict[str, Any]) -> ArchConfig:
 
 
 # ---- safetensors, streamed -----------------------------------------------------------------
-def _safetensors_header(specs: list[tuple[str, tuple[int, ...]]]) -> bytes:
-    """The header of a float32 safetensors file holding `specs` (name, shape) in order, padded
-    with spaces so that the data starts at a multiple of _DATA_ALIGN."""
+def _safetensors_header(specs: list[tuple[str, tuple[int, ...]]], dtype: str = "F32") -> bytes:
+    """The header of a safetensors file holding `specs` (name, shape) in order, every tensor of
+    `dtype` (a SAFETENSORS_DTYPES name), padded with spaces so that the data starts at a
+    multiple of _DATA_ALIGN."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "tokenweir"}}
-    offset = 0
+    offset, width = 0, SAFETENSORS_DTYPES[dtype][1]
     for name, shape in specs:
-        size = 4 * int(np.prod(shape, dtype=np.int64))
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        size = width * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * ((-(8 + len(text))) % _DATA_ALIGN)
@@ -189,17 +193,20 @@ def _safetensors_header(specs: list[tuple[str, tuple[int, ...]]]) -> bytes:
 
 
 def write_weights(path: str, specs: list[tuple[str, tuple[int, ...]]],
-                  tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Stream `tensors` (float32, contiguous, names and shapes exactly `specs`, in order) into
-    a safetensors file: one tensor in memory at a time."""
+                  tensors: Iterable[tuple[str, torch.Tensor]], dtype: str = "F32") -> None:
+    """Stream `tensors` (of `dtype`, a SAFETENSORS_DTYPES name; contiguous; names and shapes
+    exactly `specs`, in order) into a safetensors file: one tensor in memory at a time."""
+    import torch
+
     with open(path, "wb") as f:
-        f.write(_safetensors_header(specs))
+        f.write(_safetensors_header(specs, dtype))
         for (name, shape), (got, tensor) in zip(specs, tensors, strict=True):
             if got != name or tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != \
-                    "torch.float32":
+                    f"torch.{SAFETENSORS_DTYPES[dtype][0]}":
                 raise ValueError(f"load cache: tensor {got!r} {tuple(tensor.shape)} "
                                  f"{tensor.dtype} does not match the header's {name!r} {shape}")
-            f.write(memoryview(tensor.contiguous().numpy()).cast("B"))
+            raw = tensor.contiguous().reshape(-1).view(torch.uint8)  # numpy has no bfloat16
+            f.write(memoryview(raw.numpy()).cast("B"))
 
 
 def _map_file(path: str) -> torch.Tensor:
@@ -209,9 +216,10 @@ def _map_file(path: str) -> torch.Tensor:
     return torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
 
 
-def read_weights(buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """(name, float32 view) for every tensor of a mapped safetensors file written by
-    write_weights; CacheCorrupt when the header does not describe the buffer exactly."""
+def read_weights(buffer: torch.Tensor, dtype: str = "F32") -> list[tuple[str, torch.Tensor]]:
+    """(name, view) for every tensor of a mapped safetensors file written by write_weights
+    with `dtype`; CacheCorrupt when the header does not describe the buffer exactly (a tensor
+    of another dtype included)."""
     import torch
 
     raw = buffer.numpy()
@@ -229,10 +237,10 @@ def read_weights(buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     out, end = [], 0
     for name, spec in header.items():
         first, last = spec["data_offsets"]
-        if spec.get("dtype") != "F32" or first != end or (start + first) % 4:
+        if spec.get("dtype") != dtype or first != end or (start + first) % 4:
             raise CacheCorrupt(f"weights header entry {name!r} is not what this cache writes")
         end = last
-        view = buffer[start + first:start + last].view(torch.float32)
+        view = buffer[start + first:start + last].view(getattr(torch, SAFETENSORS_DTYPES[dtype][0]))
         out.append((name, view.view(tuple(spec["shape"]))))
     if start + end != raw.size:
         raise CacheCorrupt(f"weights file holds {raw.size} bytes, its header describes "

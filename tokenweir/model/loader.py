@@ -51,6 +51,9 @@ class LoadedModel:
     # What model/packed_cache.py did with the packed float32 weights: "hit", "written",
     # "rebuilt", or "" (not asked for, no cache entry, or not CPU float32 with the kernel).
     packed_cache: str = ""
+    # What model/load_cache_cast.py did with the weights in the model's dtype: "hit",
+    # "written", "rebuilt", or "" (no cache entry, or not a CPU bfloat16/float16 model).
+    cast_cache: str = ""
 
 
 def preferred_dtype(device: torch.device | str) -> torch.dtype:
@@ -109,9 +112,11 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
     (model/deferred_tokenizer.py), for a process that may never use it."""
     device = torch.device(device)
     path = resolve_model_path(model)
-    cache_status, entry = "", ""
+    cache_status, entry, cast_status = "", "", ""
     if path.endswith(".gguf"):
         arch, weights, tokenizer, cache_status, entry = open_gguf_cached(path, defer_tokenizer)
+        if entry:
+            weights, cast_status = _cast_from_cache(weights, entry, dtype, device)
     else:
         arch, weights, tokenizer = _open_hf_dir(path)
     net = _build(arch, weights, dtype, device)
@@ -119,7 +124,27 @@ def load_model(model: str, dtype: torch.dtype = torch.float32,
     name = model if model in ALIASES else os.path.basename(path.rstrip(os.sep))
     return LoadedModel(model=net, arch=arch, tokenizer=tokenizer,
                        max_model_len=arch.max_position_embeddings, name=name, path=path,
-                       load_cache=cache_status, packed_cache=packed_status)
+                       load_cache=cache_status, packed_cache=packed_status,
+                       cast_cache=cast_status)
+
+
+def _cast_from_cache(weights: Iterator, entry: str, dtype: torch.dtype,
+                     device: torch.device) -> tuple[Iterator, str]:
+    """The entry's weights with the parameters in `dtype` mapped from the entry's cast file
+    (model/load_cache_cast.py), and what it did; the float32 weights and "" where it does not
+    apply, or with one line when the entry cannot take the file (then _build converts them,
+    as without it)."""
+    from tokenweir.model import load_cache_cast
+
+    if not load_cache_cast.applies(dtype, device):
+        return weights, ""
+    weights = list(weights)
+    try:
+        cast, status = load_cache_cast.weights_in(entry, weights, dtype)
+    except (OSError, load_cache.CacheCorrupt) as exc:
+        load_cache.notice(f"{dtype} weights not cached ({exc}); converting them at load")
+        return iter(weights), ""
+    return iter(cast), status
 
 
 def _attach_packed(net: CausalLM, entry: str) -> str:

@@ -1,8 +1,9 @@
 """Checking the load cache's files while torch imports (torch-free: the CLI starts it first).
 
-A warm start checks the words checksum (model/load_cache.py) of the entry's weights file and of
-its packed weights (model/packed_cache.py) before using them: two numpy reductions over
-~540 MB each, which release the GIL. `start(path)` runs those checks on a daemon thread while
+A warm start checks the words checksum (model/load_cache.py) of the entry's weights file, of
+its packed weights (model/packed_cache.py) and of its weights in another dtype
+(model/load_cache_cast.py) before using them: two numpy reductions over ~540 MB each (~270 MB
+for bfloat16), which release the GIL. `start(path)` runs those checks on a daemon thread while
 the main thread imports torch (one core's work on most of a start: the other core is idle);
 the readers then take each file's result (load_cache.mapped_words) instead of reading it again.
 
@@ -59,7 +60,8 @@ def _check_entry(model_path: str) -> None:
             return
         directory = load_cache.entry_dir(root, sha, load_cache.derivation_tag())
         files = [os.path.join(directory, load_cache.WEIGHTS_FILE),
-                 *sorted(glob.glob(os.path.join(directory, "packed-*.safetensors")))]
+                 *sorted(glob.glob(os.path.join(directory, "packed-*.safetensors"))),
+                 *sorted(glob.glob(os.path.join(directory, "cast-*.safetensors")))]
         futures = [load_cache.claim_check(path) for path in files]
         for path, future in zip(files, futures):
             _compute(path, future)
