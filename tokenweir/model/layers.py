@@ -211,7 +211,11 @@ def invariant_matmul_op(weight: torch.Tensor, owner: object,
 # rows; across tile sizes it was not (N = 3072 and 49152: tiles under 64 rows differ from 64).
 # tests/model/test_batch_invariant_ops.py checks it on every run, so a torch or oneDNN version
 # that changes it fails there. TOKENWEIR_CPU_ISA=avx512 / avx2 keep the widened float32 path.
-INVARIANT_TILE_ROWS = 64
+# The size: one oneDNN call on SmolLM2's weights (this AMX CPU, 2 threads, exclusive, min of
+# runs) costs per decode step (30 layers + LM head) 6.6 ms at 1 row, 7.8 ms at 16, 14.7 ms at
+# 32, 20.4 ms at 64: 16 keeps a single-stream step within ~1.2 ms of one row, at ~1.5x the
+# matmul time of 64-row tiles for a 64-row step (4 calls of 16: 31 ms vs 20.4 ms).
+INVARIANT_TILE_ROWS = 16
 
 
 def native_bf16_tiles(weight: torch.Tensor) -> bool:
