@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenweir.model import attention as A
-from tokenweir.model import kernels
+from tokenweir.model import kernels, layers
 from tokenweir.model.layers import Linear, invariant_matmul, set_batch_invariant
 
 pytestmark = pytest.mark.skipif(
@@ -115,11 +115,81 @@ def test_a_chunk_row_attends_as_the_decode_at_its_position(dtype, ctx, chunk, he
     # the default path computes the same attention, in another order
     torch.testing.assert_close(default_decodes, decode_rows, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(default_chunk, decode_rows, rtol=2e-2, atol=2e-2)
-    if kernels.cpu_isa() == "avx512bf16" and dtype == torch.bfloat16:
-        assert not torch.equal(default_chunk, decode_rows)  # the one-pass flash path differs
+    if kernels.cpu_isa() == "avx512bf16" and dtype == torch.bfloat16 and chunk > 1:
+        # the default path's BF16 dot products take prefill items of > 1 row (bf16_dot_passes):
+        # a one-row chunk is attended as a decode is, so only longer chunks must differ
+        assert not torch.equal(default_chunk, decode_rows)
 
 
 def test_batch_invariant_metadata_refuses_a_backend():
     with pytest.raises(ValueError, match="batch-invariant attention"):
         A.build_attention_metadata([1], [3], [[1]], 16, "cpu", backend=object(),
                                    batch_invariant=True)
+
+
+# oneDNN's bfloat16 GEMM on fixed tiles (layers.INVARIANT_TILE_ROWS, CPUs with native
+# bfloat16): SmolLM2's five weight shapes (its 3072 and 49152 rows are where oneDNN's result for
+# a row changes with the row count) and odd ones (ragged N, K not a multiple of 32)
+TILE_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (100, 72),
+               (512, 600)]
+TILE_ROW_COUNTS = (1, 2, 7, 63, 64, 65, 130, 300)
+
+native_tiles = pytest.mark.skipif(
+    kernels.cpu_isa() != "avx512bf16" or not layers.onednn_bf16_packing(),
+    reason="oneDNN's bfloat16 tiles are the invariant path on CPUs with native bfloat16 only")
+
+
+@native_tiles
+@pytest.mark.parametrize("n,k", TILE_SHAPES)
+def test_a_row_is_the_same_bits_in_any_tile_of_onednn_rows(n, k):
+    """The property the tiled path rests on, checked on this torch / oneDNN build: a row gets
+    the same bits from a fixed-size oneDNN call wherever it sits and whatever the other rows
+    (random, or the zeros that pad a last tile), over many row counts and positions."""
+    lin = _linear(n, k, torch.bfloat16, seed=n + k)
+    set_batch_invariant(lin, True)
+    gen = torch.Generator().manual_seed(k)
+    row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    alone = lin(row)[0]
+    assert lin.__dict__.get(layers._WIDENED_ATTR) is None  # probe: oneDNN's path, not panels
+    for m in TILE_ROW_COUNTS:
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        for at in sorted({0, 1 % m, m // 2, m - 1}):
+            x[at] = row[0]
+            assert torch.equal(lin(x)[at], alone), (n, k, m, at)
+            x[at] = torch.randn(k, generator=gen).to(torch.bfloat16)
+
+
+@native_tiles
+def test_onednn_moves_a_row_with_the_row_count_without_tiles():
+    """Why the tiles: called on the rows as they come, oneDNN's bfloat16 GEMM gives a row other
+    bits at some row counts (so the test above can fail)."""
+    moved = []
+    for n, k in TILE_SHAPES:
+        lin = _linear(n, k, torch.bfloat16, seed=n + k)
+        packed = layers.onednn_pack(lin.weight)
+        gen = torch.Generator().manual_seed(k)
+        row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+        alone = layers.onednn_linear(row, packed, None)[0]
+        for m in TILE_ROW_COUNTS[1:]:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            x[0] = row[0]
+            if not torch.equal(layers.onednn_linear(x, packed, None)[0], alone):
+                moved.append((n, m))
+    assert moved, "oneDNN gave a row the same bits at every row count"
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_a_narrower_isa_keeps_the_widened_float32_panels(isa, monkeypatch):
+    """TOKENWEIR_CPU_ISA=avx512 / avx2 (and CPUs without native bfloat16): bfloat16 invariant
+    matmuls run the packed float32 kernel on widened panels, invariant as before."""
+    monkeypatch.setenv("TOKENWEIR_CPU_ISA", isa)
+    if kernels.cpu_isa() != isa:
+        pytest.skip(f"this CPU cannot run the {isa} variant")
+    lin = _linear(96, 600, torch.bfloat16)
+    set_batch_invariant(lin, True)
+    row = torch.randn(1, 600, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    alone = lin(row)[0]
+    assert lin.__dict__.get(layers._WIDENED_ATTR) is not None  # probe: the widened panels
+    x = torch.randn(70, 600, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x[69] = row[0]
+    assert torch.equal(lin(x)[69], alone)

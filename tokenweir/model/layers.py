@@ -183,6 +183,8 @@ def invariant_matmul_op(weight: torch.Tensor, owner: object,
     """invariant_matmul on `weight` as it is now, resolved once (kernel, panels): a function of
     a CPU 2-D x (Linear.bind's use)."""
     kernel = kernels.packed_linear_kernel()
+    if kernel is not None and native_bf16_tiles(weight):
+        return tiled_onednn_op(weight, owner, out_dtype)
     if kernel is None or weight.dtype not in (torch.float32, torch.bfloat16):
         raise RuntimeError(f"batch-invariant matmuls need the C++ CPU kernels and a float32 or "
                            f"bfloat16 weight (got {weight.dtype}, kernels "
@@ -196,6 +198,51 @@ def invariant_matmul_op(weight: torch.Tensor, owner: object,
     if out_dtype == torch.float32:
         return lambda x: kernel(x.float().contiguous(), panels, n, fixed_order=True)
     return lambda x: kernel(x.float().contiguous(), panels, n, fixed_order=True).to(out_dtype)
+
+
+# On a CPU with native bfloat16 (the kernels' "avx512bf16" variant: AVX-512 BF16, and AMX where
+# oneDNN finds it) a bfloat16 weight's invariant matmul is oneDNN's own bfloat16 GEMM on the
+# oneDNN-packed weight (the flag-off path's copy: no widened panels), called ONLY with
+# INVARIANT_TILE_ROWS rows: x is cut into tiles of that many rows, the last padded with zeros.
+# oneDNN picks its kernel and blocking by the shape, and with one shape every row's sums ran in
+# one order: measured (torch 2.13.0's oneDNN, 1 and 2 threads, SmolLM2's five weight shapes and
+# four odd ones, tiles of 1-128 rows, the row at 6 positions among random or zero rows) a row's
+# result was the same bits wherever it sat in a tile of a given size and whatever the other
+# rows; across tile sizes it was not (N = 3072 and 49152: tiles under 64 rows differ from 64).
+# tests/model/test_batch_invariant_ops.py checks it on every run, so a torch or oneDNN version
+# that changes it fails there. TOKENWEIR_CPU_ISA=avx512 / avx2 keep the widened float32 path.
+# The size: one oneDNN call on SmolLM2's weights (this AMX CPU, 2 threads, exclusive, min of
+# runs) costs per decode step (30 layers + LM head) 6.6 ms at 1 row, 7.8 ms at 16, 14.7 ms at
+# 32, 20.4 ms at 64: 16 keeps a single-stream step within ~1.2 ms of one row, at ~1.5x the
+# matmul time of 64-row tiles for a 64-row step (4 calls of 16: 31 ms vs 20.4 ms).
+INVARIANT_TILE_ROWS = 16
+
+
+def native_bf16_tiles(weight: torch.Tensor) -> bool:
+    """Whether invariant matmuls on `weight` take tiled_onednn_op (see INVARIANT_TILE_ROWS)."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.is_contiguous()
+            and kernels.cpu_isa() == "avx512bf16" and onednn_bf16_packing())
+
+
+def tiled_onednn_op(weight: torch.Tensor, owner: object,
+                    out_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [M, K] -> x @ weight.T (bfloat16 GEMM, float32 accumulation, rounded to bfloat16, then
+    `out_dtype`), every oneDNN call on exactly INVARIANT_TILE_ROWS rows (see above)."""
+    packed = packed_weight(owner, weight, "onednn", onednn_pack)
+    n, tile = weight.shape[0], INVARIANT_TILE_ROWS
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16).contiguous()
+        rows = x.shape[0]
+        out = x.new_empty((rows, n))
+        for start in range(0, rows, tile):
+            part = x[start:start + tile]
+            if part.shape[0] < tile:
+                part = torch.cat((part, part.new_zeros((tile - part.shape[0], part.shape[1]))))
+            out[start:start + tile] = onednn_linear(part, packed, None)[:rows - start]
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+    return run
 
 
 def set_batch_invariant(model: nn.Module, enabled: bool) -> None:
