@@ -41,6 +41,16 @@ so the engine did not look there: its look came >= 10.5 ms after the recorded ar
 106 matched cuts the real forward ended (0.55, median) of a layer after the simulator's
 ordering look, 93% within [0, 1] layer: where the engine cut, it cut at the boundary the
 simulator predicts (8 of them 0.3-1.1 ms after the look, ~40 of them 11-20 ms).
+
+fid11, a fresh suite on an Intel AVX-512 machine (5 slo runs: 2 calibration, 3 validation;
+profile /tmp/fid11/profile.json): 2 of 5 followed to the end at first; two parted where an
+arrival came 3 and 5 ms before the engine's step start and after the replay's, because the
+engine had woken 5-6 ms late from an idle stretch earlier in that busy stretch (0.2-0.5 ms
+is usual) and the replay's clock started that step at the arrival. With `woken_specs` (the
+step after an idle stretch starts when the engine's did): 4 of 5 to the end, 33 real cuts
+(26 margin-beaten, 7 running-hopeless yields) and 8 pauses matched; seed 3 parts at step 195
+of 229, a real cut at 1.530 s into a step the profile times at 1.496 s (the cut step's full
+length, which the trace does not hold).
 """
 
 from __future__ import annotations
