@@ -346,7 +346,12 @@ s; held-out step error 13.6%; collected in exclusive holds; profile fitted to th
 calibration runs of all five workloads, slo replayed at the defaults): slo plain cells all
 inside their floors (TTFT p90 +13.7%, floor 36.1%); speed-matched TTFT p90 -7.1% (floor
 15.3%): MET against the floors, MISSED in 1 by issue 36's criterion, the sign the other way
-from fid7-fid10's +15.4% on the AVX2 EPYC. Per run, the real TTFT p90 ranks 0.06, 0.12 and
+from fid7-fid10's +15.4% on the AVX2 EPYC. A perfect simulator errs there the same way: its
+20 speed-matched suites' signed TTFT p90 errors have median -7.5% (mean -5.0%, -20.4..+12.2%),
+10 of them at -7.1% or below. About 2 points of that lean are the drift inside runs, which
+the synthetic runs carry and the speed-matched draws do not: the same 32 draws per run with
+the profile's drift added give a mean TTFT p90 +2.2% higher (seeds 1, 2, 3: -3.1, +0.5,
++7.9%). Per run, the real TTFT p90 ranks 0.06, 0.12 and
 1.00 among its 32 speed-matched draws: seeds 1 and 2 lean low as before, seed 3 (5.80 s
 real, draws 4.04-5.05) lies above every draw. The mechanism is the simulator's: the forced
 replay (benchmarks/slo_forced_replay.py) follows 4 of the 5 runs to their last step and
