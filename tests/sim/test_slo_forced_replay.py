@@ -102,3 +102,49 @@ def test_cycles_run_to_the_next_start_unless_the_engine_idled(fr):
     steps = [{"start": 0.0, "duration": 0.9}, {"start": 1.0, "duration": 0.5, "drained": True},
              {"start": 4.0, "duration": 0.25}]
     assert fr.trace_cycles(steps) == [1.0, 0.5, 0.25]
+
+
+def test_the_replay_waits_for_an_engine_that_woke_late(fr, kept, tmp_path):
+    """The engine starts a step a little after an arrival that found it idle (2-6 ms at times
+    in fid11's runs); the replay starts it when the engine did and keeps the deadline where
+    the engine had it. The kept run with the arrival that woke its second busy stretch
+    recorded 5 ms earlier (the engine then woke 5 ms late): followed, each step at the run's
+    start. Probe: the arrival moved, and without `woken_specs` the replay parts or its steps
+    start early."""
+    steps = json.loads("[" + ",".join(kept.read_text().splitlines()[1:]) + "]")
+    data = json.loads(fr.sf.records_path(kept).read_text())
+    wake = next(steps[k]["start"] for k in range(2, len(steps)) if steps[k - 1].get("drained")
+                and steps[k]["start"] - steps[k - 1]["start"] - steps[k - 1]["duration"] > 0.05)
+    woke = [r for r in data["records"] if r["arrival"] == pytest.approx(wake, abs=1e-9)]
+    assert len(woke) == 1
+    woke[0]["arrival"] -= 0.005
+    late = tmp_path / "slo-seed1.jsonl"
+    late.write_text(kept.read_text())
+    fr.sf.records_path(late).write_text(json.dumps(data))
+
+    def starts(result):
+        return [s["start"] for s in result["sim"]], [s["start"] - result["t0"]
+                                                     for s in result["real"]]
+
+    result = fr.replay(PROFILE, late)
+    assert result["first"] is None, fr.format_replay(result)
+    sim, real = starts(result)
+    assert sim == pytest.approx(real, abs=1e-9)
+    specs = fr.sf.run_specs("slo", late)
+    moved = fr.woken_specs(specs, result["real"], result["t0"])
+    assert [m.arrival + m.ttft_slo_ms / 1000 for m in moved] == pytest.approx(
+        [s.arrival + s.ttft_slo_ms / 1000 for s in specs], abs=1e-9)
+    assert [m.request_id for m, s in zip(moved, specs) if m.arrival != s.arrival] \
+        == [woke[0]["request_id"]]
+
+
+def test_woken_specs_moves_only_arrivals_that_found_the_engine_idle(fr):
+    from tokenweir.sim.workload import RequestSpec
+
+    steps = [{"start": 10.001, "duration": 0.5, "drained": True},
+             {"start": 12.004, "duration": 0.5}, {"start": 12.504, "duration": 0.5}]
+    specs = [RequestSpec(f"r{i}", a, 8, 2, ttft_slo_ms=100.0)
+             for i, a in enumerate((0.0, 2.0, 2.2))]
+    moved = fr.woken_specs(specs, steps, 10.0)
+    assert [m.arrival for m in moved] == pytest.approx([0.001, 2.004, 2.2])
+    assert [m.ttft_slo_ms for m in moved] == pytest.approx([99.0, 96.0, 100.0])
