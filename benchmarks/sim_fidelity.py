@@ -827,14 +827,24 @@ STALL_FACTOR = 5.0
 STALL_MIN_CHUNK = 32  # prefill tokens of a step that measures the run's per-token cost
 
 
-def _cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int]:
+def _cpu_times(stat: Path = Path("/proc/stat"),
+               autogroup: Path = Path("/proc/sys/kernel/sched_autogroup_enabled")
+               ) -> tuple[int, int]:
     """(busy, total) jiffies of the whole machine, from /proc/stat. Time spent in niced
-    processes (the "nice" column) counts as idle: the kernel gives it up to any normal-priority
-    thread (a nice-19 job's weight is 15 against 1024: the engine's thread keeps ~98.5% of its
-    core), so it does not stall the engine, and a long niced job (fid11: a memory soak at nice
-    19 on both cores for an hour) would otherwise hold every run QUIET_MAX_WAIT_S."""
+    processes (the "nice" column) counts as idle only where the kernel's autogroup is off
+    (`autogroup` reads 0): then a nice-19 job's weight is 15 against 1024 and the engine's
+    thread keeps ~98.5% of its core. With autogroup on (the kernel's default where the file
+    is missing too), CPU is shared between sessions first and nice acts only inside one: a
+    nice-19 job started from another session takes a whole core from the engine (seen in
+    session 27: a soak at nice 19 slowed start11's exclusive runs 4-5x), so it is busy."""
     fields = [int(x) for x in stat.read_text().split("\n")[0].split()[1:]]
-    idle = fields[1] + fields[3] + (fields[4] if len(fields) > 4 else 0)
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    try:
+        grouped = autogroup.read_text().strip() != "0"
+    except OSError:
+        grouped = True
+    if not grouped:
+        idle += fields[1]
     return sum(fields) - idle, sum(fields)
 
 

@@ -6,11 +6,17 @@ and one request in ten aborted part-way; batch sizes (the matmuls' M) vary every
 line per `--sample-seconds` (RSS, native heap, Python objects, requests and tokens done), then the
 growth from the end of the warm-up (`--warmup-minutes`) to the end. Target: < 5% growth.
 
-    nice -n 19 python benchmarks/soak_rss.py --dtype bfloat16 --minutes 30 --warmup-minutes 5
+    setsid sh -c 'echo 19 > /proc/self/autogroup; exec nice -n 19 python benchmarks/soak_rss.py \
+        --dtype bfloat16 --minutes 30 --warmup-minutes 5'    # out of timed runs' way (below)
     python benchmarks/soak_rss.py --dtype bfloat16 --minutes 3 --warmup-minutes 1 \
         --sample-seconds 15 --no-bucket        # matmul rows not bucketed (the cause)
 
 Exit status 1 when the growth is over the target.
+
+Beside timed work: where the kernel's autogroup is on (/proc/sys/kernel/sched_autogroup_enabled
+1, the common default) CPU is shared between sessions before nice applies, so `nice -n 19`
+alone still takes a whole core from another session's timed run (session 27: 4-6x slower
+starts beside it). The soak's own session at autogroup nice 19 (the line above) yields.
 """
 
 from __future__ import annotations

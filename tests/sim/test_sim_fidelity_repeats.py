@@ -193,13 +193,19 @@ def test_wait_for_quiet_waits_while_the_machine_is_busy(fid, monkeypatch):
     assert next(jiffies, None) is None  # sampled twice: busy, then idle
 
 
-def test_cpu_times_count_niced_time_as_idle(fid, tmp_path):
-    """A niced job (nice column) gives its CPU up to the engine: idle to wait_for_quiet, so a
-    long nice-19 job does not hold every run QUIET_MAX_WAIT_S; user and system time are busy."""
+def test_cpu_times_count_niced_time_as_idle_only_without_autogroup(fid, tmp_path):
+    """A niced job (nice column) gives its CPU up to the engine only where the kernel's
+    autogroup is off: idle to wait_for_quiet there, busy with autogroup on (sessions share the
+    CPU first) or where the setting cannot be read; user and system time are busy."""
     stat = tmp_path / "stat"
     # cpu  user nice system idle iowait irq softirq steal
     stat.write_text("cpu  10 500 20 400 30 0 0 0\ncpu0 1 2 3 4 5 0 0 0\n")
-    assert fid._cpu_times(stat) == (30, 960)  # nice 500, idle 400, iowait 30 are idle
+    off, on = tmp_path / "off", tmp_path / "on"
+    off.write_text("0\n")
+    on.write_text("1\n")
+    assert fid._cpu_times(stat, off) == (30, 960)  # nice 500, idle 400, iowait 30 are idle
+    assert fid._cpu_times(stat, on) == (530, 960)
+    assert fid._cpu_times(stat, tmp_path / "missing") == (530, 960)
 
 
 def test_run_orders(fid):
