@@ -428,6 +428,32 @@ def _read_json_or_empty(path: str) -> dict:
         return {}
 
 
+def write_checked_file(stem: str, write: Callable[[str], None], meta: dict[str, Any]) -> None:
+    """<stem>.safetensors, written by `write(path)` to a staging path, then its side file
+    <stem>.json: `meta` plus the file's "size" and "words" (words_checksum); each renamed into
+    place, the side file last, so a reader that finds the side file finds the whole file (the
+    load cache's derived files: packed_cache.py, load_cache_cast.py)."""
+    staging = f"{stem}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write(staging)
+        words = words_checksum(np.fromfile(staging, dtype=np.uint8))
+        side = {**meta, "size": os.path.getsize(staging), "words": words}
+        os.replace(staging, f"{stem}.safetensors")
+        write_json_atomic(f"{stem}.json", side)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+
+
+def remove_checked_file(stem: str) -> None:
+    """Remove what write_checked_file wrote: the side file first (no reader trusts the rest)."""
+    for suffix in (".json", ".safetensors"):
+        try:
+            os.remove(stem + suffix)
+        except FileNotFoundError:
+            pass
+
+
 def write_json_atomic(path: str, data: Any) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     staging = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

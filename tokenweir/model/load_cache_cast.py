@@ -42,10 +42,8 @@ import glob
 import hashlib
 import json
 import os
-import uuid
 from typing import Iterator, Optional
 
-import numpy as np
 import torch
 
 from tokenweir.model import load_cache
@@ -140,32 +138,20 @@ def _read(stem: str, wanted: list, dtype: torch.dtype,
 
 def _write(stem: str, wanted: list, weights: Weights, dtype: torch.dtype, entry: str) -> None:
     """Cast each tensor and stream it into <stem>.safetensors (one cast copy in memory at a
-    time), then the side file; each renamed into place, the side file last."""
-    staging = f"{stem}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
+    time), then the side file (load_cache.write_checked_file)."""
     def cast() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if _cast(name, tensor, dtype):
                 yield name, tensor.to(dtype)
 
-    try:
-        load_cache.write_weights(staging, wanted, cast(), CAST_DTYPES[dtype][1])
-        words = load_cache.words_checksum(np.fromfile(staging, dtype=np.uint8))
-        meta = {"format": CAST_FORMAT, "dtype": str(dtype), "size": os.path.getsize(staging),
-                "words": words, "entry": os.path.basename(os.path.normpath(entry))}
-        os.replace(staging, f"{stem}.safetensors")
-        load_cache.write_json_atomic(f"{stem}.json", meta)
-    finally:
-        if os.path.exists(staging):
-            os.remove(staging)
+    meta = {"format": CAST_FORMAT, "dtype": str(dtype),
+            "entry": os.path.basename(os.path.normpath(entry))}
+    load_cache.write_checked_file(
+        stem, lambda path: load_cache.write_weights(path, wanted, cast(), CAST_DTYPES[dtype][1]),
+        meta)
 
 
-def _remove(stem: str) -> None:
-    for suffix in (".json", ".safetensors"):  # the side file first: no reader trusts the rest
-        try:
-            os.remove(stem + suffix)
-        except FileNotFoundError:
-            pass
+_remove = load_cache.remove_checked_file
 
 
 def _remove_other_tags(entry: str, dtype: torch.dtype, own: str) -> None:

@@ -34,10 +34,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from typing import Any, Iterator, Optional
 
-import numpy as np
 import torch
 
 from tokenweir.model import kernels, layers, load_cache
@@ -146,31 +144,19 @@ def _read(stem: str, wanted, panel: int) -> Optional[list[torch.Tensor]]:
 
 def _write(stem: str, wanted, panel: int) -> None:
     """Pack each weight and stream it into <stem>.safetensors (one packed copy in memory at a
-    time), then the side file; each renamed into place, the side file last."""
-    staging = f"{stem}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    time), then the side file (load_cache.write_checked_file)."""
     specs = [(name, _shape(weight, panel)) for name, _, weight in wanted]
 
     def packed() -> Iterator[tuple[str, torch.Tensor]]:
         for name, _, weight in wanted:
             yield name, kernels.pack_linear_weight(weight.detach(), panel)
 
-    try:
-        load_cache.write_weights(staging, specs, packed())
-        words = load_cache.words_checksum(np.fromfile(staging, dtype=np.uint8))
-        meta = {"format": PACKED_FORMAT, "size": os.path.getsize(staging), "words": words}
-        os.replace(staging, f"{stem}.safetensors")
-        load_cache.write_json_atomic(f"{stem}.json", meta)
-    finally:
-        if os.path.exists(staging):
-            os.remove(staging)
+    load_cache.write_checked_file(
+        stem, lambda path: load_cache.write_weights(path, specs, packed()),
+        {"format": PACKED_FORMAT})
 
 
-def _remove(stem: str) -> None:
-    for suffix in (".json", ".safetensors"):  # the side file first: no reader trusts the rest
-        try:
-            os.remove(stem + suffix)
-        except FileNotFoundError:
-            pass
+_remove = load_cache.remove_checked_file
 
 
 def _remove_other_tags(entry: str, own: str) -> None:
