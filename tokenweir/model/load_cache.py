@@ -445,6 +445,31 @@ def write_checked_file(stem: str, write: Callable[[str], None], meta: dict[str, 
             os.remove(staging)
 
 
+def read_checked_file(stem: str) -> Optional[tuple[dict[str, Any], "torch.Tensor"]]:
+    """(the side file's dict, <stem>.safetensors mapped copy-on-write as uint8) of a file that
+    write_checked_file finished; None when there is no side file; CacheCorrupt when the side
+    file is unreadable or the file's size or words differ from it."""
+    import torch
+
+    if not os.path.exists(f"{stem}.json"):
+        return None
+    try:
+        with open(f"{stem}.json", encoding="utf-8") as f:
+            meta = json.load(f)
+        size, words = int(meta["size"]), [int(w) for w in meta["words"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CacheCorrupt(f"side file unreadable ({exc.__class__.__name__})") from None
+    path = f"{stem}.safetensors"
+    actual = os.path.getsize(path) if os.path.exists(path) else -1
+    if actual != size:
+        raise CacheCorrupt(f"the file holds {actual} bytes, its side file says {size} "
+                           "(truncated?)")
+    buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    if mapped_words(path, buffer) != words:
+        raise CacheCorrupt("checksum mismatch")
+    return meta, buffer
+
+
 def remove_checked_file(stem: str) -> None:
     """Remove what write_checked_file wrote: the side file first (no reader trusts the rest)."""
     for suffix in (".json", ".safetensors"):

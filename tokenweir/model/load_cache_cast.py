@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 from typing import Iterator, Optional
 
@@ -111,25 +110,13 @@ def _read(stem: str, wanted: list, dtype: torch.dtype,
           entry: str) -> Optional[list[torch.Tensor]]:
     """The mapped tensors, None when there is no (finished) file; CacheCorrupt when one is
     there but fails a check."""
-    if not os.path.exists(f"{stem}.json"):
+    checked = load_cache.read_checked_file(stem)
+    if checked is None:
         return None
-    try:
-        with open(f"{stem}.json", encoding="utf-8") as f:
-            meta = json.load(f)
-        size, words = int(meta["size"]), [int(w) for w in meta["words"]]
-        written_for = meta["entry"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CacheCorrupt(f"side file unreadable ({exc.__class__.__name__})") from None
+    meta, buffer = checked
+    written_for = meta.get("entry")
     if written_for != os.path.basename(os.path.normpath(entry)):
         raise CacheCorrupt(f"written for the entry {written_for!r}, not this one")
-    path = f"{stem}.safetensors"
-    actual = os.path.getsize(path) if os.path.exists(path) else -1
-    if actual != size:
-        raise CacheCorrupt(f"the file holds {actual} bytes, its side file says {size} "
-                           "(truncated?)")
-    buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-    if load_cache.mapped_words(path, buffer) != words:
-        raise CacheCorrupt("checksum mismatch")
     tensors = load_cache.read_weights(buffer, CAST_DTYPES[dtype][1])
     if [(name, tuple(t.shape)) for name, t in tensors] != wanted:
         raise CacheCorrupt("its tensors are not the entry's")

@@ -32,7 +32,6 @@ Contracts:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Any, Iterator, Optional
 
@@ -119,22 +118,10 @@ def _install(wanted, panels: list[torch.Tensor], panel: int) -> None:
 def _read(stem: str, wanted, panel: int) -> Optional[list[torch.Tensor]]:
     """The mapped panels, None when there is no (finished) file; CacheCorrupt when one is
     there but fails a check."""
-    if not os.path.exists(f"{stem}.json"):
+    checked = load_cache.read_checked_file(stem)
+    if checked is None:
         return None
-    try:
-        with open(f"{stem}.json", encoding="utf-8") as f:
-            meta = json.load(f)
-        size, words = int(meta["size"]), [int(w) for w in meta["words"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CacheCorrupt(f"side file unreadable ({exc.__class__.__name__})") from None
-    path = f"{stem}.safetensors"
-    actual = os.path.getsize(path) if os.path.exists(path) else -1
-    if actual != size:
-        raise CacheCorrupt(f"the file holds {actual} bytes, its side file says {size} "
-                           "(truncated?)")
-    buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-    if load_cache.mapped_words(path, buffer) != words:
-        raise CacheCorrupt("checksum mismatch")
+    _, buffer = checked
     tensors = load_cache.read_weights(buffer)
     expected = [(name, _shape(weight, panel)) for name, _, weight in wanted]
     if [(name, tuple(t.shape)) for name, t in tensors] != expected:
