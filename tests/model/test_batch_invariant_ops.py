@@ -139,60 +139,24 @@ native_tiles = pytest.mark.skipif(
     reason="oneDNN's bfloat16 tiles are the invariant path on CPUs with native bfloat16 only")
 
 
-mkl_tiles = pytest.mark.skipif(
-    kernels.cpu_isa() not in ("avx512", "avx512bf16"),
-    reason="MKL's float32 tiles are the invariant path on the AVX-512 variants only")
-
-
-def _tiles_apply(dtype: torch.dtype) -> None:
-    if dtype == torch.bfloat16 and (kernels.cpu_isa() != "avx512bf16"
-                                    or not layers.onednn_bf16_packing()):
-        pytest.skip("oneDNN's bfloat16 tiles are the invariant path on native-bfloat16 CPUs")
-    if dtype == torch.float32 and kernels.cpu_isa() not in ("avx512", "avx512bf16"):
-        pytest.skip("MKL's float32 tiles are the invariant path on the AVX-512 variants only")
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n,k", TILE_SHAPES + [(192, 576), (1536, 576)])
-def test_a_row_is_the_same_bits_in_any_tile_of_onednn_rows(n, k, dtype):
-    """The property the tiled paths rest on, checked on this torch / oneDNN / MKL build: a row
-    gets the same bits from a fixed-size oneDNN (bfloat16) or MKL (float32) call wherever it
-    sits and whatever the other rows (random, or the zeros that pad a last tile), over many row
-    counts and positions, in an x that starts at a tile-aligned address or one row past it."""
-    _tiles_apply(dtype)
-    lin = _linear(n, k, dtype, seed=n + k)
+@native_tiles
+@pytest.mark.parametrize("n,k", TILE_SHAPES)
+def test_a_row_is_the_same_bits_in_any_tile_of_onednn_rows(n, k):
+    """The property the tiled path rests on, checked on this torch / oneDNN build: a row gets
+    the same bits from a fixed-size oneDNN call wherever it sits and whatever the other rows
+    (random, or the zeros that pad a last tile), over many row counts and positions."""
+    lin = _linear(n, k, torch.bfloat16, seed=n + k)
     set_batch_invariant(lin, True)
     gen = torch.Generator().manual_seed(k)
-    row = torch.randn(1, k, generator=gen).to(dtype)
+    row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
     alone = lin(row)[0]
-    # probe: the tiled path, not the packed kernel's panels (bfloat16's widened ones; float32's
-    # in the default slot, which bfloat16's oneDNN-packed weight takes)
-    assert lin.__dict__.get(layers._WIDENED_ATTR) is None
-    assert dtype == torch.bfloat16 or lin.__dict__.get(layers._PACKED_ATTR) is None
+    assert lin.__dict__.get(layers._WIDENED_ATTR) is None  # probe: oneDNN's path, not panels
     for m in TILE_ROW_COUNTS:
-        x = torch.randn(m + 1, k, generator=gen).to(dtype)[m % 2:m % 2 + m]
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         for at in sorted({0, 1 % m, m // 2, m - 1}):
             x[at] = row[0]
             assert torch.equal(lin(x)[at], alone), (n, k, m, at)
-            x[at] = torch.randn(k, generator=gen).to(dtype)
-
-
-@mkl_tiles
-def test_mkl_moves_a_float32_row_with_the_row_count_without_tiles():
-    """Why the float32 tiles: F.linear (MKL) on the rows as they come gives a row other bits at
-    some row counts (so the test above can fail for float32)."""
-    moved = []
-    for n, k in TILE_SHAPES:
-        w = _linear(n, k, torch.float32, seed=n + k).weight.detach()
-        gen = torch.Generator().manual_seed(k)
-        row = torch.randn(1, k, generator=gen)
-        alone = torch.nn.functional.linear(row, w)[0]
-        for m in TILE_ROW_COUNTS[1:]:
-            x = torch.randn(m, k, generator=gen)
-            x[0] = row[0]
-            if not torch.equal(torch.nn.functional.linear(x, w)[0], alone):
-                moved.append((n, m))
-    assert moved, "MKL gave a float32 row the same bits at every row count"
+            x[at] = torch.randn(k, generator=gen).to(torch.bfloat16)
 
 
 @native_tiles
@@ -227,23 +191,5 @@ def test_a_narrower_isa_keeps_the_widened_float32_panels(isa, monkeypatch):
     alone = lin(row)[0]
     assert lin.__dict__.get(layers._WIDENED_ATTR) is not None  # probe: the widened panels
     x = torch.randn(70, 600, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    x[69] = row[0]
-    assert torch.equal(lin(x)[69], alone)
-
-
-@pytest.mark.parametrize("isa,packed", [("avx512", False), ("avx2", True)])
-def test_float32_takes_mkl_tiles_on_avx512_and_the_packed_kernel_on_avx2(isa, packed,
-                                                                         monkeypatch):
-    """float32 invariant matmuls: MKL tiles on the AVX-512 variants (no float32 panels), the
-    packed kernel's fixed order on avx2 (panels), invariant either way."""
-    monkeypatch.setenv("TOKENWEIR_CPU_ISA", isa)
-    if kernels.cpu_isa() != isa:
-        pytest.skip(f"this CPU cannot run the {isa} variant")
-    lin = _linear(96, 600, torch.float32)
-    set_batch_invariant(lin, True)
-    row = torch.randn(1, 600, generator=torch.Generator().manual_seed(1))
-    alone = lin(row)[0]
-    assert (lin.__dict__.get(layers._PACKED_ATTR) is not None) == packed  # probe: the route
-    x = torch.randn(70, 600, generator=torch.Generator().manual_seed(2))
     x[69] = row[0]
     assert torch.equal(lin(x)[69], alone)

@@ -154,6 +154,13 @@ def set_quantization(model: nn.Module, quantization: Optional[str]) -> None:
 # fixed block size, so each row is summed in one order. bfloat16 rows are widened to float32 (an
 # exact conversion) against float32 panels of the bfloat16 weight (+2x the weight's bytes) and
 # the float32 sums rounded once to bfloat16, as a bfloat16 GEMM that accumulates in float32 does.
+# float32 keeps the packed kernel even on AVX-512 (tried, issue 38): MKL's sgemm (F.linear) at
+# one fixed row count does give a row the same bits in any tile (SmolLM2's shapes, tiles of
+# 8/16/32, 1 and 2 threads), but tiles of it cost more than the packed fixed order at every row
+# count measured (AMX Xeon, 2 threads, 30 layers + LM head: 1 row 14 ms packed vs 44 ms MKL in
+# 16-row tiles / 39 ms oneDNN float32; 64 rows 69 vs 150 / 114, or 84 / 76 in 64-row tiles), and
+# benchmarks/batch_invariance.py --dtypes float32 --repeats 2: W64 0.431x with 16-row tiles, 0.696x
+# without (single stream 0.396x vs 0.948x; exclusive runs).
 BATCH_INVARIANT_ATTR = "batch_invariant"
 
 
@@ -185,8 +192,6 @@ def invariant_matmul_op(weight: torch.Tensor, owner: object,
     kernel = kernels.packed_linear_kernel()
     if kernel is not None and native_bf16_tiles(weight):
         return tiled_onednn_op(weight, owner, out_dtype)
-    if kernel is not None and mkl_f32_tiles(weight):
-        return tiled_mkl_op(weight, out_dtype)
     if kernel is None or weight.dtype not in (torch.float32, torch.bfloat16):
         raise RuntimeError(f"batch-invariant matmuls need the C++ CPU kernels and a float32 or "
                            f"bfloat16 weight (got {weight.dtype}, kernels "
@@ -232,48 +237,18 @@ def tiled_onednn_op(weight: torch.Tensor, owner: object,
     """x [M, K] -> x @ weight.T (bfloat16 GEMM, float32 accumulation, rounded to bfloat16, then
     `out_dtype`), every oneDNN call on exactly INVARIANT_TILE_ROWS rows (see above)."""
     packed = packed_weight(owner, weight, "onednn", onednn_pack)
-    return _in_tiles(lambda part: onednn_linear(part, packed, None), torch.bfloat16,
-                     weight.shape[0], out_dtype)
-
-
-# float32 on the AVX-512 variants ("avx512", "avx512bf16"): the same tiles through torch's
-# float32 F.linear (MKL's sgemm), on the unpacked weight the flag-off path also reads. Measured
-# (torch 2.13.0's MKL, this AVX-512/AMX Xeon, 1 and 2 threads, SmolLM2's weight shapes 576x576,
-# 192x576, 960x576, 1536x576, 3072x576, 576x1536, 49152x576 and two odd ones, tiles of 8/16/32
-# rows, the row at 4 positions among zero or random rows): the same bits at every position
-# within a tile size, and other bits at other row counts (2..130 rows vs 1). The probe test
-# checks it on every run. On "avx2" (not measured there) the packed kernel's fixed order stays.
-def mkl_f32_tiles(weight: torch.Tensor) -> bool:
-    """Whether float32 invariant matmuls on `weight` take tiled_mkl_op."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and weight.dim() == 2 and weight.is_contiguous()
-            and kernels.cpu_isa() in ("avx512", "avx512bf16"))
-
-
-def tiled_mkl_op(weight: torch.Tensor,
-                 out_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x [M, K] -> x @ weight.T in float32 (then `out_dtype`), every MKL call on exactly
-    INVARIANT_TILE_ROWS rows (see above)."""
-    return _in_tiles(lambda part: F.linear(part, weight), torch.float32, weight.shape[0],
-                     out_dtype)
-
-
-def _in_tiles(matmul: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, n: int,
-              out_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x [M, K] -> [M, n]: x cast to `dtype`, `matmul` called on exactly INVARIANT_TILE_ROWS
-    rows at a time (the last tile padded with zero rows), the result cast to `out_dtype`."""
-    tile = INVARIANT_TILE_ROWS
+    n, tile = weight.shape[0], INVARIANT_TILE_ROWS
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(dtype).contiguous()
+        x = x.to(torch.bfloat16).contiguous()
         rows = x.shape[0]
         out = x.new_empty((rows, n))
         for start in range(0, rows, tile):
             part = x[start:start + tile]
             if part.shape[0] < tile:
                 part = torch.cat((part, part.new_zeros((tile - part.shape[0], part.shape[1]))))
-            out[start:start + tile] = matmul(part)[:rows - start]
-        return out if out_dtype == dtype else out.to(out_dtype)
+            out[start:start + tile] = onednn_linear(part, packed, None)[:rows - start]
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     return run
 
 
