@@ -159,8 +159,9 @@ def set_quantization(model: nn.Module, quantization: Optional[str]) -> None:
 # 8/16/32, 1 and 2 threads), but tiles of it cost more than the packed fixed order at every row
 # count measured (AMX Xeon, 2 threads, 30 layers + LM head: 1 row 14 ms packed vs 44 ms MKL in
 # 16-row tiles / 39 ms oneDNN float32; 64 rows 69 vs 150 / 114, or 84 / 76 in 64-row tiles), and
-# benchmarks/batch_invariance.py --dtypes float32 --repeats 2: W64 0.431x with 16-row tiles, 0.696x
-# without (single stream 0.396x vs 0.948x; exclusive runs).
+# benchmarks/batch_invariance.py --dtypes float32 --repeats 2 (exclusive, 2 alternated pairs): W64
+# 0.431x / 0.456x with 16-row tiles, 0.696x / 0.774x without; single stream 0.396 / 0.371 vs
+# 0.948 / 0.957.
 BATCH_INVARIANT_ATTR = "batch_invariant"
 
 
