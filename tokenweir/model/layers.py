@@ -303,8 +303,9 @@ def row_bucket(rows: int) -> int:
 # CPU bfloat16 matmuls go to oneDNN with the weight reordered ONCE into oneDNN's blocked layout
 # (torch.ops.mkldnn._reorder_linear_weight, kept beside the weight like the float32 panels; its
 # results matched F.linear's bits in every case checked, the tests allow bfloat16 rounding).
-# F.linear hands oneDNN the plain weight and it reorders it on every call. Measured on an AVX-512 BF16 machine (Zen 5, 2 threads, SmolLM2's
-# five weight shapes): x1.6-2.0 the speed at 1-4 rows, x1.2-1.5 at 16-64, x1.03-1.1 at 512-2048;
+# F.linear hands oneDNN the plain weight and it reorders it on every call. Measured on an
+# AVX-512 BF16 machine (Zen 5, 2 threads, SmolLM2's five weight shapes): x1.6-2.0 the speed at
+# 1-4 rows, x1.2-1.5 at 16-64, x1.03-1.1 at 512-2048;
 # the batch-size hint given to the reorder made no difference across 1-2048 rows. CPUs where
 # oneDNN refuses to pack bfloat16 (AVX2 only) keep F.linear. TOKENWEIR_PACK_LINEAR=0 opts out.
 ONEDNN_PACK_HINT_ROWS = 64
