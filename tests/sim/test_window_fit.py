@@ -227,7 +227,7 @@ def test_with_the_window_fit_off_the_profile_is_the_one_before_it(tmp_path, monk
         engine_like_trace(tmp_path / f"{seed}.jsonl", seed=seed, noise=0.03)
         paths.append(str(tmp_path / f"{seed}.jsonl"))
 
-    def digest(profile: dict) -> dict:
+    def comparable(profile: dict) -> dict:
         kept = {k: v for k, v in profile.items() if k not in ("calibration_seconds", "traces")}
         assert kept.pop("forward_phases") is None  # fid9's key: null, these traces carry no phases
         return before_fid7(kept)
@@ -239,7 +239,7 @@ def test_with_the_window_fit_off_the_profile_is_the_one_before_it(tmp_path, monk
     monkeypatch.setattr(ct, "WINDOW_FIT", False)
     off = calibrate_from_traces(paths, holdout_every=5)
     recorded = json.loads(PRE_FID6_PROFILE.read_text())
-    off_profile, on_profile = digest(off), digest(on)
+    off_profile, on_profile = comparable(off), comparable(on)
     assert sha(recorded) in PRE_FID6_DIGESTS  # the recording is what the old code wrote
     assert_values_close(off_profile, recorded)
     with pytest.raises(AssertionError):

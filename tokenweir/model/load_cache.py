@@ -449,8 +449,6 @@ def read_checked_file(stem: str) -> Optional[tuple[dict[str, Any], "torch.Tensor
     """(the side file's dict, <stem>.safetensors mapped copy-on-write as uint8) of a file that
     write_checked_file finished; None when there is no side file; CacheCorrupt when the side
     file is unreadable or the file's size or words differ from it."""
-    import torch
-
     if not os.path.exists(f"{stem}.json"):
         return None
     try:
@@ -464,7 +462,7 @@ def read_checked_file(stem: str) -> Optional[tuple[dict[str, Any], "torch.Tensor
     if actual != size:
         raise CacheCorrupt(f"the file holds {actual} bytes, its side file says {size} "
                            "(truncated?)")
-    buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    buffer = _map_file(path)  # the size was just checked
     if mapped_words(path, buffer) != words:
         raise CacheCorrupt("checksum mismatch")
     return meta, buffer
