@@ -36,7 +36,7 @@ def checksums(monkeypatch) -> list[str]:
 
 
 def _prefetched(path: str) -> None:
-    thread = prefetch.start(path)
+    thread = prefetch.start(path, "float32", "cpu")  # the dtype `load` builds
     assert thread is not None
     thread.join()
 
@@ -87,3 +87,32 @@ def test_the_prefetch_imports_no_torch():
                          env={**os.environ, "PYTHONPATH": os.getcwd()}, check=True)
     assert out.stdout.strip() == "False"
     assert torch.__name__ == "torch"  # (this process has it; the child did not)
+
+
+@pytest.mark.parametrize("dtype, device, read", [
+    ("float32", "cpu", {"packed-a"}), ("bfloat16", "cpu", {"cast-bf16-a"}),
+    ("float16", "cpu", {"cast-f16-a"}), ("bfloat16", "cuda", set())])
+def test_only_the_files_the_dtype_reads_are_checked(gguf_path, cache, dtype, device, read):
+    """A bfloat16 start reads no packed float32 panels and a float32 one no cast copy: the
+    thread checks (and the start waits for) only the weights and its own dtype's file."""
+    load(gguf_path)
+    entry = the_entry(cache)
+    derived = ("packed-a", "cast-bf16-a", "cast-f16-a")
+    for stem in derived:
+        (entry / f"{stem}.safetensors").write_bytes(b"\0" * 4096)
+    thread = prefetch.start(gguf_path, dtype, device)
+    assert thread is not None
+    thread.join()
+    checked = {stem for stem in derived
+               if load_cache.prechecked_words(str(entry / f"{stem}.safetensors")) is not None}
+    assert checked == read
+    assert load_cache.prechecked_words(str(entry / "weights.safetensors")) is not None
+
+
+def test_the_auto_guess_agrees_with_the_loaders_choice():
+    """prefetch's torch-free "auto" names the files of the dtype model/loader.py picks here."""
+    from tokenweir.model.loader import preferred_dtype
+
+    chosen = str(preferred_dtype("cpu")).removeprefix("torch.")
+    assert prefetch.derived_files_for("auto", "cpu") == prefetch.derived_files_for(chosen, "cpu")
+    assert prefetch.derived_files_for(chosen, "cpu")  # probe: a CPU dtype reads a derived file

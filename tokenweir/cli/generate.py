@@ -60,11 +60,13 @@ def _start(args: argparse.Namespace):
     try:  # everything that can be refused without the model, before torch is imported
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, max_tokens=args.max_tokens)
-        check_before_load(EngineConfig.from_kwargs(**kwargs))
+        config = EngineConfig.from_kwargs(**kwargs)
+        check_before_load(config)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return refuse("generate", exc, _FLAG_FIELDS)
     from tokenweir.model import prefetch
-    prefetch.start_for_model(kwargs["model"])  # the load cache checked while torch imports
+    # the load cache checked while torch imports
+    prefetch.start_for_model(kwargs["model"], config.model.dtype, config.model.device)
     from tokenweir.engine.llm import LLM
     from tokenweir.engine.llm_engine import LLMEngine
 

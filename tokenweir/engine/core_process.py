@@ -64,7 +64,8 @@ def _build(config):
     with startup_gc.paused():  # as the in-process build (startup_gc.py), imports included
         from tokenweir.model import prefetch
 
-        prefetch.start_for_model(config.model.model)  # the load cache checked while torch imports
+        prefetch.start_for_model(config.model.model, config.model.dtype,
+                                  config.model.device)  # the load cache checked while torch imports
         from tokenweir.engine.llm_engine import LLMEngine
 
         return LLMEngine(config, defer_tokenizer=DEFER_TOKENIZER)

@@ -64,7 +64,8 @@ def _start(args: argparse.Namespace, config, model: str):
     """(AsyncEngine, ServerSettings, ServingProfile or None), or a refusal's exit status."""
     from tokenweir.usage_errors import refuse
     from tokenweir.model import prefetch
-    prefetch.start_for_model(model)  # the load cache checked while torch imports
+    # the load cache checked while torch imports
+    prefetch.start_for_model(model, config.model.dtype, config.model.device)
     from tokenweir.engine.engine_thread import EngineThread, wants_output_thread
     from tokenweir.engine.llm_engine import LLMEngine
 
