@@ -31,7 +31,8 @@ def tables(sched) -> dict[str, list[int]]:
 
 
 def ref_counts(sched) -> dict[int, int]:
-    return {b.block_id: b.ref_cnt for b in sched.kv.pool.blocks[1:] if b.ref_cnt}
+    ref = sched.kv.pool.ref_cnt
+    return {b: ref[b] for b in range(1, len(ref)) if ref[b]}
 
 
 def test_sample_params_and_ids():
