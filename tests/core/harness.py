@@ -202,17 +202,17 @@ class KVContentRunner(FakeRunner):
         bs, table, chain = self.bs, self.blocks[rid], self.chain[rid]
         for p in range(start, end):
             block_id = table[p // bs]
-            ref, key = self.pool.ref_cnt[block_id], self.pool.key[block_id]
-            assert block_id != 0 and ref == 1 and key is None, (
-                f"{rid} writes position {p} into block {block_id} (ref {ref}, key {key}): "
-                f"shared or published")
+            block = self.pool.blocks[block_id]
+            assert block_id != 0 and block.ref_cnt == 1 and block.key is None, (
+                f"{rid} writes position {p} into {block} (key {block.key}): shared or published")
             self.device.setdefault(block_id, [None] * bs)[p % bs] = chain[p]
         self.writes += end - start
 
 
 def device_tables(scheduler: Scheduler) -> dict[str, list[int]]:
     """Every request's device block ids (take it before schedule(): the content is live)."""
-    return {rid: list(blocks) for rid, blocks in scheduler.kv.req_to_blocks.items()}
+    return {rid: [b.block_id for b in blocks]
+            for rid, blocks in scheduler.kv.req_to_blocks.items()}
 
 
 def check_swap_order(out: SchedulerOutput, scheduler: Scheduler,

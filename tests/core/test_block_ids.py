@@ -17,7 +17,7 @@ def _cached(out):
 
 
 def _free_list(s):
-    return list(s.kv.pool.free_ids())
+    return [b.block_id for b in s.kv.pool.free_queue]
 
 
 def test_scripted_block_ids():
@@ -66,11 +66,11 @@ def test_scripted_block_ids():
 def test_block_pool_lru_order_and_null_block():
     pool = BlockPool(6)
     got = pool.get_new_blocks(5)
-    assert got == [1, 2, 3, 4, 5]
-    assert pool.num_free_blocks == 0 and pool.null_block == 0
+    assert [b.block_id for b in got] == [1, 2, 3, 4, 5]
+    assert pool.num_free_blocks == 0 and pool.null_block.block_id == 0
     pool.free_blocks([got[3], got[1]])
     pool.free_blocks([got[4]])
-    assert pool.get_new_blocks(3) == [4, 2, 5]
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [4, 2, 5]
     pool.check_integrity()
 
 
@@ -85,4 +85,4 @@ def test_block_pool_refuses_double_free_and_overdraw():
     with pytest.raises(ValueError):
         pool.free_blocks([pool.null_block])
     pool.check_integrity()
-    assert pool.num_free_blocks == 1 and pool.ref_cnt[blocks[0]] == 0
+    assert pool.num_free_blocks == 1 and blocks[0].ref_cnt == 0

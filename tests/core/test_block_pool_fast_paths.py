@@ -12,8 +12,9 @@ from tokenweir.core.block_pool import BlockPool
 
 
 def _state(pool: BlockPool) -> tuple:
-    return (list(pool.free_ids()), pool.num_free_blocks,
-            list(zip(pool.ref_cnt, pool.generation, pool.key)), sorted(pool.cached.items()))
+    return ([b.block_id for b in pool.free_queue], pool.num_free_blocks,
+            [(b.ref_cnt, b.generation, b.key) for b in pool.blocks],
+            sorted((k, b.block_id) for k, b in pool.cached.items()))
 
 
 def _drive(pool: BlockPool, one_at_a_time: bool, seed: int) -> list[int]:
@@ -27,7 +28,7 @@ def _drive(pool: BlockPool, one_at_a_time: bool, seed: int) -> list[int]:
             del held[:k]
         else:
             block = pool.get_new_block() if one_at_a_time else pool.get_new_blocks(1)[0]
-            handed.append(block)
+            handed.append(block.block_id)
             if rng.random() < 0.6:
                 pool.register(block, (-1, 0, step % 7, step))
             held.append(block)
@@ -40,7 +41,7 @@ def test_get_new_block_is_get_new_blocks_of_one(seed):
     fast, general = BlockPool(12), BlockPool(12)
     assert _drive(fast, True, seed) == _drive(general, False, seed)
     assert _state(fast) == _state(general)
-    assert any(g > 1 for g in fast.generation)  # probe: blocks were reused
+    assert any(b.generation > 1 for b in fast.blocks)  # probe: blocks were reused
     assert fast.cached  # probe: published content was kept (and evicted on reuse)
 
 
@@ -50,7 +51,7 @@ def test_get_new_block_drops_the_published_key_and_bumps_the_generation():
     pool.register(block, (-1, 0, b"x"))
     pool.free_blocks([block])
     again = pool.get_new_block()
-    assert again == block and pool.key[block] is None and pool.generation[block] == 2
+    assert again is block and block.key is None and block.generation == 2
     assert pool.cached == {}
     with pytest.raises(ValueError):
         pool.get_new_block()
@@ -62,8 +63,8 @@ def test_free_blocks_refusing_part_way_keeps_the_list_whole():
     pool.free_blocks([a])
     with pytest.raises(ValueError):
         pool.free_blocks([d, b, a, c])  # a is not held: d and b were freed before it
-    assert list(pool.free_ids()) == [a, d, b]
-    assert pool.num_free_blocks == 3 and pool.ref_cnt[c] == 1
+    assert [x.block_id for x in pool.free_queue] == [a.block_id, d.block_id, b.block_id]
+    assert pool.num_free_blocks == 3 and c.ref_cnt == 1
     pool.check_integrity()
     pool.free_blocks([e, c])
-    assert pool.get_new_blocks(5) == [1, 4, 2, 5, 3]
+    assert [x.block_id for x in pool.get_new_blocks(5)] == [1, 4, 2, 5, 3]

@@ -18,7 +18,7 @@ SMALL = dict(block_size=4, watermark=0.0, scheduler_reserve_full_isl=False,
 
 
 def _free_list(s):
-    return list(s.kv.pool.free_ids())
+    return [b.block_id for b in s.kv.pool.free_queue]
 
 
 def _new(out):
@@ -27,7 +27,7 @@ def _new(out):
 
 def _keyed(s):
     """Published block id -> its key's parent block id (-1: root)."""
-    return {b: key[0] for b, key in enumerate(s.kv.pool.key) if key is not None}
+    return {b.block_id: b.key[0] for b in s.kv.pool.blocks[1:] if b.key is not None}
 
 
 def _stats(s):
@@ -64,7 +64,7 @@ def test_scripted_hits_evictions_and_stats():
     assert _new(out) == {"B": ([4, 5, 6], 0)}  # the never-used blocks go first
     assert _free_list(s) == [3, 2, 1, 6, 5, 4]
     assert _keyed(s) == {1: -1, 2: 1, 4: -1, 5: 4}
-    gen5 = s.kv.pool.generation[5]
+    gen5 = s.kv.pool.blocks[5].generation
 
     # C repeats A's two full blocks; D shares only P. Both hit block 1 (ref count 2); the hits
     # leave the middle of the free list; D's new blocks are the least recently freed, and
@@ -74,9 +74,9 @@ def test_scripted_hits_evictions_and_stats():
     out = s.schedule()
     assert _new(out) == {"C": ([1, 2, 3], 8), "D": ([1, 6, 5], 4)}
     assert out.num_scheduled_tokens == {"C": 1, "D": 5}
-    assert [s.kv.pool.ref_cnt[i] for i in (1, 2, 3, 5, 6)] == [2, 1, 1, 1, 1]
+    assert [s.kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 5, 6)] == [2, 1, 1, 1, 1]
     assert _free_list(s) == [4]
-    assert s.kv.pool.key[5] is None and s.kv.pool.generation[5] == gen5 + 1
+    assert s.kv.pool.blocks[5].key is None and s.kv.pool.blocks[5].generation == gen5 + 1
     assert (reqs["C"].num_cached_tokens, reqs["D"].num_cached_tokens) == (8, 4)
     assert _stats(s) == (37, 12)
     _finish_step(s, runner, out)
@@ -136,42 +136,42 @@ def test_reused_parent_block_never_leads_to_its_old_children():
     even when it was never published itself (a duplicate of content already cached)."""
     pool = BlockPool(3)  # blocks 1 and 2
     parent, child = pool.get_new_blocks(2)
-    old_generation = pool.generation[parent]
+    old_generation = parent.generation
     # `parent` holds P but is unpublished (say P was cached elsewhere); `child` holds Q after it.
-    pool.register(child, (parent, pool.generation[parent], tuple(Q)))
+    pool.register(child, (parent.block_id, parent.generation, tuple(Q)))
     pool.free_blocks([parent])
     pool.free_blocks([child])  # child stays cached, in the free list
     (reused,) = pool.get_new_blocks(1)
-    assert reused == parent  # least recently freed
+    assert reused is parent  # least recently freed
     pool.register(reused, (*ROOT_PARENT, tuple(R)))  # now it holds R
-    assert pool.lookup((*ROOT_PARENT, tuple(R))) == reused
+    assert pool.lookup((*ROOT_PARENT, tuple(R))) is reused
     # R Q must miss: `child` holds the KV of Q after P.
-    assert pool.lookup((reused, pool.generation[reused], tuple(Q))) is None
+    assert pool.lookup((reused.block_id, reused.generation, tuple(Q))) is None
     # Probe: the child is still published under its old key.
-    assert pool.lookup((parent, old_generation, tuple(Q))) == child
+    assert pool.lookup((parent.block_id, old_generation, tuple(Q))) is child
 
 
 def test_free_list_is_lru_with_removal_from_the_middle():
     pool = BlockPool(7)
     blocks = pool.get_new_blocks(6)
-    assert blocks == [1, 2, 3, 4, 5, 6]
+    assert [b.block_id for b in blocks] == [1, 2, 3, 4, 5, 6]
     pool.free_blocks([blocks[i] for i in (4, 1, 5, 0, 3, 2)])  # ids 5 2 6 1 4 3
     for i, b in enumerate(blocks):
         pool.register(b, (*ROOT_PARENT, (i,)))
-    assert list(pool.free_ids()) == [5, 2, 6, 1, 4, 3]
+    assert [b.block_id for b in pool.free_queue] == [5, 2, 6, 1, 4, 3]
     pool.touch([blocks[0], blocks[3]])  # hits on ids 1 and 4, in the middle
-    assert list(pool.free_ids()) == [5, 2, 6, 3]
-    assert pool.num_free_blocks == 4 and pool.ref_cnt[1] == pool.ref_cnt[4] == 1
+    assert [b.block_id for b in pool.free_queue] == [5, 2, 6, 3]
+    assert pool.num_free_blocks == 4 and blocks[0].ref_cnt == blocks[3].ref_cnt == 1
     pool.touch([blocks[0]])
-    assert pool.ref_cnt[1] == 2
+    assert blocks[0].ref_cnt == 2
     # Allocation takes the least recently freed and drops its key.
     (b5,) = pool.get_new_blocks(1)
-    assert b5 == 5 and pool.key[5] is None and pool.lookup((*ROOT_PARENT, (4,))) is None
-    assert pool.lookup((*ROOT_PARENT, (1,))) == 2  # the others keep theirs
+    assert b5.block_id == 5 and b5.key is None and pool.lookup((*ROOT_PARENT, (4,))) is None
+    assert pool.lookup((*ROOT_PARENT, (1,))) is blocks[1]  # the others keep theirs
     pool.free_blocks([blocks[0]])
-    assert pool.ref_cnt[1] == 1 and 1 not in pool.free_ids()
+    assert blocks[0].ref_cnt == 1 and 1 not in [b.block_id for b in pool.free_queue]
     pool.free_blocks([blocks[0], b5])
-    assert list(pool.free_ids()) == [2, 6, 3, 1, 5]
+    assert [b.block_id for b in pool.free_queue] == [2, 6, 3, 1, 5]
     pool.check_integrity()
 
 
@@ -191,7 +191,7 @@ def test_request_hitting_shared_blocks_computes_into_new_blocks_only():
     assert out.num_scheduled_tokens["b"] == 5
     (new,) = out.scheduled_new_reqs
     assert new.num_computed_tokens == 12 and new.block_ids[:3] == shared
-    assert all(s.kv.pool.ref_cnt[i] == 2 for i in shared)
+    assert all(s.kv.pool.blocks[i].ref_cnt == 2 for i in shared)
     # The slots b computes this step: positions 12..16 -> table indices 3 and 4.
     written = {new.block_ids[p // 4] for p in range(12, 17)}
     assert written.isdisjoint(shared) and len(written) == 2

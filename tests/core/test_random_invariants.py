@@ -60,7 +60,7 @@ def _check_step(s, out, cfg, runner):
         for new in out.scheduled_new_reqs:
             assert scheduled[new.req_id] == len(new.token_ids) - new.num_computed_tokens
     s.check_integrity()
-    assert all(ref >= 0 for ref in s.kv.pool.ref_cnt)
+    assert all(b.ref_cnt >= 0 for b in s.kv.pool.blocks)
     bs = cfg["block_size"]
     num_partial = 0
     for r in s.running:

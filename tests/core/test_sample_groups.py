@@ -31,8 +31,7 @@ def tables(sched) -> dict[str, list[int]]:
 
 
 def ref_counts(sched) -> dict[int, int]:
-    ref = sched.kv.pool.ref_cnt
-    return {b: ref[b] for b in range(1, len(ref)) if ref[b]}
+    return {b.block_id: b.ref_cnt for b in sched.kv.pool.blocks[1:] if b.ref_cnt}
 
 
 def test_sample_params_and_ids():

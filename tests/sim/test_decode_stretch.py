@@ -109,7 +109,7 @@ def _everything(sim, result) -> dict:
 def _content_map(instance) -> dict:
     """The instance's prefix cache: published key -> block id (a stretch publishes output
     blocks by the runner's block-key rule, without their token lists)."""
-    return dict(instance.kv.pool.cached)
+    return {key: block.block_id for key, block in instance.kv.pool.cached.items()}
 
 
 def _stretch_steps(instances, probe: str = "num_steps") -> int:

@@ -29,10 +29,10 @@ KVContentRunner checks it).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from tokenweir.core.block_pool import NULL_BLOCK, ROOT_PARENT, BlockKey, BlockPool
+from tokenweir.core.block_pool import ROOT_PARENT, BlockKey, BlockPool, KVBlock
 from tokenweir.core.sliding_window import num_blocks_to_skip
 from tokenweir.request import Request
 
@@ -70,16 +70,15 @@ class ComputedBlocks:
     """A new request's prefix-cache hit (vLLM's KVCacheBlocks plays this role): pass it back
     to `allocate_slots` unchanged; the blocks inside are the manager's business."""
 
-    blocks: tuple[int, ...]
+    blocks: tuple[KVBlock, ...]
     block_size: int
-    ref_cnt: list[int] = field(compare=False, repr=False)  # the pool's ref counts (read live)
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __getitem__(self, leading: slice) -> "ComputedBlocks":
         """The leading hits only (`hits[:n]`)."""
-        return ComputedBlocks(self.blocks[leading], self.block_size, self.ref_cnt)
+        return ComputedBlocks(self.blocks[leading], self.block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -92,8 +91,7 @@ class ComputedBlocks:
     @property
     def num_evictable(self) -> int:
         """Hits sitting in the free list: taking them costs free blocks like new ones do."""
-        ref = self.ref_cnt
-        return sum(1 for b in self.blocks if ref[b] == 0)
+        return sum(1 for b in self.blocks if b.ref_cnt == 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +154,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
-        self.req_to_blocks: dict[str, list[int]] = {}  # block ids; NULL_BLOCK: freed (window)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_registered: dict[str, int] = {}  # leading blocks already published
         # Requests whose published blocks may lag their computed full blocks although no step
         # filled a block (a swap-out unpublished some). For every other request,
@@ -168,7 +166,7 @@ class KVCacheManager:
         # Forks not allocated since `fork`: their next write goes into a shared block.
         self._fresh_forks: set[str] = set()
         self.prefix_stats = PrefixCacheStats()
-        self._no_hits = ComputedBlocks((), block_size, self.pool.ref_cnt)
+        self._no_hits = ComputedBlocks((), block_size)
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -183,7 +181,7 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_ids(self, request_id: str) -> list[int]:
-        return list(self.req_to_blocks.get(request_id, ()))
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def num_held_blocks(self, request_id: str) -> int:
         return len(self.req_to_blocks.get(request_id, ()))
@@ -202,8 +200,8 @@ class KVCacheManager:
         (none without it: a fork's shared blocks are then lost to its recompute)."""
         if not self.enable_prefix_caching:
             return 0
-        blocks, ref = self.req_to_blocks.get(request.request_id, ()), self.pool.ref_cnt
-        shared = sum(1 for b in blocks if ref[b] > 1)
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        shared = sum(1 for b in blocks if b.ref_cnt > 1)
         return min(shared * self.block_size, request.num_computed_tokens)
 
     # ---- prefix cache ------------------------------------------------------------------
@@ -214,9 +212,8 @@ class KVCacheManager:
             return self._no_hits
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
-        hits: list[int] = []
+        hits: list[KVBlock] = []
         cached, pack, bs = self.pool.cached, self._pack, self.block_size
-        generation = self.pool.generation
         parent_id, parent_generation = ROOT_PARENT
         for k in range(max_blocks):  # pool.lookup(self._key(parent, tokens, k)), inlined
             chunk = tokens[k * bs:(k + 1) * bs]
@@ -228,8 +225,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-            parent_id, parent_generation = block, generation[block]
-        return ComputedBlocks(tuple(hits), bs, self.pool.ref_cnt)
+            parent_id, parent_generation = block.block_id, block.generation
+        return ComputedBlocks(tuple(hits), bs)
 
     def num_blocks_to_admit(self, num_tokens: int, computed: ComputedBlocks,
                             num_forks: int = 0, num_prompt_tokens: int = 0) -> int:
@@ -262,26 +259,25 @@ class KVCacheManager:
             return
         if filled_ids is not None:  # its one block full - 1, keyed by `filled_ids`
             assert start == full - 1, f"{rid}: {full - start} blocks to publish, one key given"
-            blocks, pool = self.req_to_blocks[rid], self.pool
+            blocks = self.req_to_blocks[rid]
             block = blocks[full - 1]
             if full == 1:
                 key = (*ROOT_PARENT, filled_ids)
             else:
                 parent = blocks[full - 2]
                 # freed for the window: no key (the loop's break below)
-                key = None if parent == NULL_BLOCK else \
-                    (parent, pool.generation[parent], filled_ids)
+                key = None if parent.block_id == 0 else \
+                    (parent.block_id, parent.generation, filled_ids)
             # pool.register(block, key), inlined
-            if key is not None and pool.key[block] is None and \
-                    pool.cached.setdefault(key, block) == block:
-                pool.key[block] = key
+            if key is not None and block.key is None and \
+                    self.pool.cached.setdefault(key, block) is block:
+                block.key = key
             self.num_registered[rid] = full
             if self.registration_behind:
                 self.registration_behind.discard(rid)
             return
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
         cached, pack = self.pool.cached, self._pack
-        keys, generation = self.pool.key, self.pool.generation
         for k in range(start, full):
             chunk = tokens[k * bs:(k + 1) * bs]
             try:  # block_tokens_key(pack, chunk), inlined
@@ -292,12 +288,12 @@ class KVCacheManager:
                 key = (*ROOT_PARENT, ids)
             else:  # self._key((parent id, parent generation), tokens, k), inlined
                 parent = blocks[k - 1]
-                if parent == NULL_BLOCK:  # freed for the window (after a swap-out): no key
+                if parent.block_id == 0:  # freed for the window (after a swap-out): no key
                     break
-                key = (parent, generation[parent], ids)
+                key = (parent.block_id, parent.generation, ids)
             block = blocks[k]  # pool.register(block, key), inlined
-            if keys[block] is None and cached.setdefault(key, block) == block:
-                keys[block] = key
+            if block.key is None and cached.setdefault(key, block) is block:
+                block.key = key
         self.num_registered[rid] = full
         self.registration_behind.discard(rid)
 
@@ -336,23 +332,22 @@ class KVCacheManager:
                 - len(held)  # cdiv(tokens, block_size) - held, inlined
             if needed <= 0:
                 return []
-            if needed > self.pool.num_free_blocks - reserved_blocks:
+            if needed > self.pool.free_queue.num_free_blocks - reserved_blocks:
                 return None
             if needed == 1:  # a decode crossing a block boundary: the commonest growth
                 block = self.pool.get_new_block()
                 held.append(block)
-                return [block]
+                return [block.block_id]
             new_blocks = self.pool.get_new_blocks(needed)
             held.extend(new_blocks)
-            return new_blocks
+            return [b.block_id for b in new_blocks]
         hits = list(computed_blocks.blocks) if computed_blocks is not None else []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
         needed = cdiv(total, self.block_size) - (len(held) if held else 0) - len(hits)
         if needed <= 0 and not hits:
             return []
-        ref = self.pool.ref_cnt  # touching takes free hits off the free list
-        free_hits = sum(1 for b in hits if ref[b] == 0)
+        free_hits = sum(1 for b in hits if b.ref_cnt == 0)  # touching takes them off the free list
         if needed + free_hits > self.pool.num_free_blocks - reserved_blocks:
             return None
         self.pool.touch(hits)
@@ -361,9 +356,9 @@ class KVCacheManager:
             self.req_to_blocks[rid] = held = []
             self.num_registered[rid] = len(hits)
         held.extend(new_blocks)
-        return new_blocks
+        return [b.block_id for b in new_blocks]
 
-    def _free_blocks_outside_window(self, request: Request, held: list[int]) -> None:
+    def _free_blocks_outside_window(self, request: Request, held: list[KVBlock]) -> None:
         """Return the request's blocks that lie before every future query's window to the pool
         (tail first, as `free` does), holding the null block in their table slots: positions
         keep their slots, so `len(held)` still counts the slots its tokens span. A published
@@ -375,9 +370,10 @@ class KVCacheManager:
                                                  self.block_size, registered))
         if skip <= done:
             return
+        null = self.pool.null_block
         # slots below `done` are null; a hit or a swap-in may have left some held (not null)
-        out = [b for b in held[done:skip] if b != NULL_BLOCK]
-        held[done:skip] = [NULL_BLOCK] * (skip - done)
+        out = [b for b in held[done:skip] if b is not null]
+        held[done:skip] = [null] * (skip - done)
         self._num_skipped[rid] = skip
         self.pool.free_blocks(reversed(out))
 
@@ -395,7 +391,7 @@ class KVCacheManager:
         self._fresh_forks.add(parent.request_id)
         for child in children:
             blocks = parent_blocks[:self.blocks_for_tokens(child.num_computed_tokens + 1)]
-            self.pool.share(b for b in blocks if b != NULL_BLOCK)
+            self.pool.share(b for b in blocks if b is not self.pool.null_block)
             if self._num_skipped.get(parent.request_id):  # the window's null slots come along
                 self._num_skipped[child.request_id] = self._num_skipped[parent.request_id]
             rid = child.request_id
@@ -415,7 +411,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks, bs = self.req_to_blocks[rid], self.block_size
         k = request.num_computed_tokens // bs  # the block its next token is written into
-        copy = k < len(blocks) and self.pool.ref_cnt[blocks[k]] > 1
+        copy = k < len(blocks) and blocks[k].ref_cnt > 1
         grow = max(0, self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
                    - len(blocks))
         if grow + copy > self.pool.num_free_blocks:
@@ -424,11 +420,11 @@ class KVCacheManager:
         if copy:
             shared = blocks[k]
             blocks[k] = private = self.pool.copy_on_write(shared)
-            copies.append((shared, private))
+            copies.append((shared.block_id, private.block_id))
             self.num_registered[rid] = min(self.num_registered[rid], k)
         blocks.extend(self.pool.get_new_blocks(grow))
         self._fresh_forks.discard(rid)
-        return ForkSlots(copies, list(blocks))
+        return ForkSlots(copies, [b.block_id for b in blocks])
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_prefix_caching:
@@ -447,7 +443,7 @@ class KVCacheManager:
         if self._fresh_forks:
             self._fresh_forks.discard(rid)
         if self._num_skipped and self._num_skipped.pop(rid, 0):  # its null blocks stay
-            blocks = [b for b in blocks if b != NULL_BLOCK]
+            blocks = [b for b in blocks if b is not self.pool.null_block]
         self.pool.free_blocks(reversed(blocks))
         if self.req_to_host_blocks:
             self.host_pool.free(self.req_to_host_blocks.pop(rid, []))
@@ -460,9 +456,9 @@ class KVCacheManager:
         """Blocks a swap would move: all but the leading run shared with other holders
         (a shared block frees no memory, so it stays on the device, held)."""
         blocks = self.req_to_blocks.get(request.request_id, ())
-        shared, ref = 0, self.pool.ref_cnt
-        # null slots (sliding window) lead, and stay too
-        while shared < len(blocks) and (ref[blocks[shared]] > 1 or blocks[shared] == NULL_BLOCK):
+        shared = 0
+        null = self.pool.null_block  # null slots (sliding window) lead, and stay too
+        while shared < len(blocks) and (blocks[shared].ref_cnt > 1 or blocks[shared] is null):
             shared += 1
         return len(blocks) - shared
 
@@ -492,7 +488,7 @@ class KVCacheManager:
         host_ids = self.host_pool.allocate(len(moved))
         self.req_to_host_blocks[rid] = host_ids
         self.pool.free_blocks(reversed(moved))  # content stays cached for prefix hits
-        return list(zip(moved, host_ids))
+        return [(b.block_id, h) for b, h in zip(moved, host_ids)]
 
     def num_swapped_blocks(self, request_id: str) -> int:
         return len(self.req_to_host_blocks.get(request_id, ()))
@@ -510,7 +506,7 @@ class KVCacheManager:
         self.req_to_blocks.setdefault(rid, []).extend(blocks)
         self.num_registered.setdefault(rid, 0)
         self.host_pool.free(host_ids)
-        return list(zip(host_ids, blocks))
+        return [(h, b.block_id) for h, b in zip(host_ids, blocks)]
 
     def readmit_swapped(self, request: Request, num_new_tokens: int,
                         reserved_blocks: int = 0) -> Optional[SwapIn]:
@@ -536,13 +532,13 @@ class KVCacheManager:
         refs: dict[int, int] = {}
         for rid, blocks in self.req_to_blocks.items():
             for k, block in enumerate(blocks):
-                if block == NULL_BLOCK:  # a window's freed slot: leading, and counted as such
+                if block.block_id == 0:  # a window's freed slot: leading, and counted as such
                     assert k < self._num_skipped.get(rid, 0), f"{rid}: null block at slot {k}"
                     continue
-                refs[block] = refs.get(block, 0) + 1
-        for block in range(1, self.pool.num_blocks):
-            assert self.pool.ref_cnt[block] == refs.get(block, 0), (
-                f"block {block}: ref count != {refs.get(block, 0)} holders")
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks[1:]:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"{block} ref count != {refs.get(block.block_id, 0)} holders")
         assert self.pool.num_free_blocks + len(refs) == self.pool.num_usable_blocks, (
             f"blocks not conserved: {self.pool.num_free_blocks} free + {len(refs)} held "
             f"!= {self.pool.num_usable_blocks}")
