@@ -1220,11 +1220,14 @@ def _suite_errors(prediction: dict, counts: Optional[dict],
 # The speed-matched table's floor (fid7): what a perfect simulator scores speed-matched. Its
 # synthetic real runs are drawn as `perfect_simulator` draws them (step jitter, drift inside
 # the run; no run draw, which matching takes out anyway), each measured as the suite measures
-# a real run (`run_speed` on its steps) and run again on the same random streams with its
-# runner time divided by that speed per step kind, so that it measures ~1.0x (`_at_speed`):
-# the synthetic counterpart of simulating each real run at its own measured speed. They are
-# compared with the speed-matched prediction of a run at 1.0x (`matched_runs` at UNIT_SPEED,
-# --sim-samples draws each), drawn by the same procedure on other seeds (fid12): the
+# a real run (`run_speed` on its steps) and run again on the same random streams held to the
+# speed kept real run k measured, per step kind (`_at_speed`): the synthetic counterpart of
+# simulating each real run at its own measured speed. They are compared with the
+# speed-matched prediction of the real runs (`matched_runs` at each run's speed, --sim-samples
+# draws each), drawn by the same procedure on other seeds (fid12). Before fid12 both sides ran
+# at 1.0x, a load the real runs did not see: fid12's slo runs measured 0.86-1.29x, and the
+# drift's share of a TTFT tail grows with the load (the new prediction's TTFT p90 over the
+# old on that suite: -0.9% at 1.0x, +4.8% at the runs' speeds). Drawn by one procedure, the
 # prediction and the synthetic runs are then draws of one law, and what is left is the
 # percentiles' races and the few runs a suite averages. Before fid12 the prediction was the
 # profile at 1.0x with step jitter alone, no drift: on fid11's slo suite (drift 14.4% over
@@ -1235,23 +1238,24 @@ UNIT_SPEED = {kind: {"ratio": 1.0} for kind in ("decode", "prefill")}
 
 def perfect_speed_matched(args, name: str, profile: dict, trace_dir: Path) -> list[dict]:
     """Per synthetic suite (`args.matched_suites`, default `args.perfect_suites`), {metric:
-    relative error} of the speed-matched prediction at 1.0x over the mean of the suite's
-    synthetic runs measured at 1.0x (see above); seeded per suite and run, the same on every
-    call."""
+    relative error} of the speed-matched prediction over the mean of the suite's synthetic
+    runs, run k of a suite held to the speed kept real run k measured (`run_speed`; see
+    above); seeded per suite and run, the same on every call."""
     from tokenweir.sim.latency import FittedLatencyModel
 
     suites_wanted = getattr(args, "matched_suites", None)
     suites_wanted = args.perfect_suites if suites_wanted is None else suites_wanted
     traces = validation_paths(args, trace_dir, name, args.repeats)
-    sims = [summarize(records) for t in traces
-            for records, _ in matched_runs(name, profile, t, UNIT_SPEED, args.sim_samples)]
+    speeds = [run_speed(profile, t) for t in traces]
+    sims = [summarize(records) for t, speed in zip(traces, speeds)
+            for records, _ in matched_runs(name, profile, t, speed, args.sim_samples)]
     prediction = {k: mean(r[k] for r in sims) for k in METRICS}
     model = FittedLatencyModel.from_profile(profile)
     specs = [(run_specs(name, t), run_line(name, t)) for t in traces]
     suites = []
     for g in range(suites_wanted):
-        runs = [_at_speed(name, profile, model, run, line, f"matched/{name}/{g}/{k}")[0]
-                for k, (run, line) in enumerate(specs)]
+        runs = [_at_speed(name, profile, model, run, line, f"matched/{name}/{g}/{k}", speed)[0]
+                for k, ((run, line), speed) in enumerate(zip(specs, speeds))]
         suites.append(_suite_errors(prediction, None, [(records, {}) for records in runs]))
     return suites
 
@@ -1428,7 +1432,7 @@ def format_floors(rows: list[dict], perfect: dict[str, list[dict]],
     the speed-matched cells beyond max(TARGET, their floor)."""
     floor, counts = perfect_floor(matched), perfect_floor(perfect, SHOWN_COUNTS)
     lines = [f"speed-matched floor: a perfect simulator's |error| p90, its runs measured and "
-             f"rerun at 1.0x (`perfect_speed_matched`); counts floor: its |sim - real| p90",
+             f"rerun at the real runs' speeds (`perfect_speed_matched`); counts floor: its |sim - real| p90",
              f"{'workload':10s}" + "".join(f"{k:>13s}" for k in METRICS)
              + "".join(f"{k:>20s}" for k in SHOWN_COUNTS)]
     for r in rows:

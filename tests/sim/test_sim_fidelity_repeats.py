@@ -688,3 +688,24 @@ def test_speed_matched_draws_drift_and_measure_the_runs_speed(fid, kept):
     exact = fid.summarize(fid.run_sim(fid.WORKLOADS["light"], at_speed,
                                       fid.run_specs("light", trace))[0])["tpot_p90_ms"]
     assert tpot_p90(PROFILE, 1) == pytest.approx(exact, rel=1e-9)
+
+
+def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, kept, monkeypatch):
+    """fid12: the floor's synthetic run k and its prediction are held to the speed kept real
+    run k measured (SCALES here), not 1.0x: the drift's share of a tail grows with the load,
+    so a floor at another speed measures another noise. Probe: the targets differ run to run."""
+    d, _ = kept
+    wandering = {**PROFILE, "variability": {"run_sigma": 0.0, "step_sigma": 0.02,
+                                            "drift_sigma": 0.15, "drift_tau_s": 2.0}}
+    targets, at_speed = [], fid._at_speed
+
+    def recording(*a, **kw):
+        target = a[6] if len(a) > 6 else kw.get("target")
+        targets.append({k: round(s["ratio"], 6) for k, s in (target or {}).items()})
+        return at_speed(*a, **kw)
+
+    monkeypatch.setattr(fid, "_at_speed", recording)
+    args = argparse.Namespace(repeats=3, perfect_suites=1, seed=0, sim_samples=1)
+    fid.perfect_speed_matched(args, "light", wandering, d)
+    expected = [{"decode": s, "prefill": s} for s in SCALES]
+    assert targets == expected * 2  # the prediction's draws, then the suite's synthetic runs
