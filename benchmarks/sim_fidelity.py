@@ -400,12 +400,16 @@ values do not bias it (the mean of per-run p90s is the same estimator on both si
 widen it: with three runs a perfect simulator passes every speed-matched cell at 5% in 0
 of 20 suites on fid11's first profile, 3 of 20 on its second. fid11's suite replayed (its
 profile 1): speed-matched TTFT p90 -7.1% -> -2.5%, worst 2.7%, criterion MET; (its profile
-2): -4.7% -> -1.4%, but TTFT p50 +8.4% (floor 7.5%) and TPOT p90 -6.3% miss. A fresh slo
-collection (fid12, exclusive holds: calibration seeds 0 and 4 interleaved with four rounds of
-seeds 1-3, the other workloads' calibration runs from fid11's second pair of holds; one
-profile fitted to the ten): plain worst 3.9%, speed-matched worst 3.3% (TTFT p90 +0.5%),
-MET; the floor with 12 runs: TTFT p90 11.2%, its median -3.3%, every cell within 5% in 12
-of 20 suites.
+2): -4.7% -> -1.4%, but TTFT p50 +8.4% (floor 7.5%) and TPOT p90 -6.3% miss (both replays
+with the floor still at 1.0x). The floor now runs at the real runs' speeds (see
+`perfect_speed_matched`). A fresh slo collection (fid12, exclusive holds: calibration seeds 0
+and 4 interleaved with five rounds of seeds 1-3, the other workloads' calibration runs from
+fid11's second pair of holds; one profile fitted to the ten). Four rounds (floor at 1.0x):
+plain worst 3.9%, speed-matched worst 3.3% (TTFT p90 +0.5%; the old draws: -4.1%), MET.
+Five rounds, the final code: plain worst 10.9% (TPOT p50; every cell inside its floor),
+speed-matched worst 2.4% (TTFT p90 -2.4%), MET; the speed-matched floor with 15 runs: TTFT
+p90 8.0%, its signed medians +0.0/+0.4/-0.1/-2.1/-0.6%, every cell within 5% in 12 of 20
+suites.
 
 `--sensitivity` resimulates each validation workload with the profile's step times scaled by
 0.98 and 1.02 and prints each metric's error swing per 1% of step time: a metric that moves
