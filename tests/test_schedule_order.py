@@ -5,7 +5,6 @@ the scheduler xdist itself would build, with stand-in worker nodes."""
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -15,10 +14,11 @@ TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
-def suite_conftest():
-    """tests/conftest.py as pytest loaded it (found by its file: several conftest.py exist)."""
+def suite_conftest(request):
+    """tests/conftest.py as pytest loaded it: among its plugins, by its file (several
+    conftest.py exist, and sys.modules keeps only the last one imported as `conftest`)."""
     want = TESTS / "conftest.py"
-    for module in list(sys.modules.values()):
+    for module in request.config.pluginmanager.get_plugins():
         if Path(getattr(module, "__file__", None) or "/").resolve() == want:
             return module
     pytest.fail("tests/conftest.py is not loaded")
