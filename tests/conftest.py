@@ -124,16 +124,64 @@ SHARED_FIXTURE_UNITS = {
 }
 
 
+# The costliest units, handed out first (longest first: a worker that draws one late ends the
+# run alone). xdist's own order is by number of tests, so a file of one or two long tests went
+# last (tests/server/test_fuzz.py, 14 s, ran alone for the run's last 14 s). Worker-seconds of
+# each, from a run's --durations=0 summed by file (Xeon AVX-512, 2 workers, 7c2550b); units not
+# named here follow in xdist's order. A name that no longer matches a unit is ignored, and
+# tests/test_schedule_order.py fails on it.
+SLOW_UNITS_FIRST = (
+    "tests/engine/test_llm.py",  # 35
+    "tests/router/test_ray_*.py",  # 31 (two files, one Ray head)
+    "tests/guided/test_guided_engine.py",  # 26
+    "tests/sim/test_sim_fidelity_repeats.py",  # 22
+    "tests/server/test_forkserver.py",  # 16
+    "tests/model/test_model_real.py",  # 16
+    "tests/server/test_server.py",  # 15
+    "tests/core/test_random_invariants.py",  # 15
+    "tests/server/test_fuzz.py",  # 14
+    "tests/server/test_engine_process.py",  # 14
+    "tests/model/test_triton_batch_invariant.py",  # 13
+    "tests/model/test_row_buckets.py",  # 12
+    "tests/server/test_robustness.py",  # 12
+    "tests/timeline/test_timeline_browser.py",  # 12
+    "tests/server/test_start_gate.py",  # 11
+    "tests/router/test_router.py",  # 11
+    "tests/guided/test_guided_server.py",  # 10
+    "tests/engine/test_gpu_benchmark.py",  # 10
+    "tests/engine/test_validation.py",  # 10
+)
+
+
+def slow_units_first(queue):
+    """The work queue (an OrderedDict, unit -> its tests) with the units of SLOW_UNITS_FIRST
+    moved to its front in that order; the others keep theirs. Returns a new OrderedDict."""
+    from collections import OrderedDict
+    ordered = OrderedDict((unit, queue[unit]) for unit in SLOW_UNITS_FIRST if unit in queue)
+    ordered.update((unit, tests) for unit, tests in queue.items() if unit not in ordered)
+    return ordered
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with the files of SHARED_FIXTURE_UNITS grouped; other modes as xdist's."""
+    """--dist loadfile with the files of SHARED_FIXTURE_UNITS grouped and SLOW_UNITS_FIRST
+    handed out first; other modes as xdist's."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class SharedFixtureFileScheduling(LoadFileScheduling):
+        _reordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
             return SHARED_FIXTURE_UNITS.get(scope, scope)
+
+        def _assign_work_unit(self, node) -> None:
+            # schedule() builds the whole queue before its first assignment
+            if not self._reordered:
+                self._reordered = True
+                self.workqueue = slow_units_first(self.workqueue)
+            super()._assign_work_unit(node)
 
     return SharedFixtureFileScheduling(config, log)
 

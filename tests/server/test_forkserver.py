@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 SCRIPT = r'''
 import json, os, sys
 preloaded = "torch" in sys.modules  # before this script imports anything heavy
+whole_list = "fastapi" in sys.modules  # forkserver.PRELOAD's, not only torch
 if sys.argv[1:2] == ["exit"]:
     print("bye", file=sys.stderr)
     sys.exit(int(sys.argv[2]))
@@ -29,7 +30,8 @@ if sys.argv[1:2] == ["raise"]:
     raise ValueError("from the child")
 if sys.argv[1:2] == ["threads"]:
     import torch
-    print(json.dumps({"preloaded": preloaded, "threads": torch.get_num_threads()}))
+    print(json.dumps({"preloaded": preloaded, "whole_list": whole_list,
+                      "threads": torch.get_num_threads()}))
     sys.exit(0)
 if sys.argv[1:2] == ["breakpoint"]:
     breakpoint("hook called")  # sys.breakpointhook reads PYTHONBREAKPOINT now
@@ -111,22 +113,46 @@ def test_an_import_time_setting_that_differs_is_never_forked_from_another_settin
     """libgomp reads OMP_NUM_THREADS when torch loads: a call asking for 2 threads gets them
     (a fork server of its own loaded torch with 2, or, where that one refuses because a
     library started threads at import, a fresh interpreter), never the 1-thread fork server's
-    torch; the 1-thread calls around it are forked."""
+    torch; the 1-thread calls around it are forked. The 2-thread fork server is told to import
+    torch alone (forkserver.PRELOAD_VARIABLE: all its child needs)."""
     # a fresh interpreter's answer per setting: the third call reuses the first's, so its
     # fresh run is not paid twice
     fresh_answers: dict = {}
     for threads in ("1", "2", "1"):
-        argv, env = [sys.executable, str(script), "threads"], _env(OMP_NUM_THREADS=threads)
+        extra = {} if threads == "1" else {forkserver.PRELOAD_VARIABLE: "torch"}
+        argv = [sys.executable, str(script), "threads"]
+        env = _env(OMP_NUM_THREADS=threads, **extra)
         if threads in fresh_answers:
             forked = forkserver.run(argv, env=env, cwd=str(tmp_path), timeout=120)
         else:
             forked, fresh = _both(argv, env, str(tmp_path))
             fresh_answers[threads] = fresh.stdout
         got, want = json.loads(forked.stdout), json.loads(fresh_answers[threads])
-        assert want.pop("preloaded") is False
-        preloaded = got.pop("preloaded")
+        assert want.pop("preloaded") is False and want.pop("whole_list") is False
+        preloaded, whole_list = got.pop("preloaded"), got.pop("whole_list")
         assert preloaded or threads != "1"  # probe: the 1-thread calls were forked
+        assert whole_list == (threads == "1")  # the 2-thread answer: torch alone, or fresh
         assert got == want and got["threads"] == int(threads)
+    # probe: the 2-thread setting's fork server imported torch and not the rest of the list
+    # (here it then refuses, as with the whole list: torch's import under OMP_NUM_THREADS=2
+    # leaves a thread, and the call runs in a fresh interpreter)
+    key = tuple(sorted(forkserver._import_env(
+        _env(OMP_NUM_THREADS="2", **{forkserver.PRELOAD_VARIABLE: "torch"})).items()))
+    with open(f"/proc/{forkserver._SERVERS[key]['proc'].pid}/maps") as maps:
+        mapped = maps.read()
+    assert "libtorch" in mapped and "tokenizers" not in mapped
+
+
+def test_the_preload_list_is_part_of_a_fork_servers_key():
+    """Two calls that differ only in what the fork server should import are not served by the
+    same one (the first's would lack, or carry, what the second asked for)."""
+    variable = forkserver.PRELOAD_VARIABLE
+    assert forkserver._import_env({variable: "torch", "HOME": "/x"}) == {variable: "torch"}
+    # the setting the test above asks for, beside it in the key (there both differ)
+    assert forkserver._import_env({variable: "torch", "OMP_NUM_THREADS": "2"}) == {
+        variable: "torch", "OMP_NUM_THREADS": "2"}
+    assert forkserver._preload({variable: "torch,numpy"}) == ("torch", "numpy")
+    assert forkserver._preload({}) == forkserver.PRELOAD
 
 
 def test_a_setting_read_after_the_fork_is_served_by_the_same_fork_server(script, tmp_path):
