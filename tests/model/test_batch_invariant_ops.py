@@ -116,9 +116,11 @@ def test_a_chunk_row_attends_as_the_decode_at_its_position(dtype, ctx, chunk, he
     torch.testing.assert_close(default_decodes, decode_rows, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(default_chunk, decode_rows, rtol=2e-2, atol=2e-2)
     if kernels.cpu_isa() == "avx512bf16" and dtype == torch.bfloat16 and chunk > 1:
-        # the default path's BF16 dot products take prefill items of > 1 row (bf16_dot_passes):
-        # a one-row chunk is attended as a decode is, so only longer chunks must differ
-        assert not torch.equal(default_chunk, decode_rows)
+        # the default path's one-pass BF16 dot products take prefill items of > 1 row, its
+        # decodes the float32 two-pass path: a row of a longer chunk moves off its decode bits
+        # (a one-row chunk is attended as a decode is). The fixed order takes the one-pass path
+        # for every row (paged_attention_impl.h), so its rows may equal the default chunk's.
+        assert not torch.equal(default_chunk, default_decodes)
 
 
 def test_batch_invariant_metadata_refuses_a_backend():
@@ -193,3 +195,71 @@ def test_a_narrower_isa_keeps_the_widened_float32_panels(isa, monkeypatch):
     x = torch.randn(70, 600, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     x[69] = row[0]
     assert torch.equal(lin(x)[69], alone)
+
+
+# Larger oneDNN calls (layers.INVARIANT_BIG_TILES): a size is called only where a run-time probe
+# found it gives every row the 16-row bits.
+BIG_ROW_COUNTS = (40, 300, 800, 1000, 2100)
+
+
+@native_tiles
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536)])
+def test_a_row_is_the_same_bits_in_a_big_step_as_alone(n, k, monkeypatch):
+    """A row among hundreds or thousands (the calls a prefill step makes) gets its bits alone,
+    and every row of the step the bits of 16-row calls; probe: calls of a big size did run (so
+    the big path, not only 16-row tiles, is checked)."""
+    lin = _linear(n, k, torch.bfloat16, seed=n + k)
+    set_batch_invariant(lin, True)
+    gen = torch.Generator().manual_seed(k)
+    row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    alone = lin(row)[0]
+    sizes: list[int] = []
+    real = layers.onednn_linear
+    monkeypatch.setattr(layers, "onednn_linear",
+                        lambda x, p, b: sizes.append(x.shape[0]) or real(x, p, b))
+    packed = layers.onednn_pack(lin.weight)
+    for m in BIG_ROW_COUNTS:
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        ats = sorted({0, m // 2, m - 1})
+        x[ats] = row[0]
+        out = lin(x)
+        for at in ats:
+            assert torch.equal(out[at], alone), (n, k, m, at)
+        tiles = torch.cat((x, x.new_zeros((-m % 16, k)))).split(16)  # every row: its 16-row bits
+        assert torch.equal(out, torch.cat([real(t, packed, None) for t in tiles])[:m]), (n, k, m)
+    assert any(size > layers.INVARIANT_TILE_ROWS for size in sizes), sorted(set(sizes))
+
+
+def test_the_tile_plan_uses_only_agreeing_sizes_and_covers_the_rows():
+    plan = layers.invariant_tile_plan
+    assert plan(1, lambda size: True) == [16]
+    assert plan(40, lambda size: True) == [32, 16]
+    assert plan(1000, lambda size: True) == [1024]
+    assert plan(700, lambda size: True) == [32] * 21 + [16] * 2  # 1024 would pad over 1/4
+    assert plan(2100, lambda size: True) == [2048, 32, 16, 16]
+    assert plan(2100, lambda size: size != 2048) == [1024, 1024, 32, 16, 16]
+    assert plan(1000, lambda size: False) == [16] * 63
+    asked: list[int] = []
+    plan(20, lambda size: asked.append(size) or True)
+    assert asked == [], "a size the rows cannot use was probed"
+
+
+@native_tiles
+def test_a_size_that_disagrees_is_never_called(monkeypatch):
+    """The probe's answer is obeyed: with 1024 and 32 marked as disagreeing, a 1000-row matmul
+    makes only 16-row calls (and the same bits as with them)."""
+    lin = _linear(96, 600, torch.bfloat16)
+    set_batch_invariant(lin, True)
+    x = torch.randn(1000, 600, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    monkeypatch.setitem(layers._TILE_AGREES, (96, 600, 1024, threads), False)
+    monkeypatch.setitem(layers._TILE_AGREES, (96, 600, 32, threads), False)
+    sizes: list[int] = []
+    real = layers.onednn_linear
+    monkeypatch.setattr(layers, "onednn_linear",
+                        lambda x, p, b: sizes.append(x.shape[0]) or real(x, p, b))
+    out = lin(x)
+    assert set(sizes) == {layers.INVARIANT_TILE_ROWS}
+    monkeypatch.delitem(layers._TILE_AGREES, (96, 600, 1024, threads))
+    monkeypatch.delitem(layers._TILE_AGREES, (96, 600, 32, threads))
+    assert torch.equal(lin(x), out)  # the probed sizes, whichever agree: the same bits

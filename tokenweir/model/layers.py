@@ -236,21 +236,82 @@ def native_bf16_tiles(weight: torch.Tensor) -> bool:
 def tiled_onednn_op(weight: torch.Tensor, owner: object,
                     out_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """x [M, K] -> x @ weight.T (bfloat16 GEMM, float32 accumulation, rounded to bfloat16, then
-    `out_dtype`), every oneDNN call on exactly INVARIANT_TILE_ROWS rows (see above)."""
+    `out_dtype`), every row computed with the bits an INVARIANT_TILE_ROWS-row oneDNN call gives
+    it: calls of the sizes invariant_tile_plan picks (see INVARIANT_BIG_TILES), x padded with
+    zero rows to their sum."""
     packed = packed_weight(owner, weight, "onednn", onednn_pack)
-    n, tile = weight.shape[0], INVARIANT_TILE_ROWS
+    n, k = weight.shape
 
     def run(x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16).contiguous()
         rows = x.shape[0]
-        out = x.new_empty((rows, n))
-        for start in range(0, rows, tile):
-            part = x[start:start + tile]
-            if part.shape[0] < tile:
-                part = torch.cat((part, part.new_zeros((tile - part.shape[0], part.shape[1]))))
-            out[start:start + tile] = onednn_linear(part, packed, None)[:rows - start]
+        if rows == 0:
+            return x.new_empty((0, n), dtype=out_dtype)
+        plan = invariant_tile_plan(rows, lambda size: onednn_tile_agrees(packed, n, k, size))
+        padded = sum(plan)
+        if padded != rows:
+            x = torch.cat((x, x.new_zeros((padded - rows, k))))
+        outs, start = [], 0
+        for size in plan:
+            outs.append(onednn_linear(x[start:start + size], packed, None))
+            start += size
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs))[:rows]
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     return run
+
+
+# Larger oneDNN calls where they give every row the INVARIANT_TILE_ROWS-row bits (bi13): with 16
+# rows a call, a 1000-row prefill step made 63 calls per weight, each reading the whole weight
+# (and a Python round trip). oneDNN's blocking changes with the row count, so which sizes agree
+# with 16-row calls is shape- and thread-dependent and not documented: probed on this CPU
+# (torch 2.13.0, SmolLM2's five shapes and two odd ones, 1 and 2 threads, every row of 3 random
+# draws compared) 32 agreed everywhere, 1024 and 2048 on most shapes, and 48-512 on few (64:
+# on none of SmolLM2's). So each size is probed at run time, on first need, per (N, K, size,
+# threads): onednn_tile_agrees. A size that does not agree is never called.
+INVARIANT_BIG_TILES = (2048, 1024, 32)
+_TILE_AGREES: dict[tuple[int, int, int, int], bool] = {}
+
+
+def invariant_tile_plan(rows: int, agrees: Callable[[int], bool]) -> list[int]:
+    """The call sizes, in order, that cover `rows` rows (their sum may exceed rows: zero rows
+    pad the last call): each size of INVARIANT_BIG_TILES that `agrees` while the rows left fill
+    over 3/4 of it (a big size) or all of it (the smallest), then INVARIANT_TILE_ROWS-row calls.
+    `agrees(size)` is asked only of sizes the plan could use."""
+    plan, left = [], rows
+    smallest = min(INVARIANT_BIG_TILES)
+    for size in INVARIANT_BIG_TILES:
+        need = size if size == smallest else size * 3 // 4 + 1
+        while left >= need and agrees(size):
+            plan.append(size)
+            left -= size
+    while left > 0:
+        plan.append(INVARIANT_TILE_ROWS)
+        left -= INVARIANT_TILE_ROWS
+    return plan
+
+
+def onednn_tile_agrees(packed: torch.Tensor, n: int, k: int, size: int) -> bool:
+    """Whether oneDNN on `size` rows gives each row the bits INVARIANT_TILE_ROWS-row calls give
+    it, for [n, k] weights at this thread count: probed once on `packed` (three draws of random
+    rows, one of them mostly zero rows as a padded call has), then remembered."""
+    key = (n, k, size, torch.get_num_threads())
+    if key not in _TILE_AGREES:
+        _TILE_AGREES[key] = _probe_tile(packed, k, size)
+    return _TILE_AGREES[key]
+
+
+def _probe_tile(packed: torch.Tensor, k: int, size: int) -> bool:
+    gen = torch.Generator().manual_seed(size)
+    tile = INVARIANT_TILE_ROWS
+    for draw in range(3):
+        x = torch.randn(size, k, generator=gen).to(torch.bfloat16)
+        if draw == 2:
+            x[size // 3:] = 0
+        small = torch.cat([onednn_linear(x[s:s + tile], packed, None)
+                           for s in range(0, size, tile)])
+        if not torch.equal(onednn_linear(x, packed, None), small):
+            return False
+    return True
 
 
 def set_batch_invariant(model: nn.Module, enabled: bool) -> None:

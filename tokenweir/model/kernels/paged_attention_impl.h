@@ -180,8 +180,14 @@ void score_block(const T* k_blk, int64_t nt, int64_t row, int64_t d, const float
 // machine code whatever the block's length in this item (score_block finishes a partial group
 // by hsum instead, a different order); (c) score rows start 64-byte aligned, their stride a
 // multiple of 16 floats, so the softmax loop runs the same way on every row of a given length
-// (plan_item); (d) no bf16 dot-product or one-pass path (attend_item). Keys past a row's length
+// (plan_item); (d) no bf16 dot-product two-pass path (attend_item). Keys past a row's length
 // get probability 0 and add exact zeros to its output.
+// In TW_BF16_DOT builds, bfloat16 with head_dim % 64 == 0 (bi13): every row, decodes included,
+// takes the one-pass attend_item_flash instead, whose result for a query vector depends only on
+// its own query, its length and the spans (absolute key positions 0, kSpan, ...): every vector
+// accumulates in registers of its own, keys past its length (spans or lanes a longer tile-mate
+// needs) add exact zeros, a rescale its tile-mates ask for multiplies it by exactly 1, and with
+// `own` its running max rises only by its own scores (flash_span).
 
 // scores[n, j + u] = q_n . k_{j+u} for u < cnt (cnt <= TW_W) of one block: the fixed-order
 // group (see above); noinline so every group of every item runs the same instructions.
@@ -513,7 +519,7 @@ struct FlashTile {
 template <int N, int NC>
 void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, int64_t d,
                 const uint32_t* q32, const int64_t* lens, float scale_log2, float* m, float* l,
-                float* out, uint16_t* pb) {
+                float* out, uint16_t* pb, bool own) {
   const int64_t pairs = d / 2;
   __m512 acc[N][NC];
   for (int i = 0; i < N; ++i)
@@ -537,7 +543,9 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __mmask16 valid[N][NC];
   __mmask16 above = 0;  // raw scores above (m + kSlack) / scale: m must rise (m = -inf at first)
+  bool vec_above[N];    // the same, vector by vector (`own`: only those vectors may raise m)
   for (int i = 0; i < N; ++i) {
+    vec_above[i] = false;
     const __m512 thr = _mm512_set1_ps((m[i] + kSlack) * inv_sc);
     for (int c = 0; c < NC; ++c) {
       if (full) {
@@ -547,13 +555,16 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
         valid[i][c] = _mm512_cmplt_epi32_mask(
             lane, _mm512_set1_epi32(int(std::max<int64_t>(limit, 0))));
       }
-      above |= _mm512_mask_cmp_ps_mask(valid[i][c], acc[i][c], thr, _CMP_GT_OQ);
+      const __mmask16 up = _mm512_mask_cmp_ps_mask(valid[i][c], acc[i][c], thr, _CMP_GT_OQ);
+      above |= up;
+      vec_above[i] = vec_above[i] || up != 0;
     }
   }
   float alpha[N];
   for (int i = 0; i < N; ++i) alpha[i] = 1.f;
   if (above) {  // rare after the first span: the max of each vector, the rescaling factors
     for (int i = 0; i < N; ++i) {
+      if (own && !vec_above[i]) continue;  // fixed order: m moves by the vector's own scores
       __m512 mx = _mm512_set1_ps(-__builtin_inff());
       for (int c = 0; c < NC; ++c) mx = _mm512_mask_max_ps(mx, valid[i][c], mx, acc[i][c]);
       const float m_new = std::max(m[i], _mm512_reduce_max_ps(mx) * scale_log2);
@@ -622,12 +633,14 @@ void flash_span(const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0, 
 template <int N>
 void flash_span_n(int nc, const uint32_t* kp, const uint32_t* vp, int64_t nt, int64_t t0,
                   int64_t d, const uint32_t* q32, const int64_t* lens, float scale_log2,
-                  float* m, float* l, float* out, uint16_t* pb) {
+                  float* m, float* l, float* out, uint16_t* pb, bool own) {
   switch (nc) {
-    case 1: flash_span<N, 1>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb); break;
-    case 2: flash_span<N, 2>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb); break;
-    case 3: flash_span<N, 3>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb); break;
-    default: flash_span<N, 4>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb); break;
+#define TW_SPAN(C) flash_span<N, C>(kp, vp, nt, t0, d, q32, lens, scale_log2, m, l, out, pb, own)
+    case 1: TW_SPAN(1); break;
+    case 2: TW_SPAN(2); break;
+    case 3: TW_SPAN(3); break;
+    default: TW_SPAN(4); break;
+#undef TW_SPAN
   }
 }
 
@@ -726,7 +739,8 @@ inline void attend_item_flash(const Paged<uint16_t>& g, const int64_t* table,
           case K:                                                                         \
             flash_span_n<K>(nc, s.kp.data() + at, s.vp.data() + at, tn, t0, d, q32,       \
                             s.lens.data() + f, scale_log2, s.m.data() + f,                \
-                            s.l.data() + 16 * f, s.out.data() + f * d, s.pb.data());      \
+                            s.l.data() + 16 * f, s.out.data() + f * d, s.pb.data(),       \
+                            g.fixed_order);                                               \
             break;
           TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6)
 #undef TW_CASE
@@ -903,7 +917,7 @@ void attend_item(const Paged<T>& g, const int64_t* table, const T* q_req, T* out
                  int64_t ctx, int64_t r0, int64_t r1, Scratch& s) {
 #ifdef TW_BF16_DOT
   if constexpr (std::is_same_v<T, uint16_t>) {
-    if (r1 - r0 > 1 && g.head_dim % 64 == 0 && !g.fixed_order) {
+    if ((r1 - r0 > 1 || g.fixed_order) && g.head_dim % 64 == 0) {  // fixed order: decodes too
       attend_item_flash(g, table, q_req, out_req, ctx, r0, r1, s.flash);
       return;
     }
