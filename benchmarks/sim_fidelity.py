@@ -1097,7 +1097,7 @@ def validate(args, name: str, profile: dict, trace_dir: Path,
     that run saw), their metrics' means against the real runs' means. The row also carries
     the machine's measured speed during each real run against the profile ("machine_speed":
     a list, one per run) and, with `speed_matched`, the same comparison with each run
-    simulated at that speed ("speed_matched": a row of its own, `at_run_speed`)."""
+    simulated at that speed ("speed_matched": a row of its own, `matched_runs`)."""
     traces = validation_paths(args, trace_dir, name, args.repeats)
     missing = [str(t) for t in traces if not records_path(t).exists()]
     if missing:
@@ -1436,7 +1436,8 @@ def format_floors(rows: list[dict], perfect: dict[str, list[dict]],
     the speed-matched cells beyond max(TARGET, their floor)."""
     floor, counts = perfect_floor(matched), perfect_floor(perfect, SHOWN_COUNTS)
     lines = [f"speed-matched floor: a perfect simulator's |error| p90, its runs measured and "
-             f"rerun at the real runs' speeds (`perfect_speed_matched`); counts floor: its |sim - real| p90",
+             f"rerun at the real runs' speeds (`perfect_speed_matched`); counts floor: its "
+             f"|sim - real| p90",
              f"{'workload':10s}" + "".join(f"{k:>13s}" for k in METRICS)
              + "".join(f"{k:>20s}" for k in SHOWN_COUNTS)]
     for r in rows:

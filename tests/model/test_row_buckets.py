@@ -5,7 +5,6 @@ taking every value grew RSS by hundreds of MB. The model pads M up to a bucket
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -40,45 +39,29 @@ def test_bucketed_linear_gives_the_rows_of_the_plain_linear():
 
 
 PROBE = textwrap.dedent("""
-    import json, os, sys, torch
+    import sys, torch
     from tokenweir.model.layers import row_bucket
     torch.set_num_threads(1)
     def rss_mb():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096 / 2**20
-    def arm(bucket):
-        w = torch.randn(1536, 576).to_mkldnn()
-        def sweep(first, last):
-            for m in range(first, last):
-                x = torch.randn(row_bucket(m) if bucket else m, 576).to_mkldnn()
-                torch._C._nn.mkldnn_linear(x, w)
-        sweep(1, 200)          # warm-up, the same row counts in both arms
-        before = rss_mb()
-        sweep(200, 400)        # the same new row counts in both arms: 200 shapes, or 8 buckets
-        return rss_mb() - before
-    # Each arm in a child forked from this interpreter (torch imported once, no oneDNN
-    # primitive created before the fork): each starts with an empty primitive cache.
-    growth = {}
-    for mode in ("fresh", "bucket"):
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            os.write(write, repr(arm(mode == "bucket")).encode())
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as answer:
-            growth[mode] = float(answer.read())
-        assert os.waitpid(pid, 0)[1] == 0
-    print(json.dumps(growth))
+    bucket = sys.argv[1] == "bucket"
+    w = torch.randn(1536, 576).to_mkldnn()
+    def sweep(first, last):
+        for m in range(first, last):
+            x = torch.randn(row_bucket(m) if bucket else m, 576).to_mkldnn()
+            torch._C._nn.mkldnn_linear(x, w)
+    sweep(1, 200)          # warm-up, the same row counts in both arms
+    before = rss_mb()
+    sweep(200, 400)        # the same new row counts in both arms: 200 shapes, or 8 buckets
+    print(rss_mb() - before)
 """)
 
 
-def _growth_mb() -> dict:
-    """{"fresh": MB, "bucket": MB}: each arm's RSS growth over its second sweep."""
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+def _growth_mb(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
                          check=True, timeout=300)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def test_distinct_shapes_grow_native_memory_and_buckets_do_not():
@@ -92,8 +75,7 @@ def test_distinct_shapes_grow_native_memory_and_buckets_do_not():
         pytest.skip("torch built without oneDNN")
     warm = {row_bucket(m) for m in range(1, 200)}
     assert len({row_bucket(m) for m in range(200, 400)} - warm) == 8
-    growth = _growth_mb()
-    fresh, bucketed = growth["fresh"], growth["bucket"]
+    fresh, bucketed = _growth_mb("fresh"), _growth_mb("bucket")
     assert fresh > 40, f"200 distinct shapes grew RSS by only {fresh:.1f} MB"
     # Measured (AVX2 EPYC): fresh ~110 MB, bucketed ~7.5 MB (the 8 new shapes are the largest).
     assert bucketed < fresh / 4, f"bucketed grew RSS by {bucketed:.1f} MB, fresh {fresh:.1f} MB"

@@ -210,8 +210,9 @@ def invariant_matmul_op(weight: torch.Tensor, owner: object,
 
 # On a CPU with native bfloat16 (the kernels' "avx512bf16" variant: AVX-512 BF16, and AMX where
 # oneDNN finds it) a bfloat16 weight's invariant matmul is oneDNN's own bfloat16 GEMM on the
-# oneDNN-packed weight (the flag-off path's copy: no widened panels), called ONLY with
-# INVARIANT_TILE_ROWS rows: x is cut into tiles of that many rows, the last padded with zeros.
+# oneDNN-packed weight (the flag-off path's copy: no widened panels), every row given the bits
+# an INVARIANT_TILE_ROWS-row call gives it: x is cut into tiles of that many rows (the last
+# padded with zeros), or of a larger size only where a probe found it agrees (INVARIANT_BIG_TILES).
 # oneDNN picks its kernel and blocking by the shape, and with one shape every row's sums ran in
 # one order: measured (torch 2.13.0's oneDNN, 1 and 2 threads, SmolLM2's five weight shapes and
 # four odd ones, tiles of 1-128 rows, the row at 6 positions among random or zero rows) a row's
