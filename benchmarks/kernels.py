@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from tokenweir.cpu_info import cpu_flags  # noqa: E402
 from tokenweir.model import attention as A  # noqa: E402
 from tokenweir.model import kernels  # noqa: E402
 
@@ -313,7 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     dtypes = ([torch.float32, torch.bfloat16] if args.dtype == "both"
               else [getattr(torch, args.dtype)])
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    flags = cpu_flags()
     isa = "avx512_bf16" if "avx512_bf16" in flags else ("avx2" if "avx2" in flags else "other")
     print(f"# CPU {isa}, kernels variant {kernels.cpu_isa() or 'none'}, "
           f"{torch.get_num_threads()} torch threads")

@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ sys.path.insert(1, os.path.dirname(_HERE))  # the repo root, for `import tokenwe
 
 import _peers  # noqa: E402
 import _workload  # noqa: E402
+from tokenweir.cpu_info import cpu_model  # noqa: E402
 
 DTYPES = ("bfloat16", "float32", "float16")
 TARGET_VS_TRANSFORMERS = 2.0
@@ -385,17 +385,6 @@ def _cpu_capability() -> str:
         return "unknown"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 # SmolLM2-135M (the default model): 30 layers, hidden 576 (9 x 64 query, 3 x 64 kv), MLP 1536,
 # vocabulary 49,152. Matmul FLOPs per token through the decoder, per sampled token in the LM
 # head, and attention FLOPs per (query token, context token) pair summed over the layers.
@@ -526,7 +515,7 @@ def report(args: argparse.Namespace, wl: _workload.Workload, results: list[dict]
         "workload": wl.summary(),
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                        "cpu_capability": _cpu_capability(), "cpu_model": _cpu_model(),
+                        "cpu_capability": _cpu_capability(), "cpu_model": cpu_model(),
                         "machine": platform.machine(), "platform": platform.platform()},
         "results": [{k: v for k, v in r.items() if k != "token_ids"} for r in results],
         "ratios": ratios,

@@ -33,6 +33,8 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from probes import HEADERS, MODEL, post, start_server, stop_server  # noqa: E402
 
+from tokenweir.cpu_info import cpu_flags  # noqa: E402
+
 GOLDEN = Path(__file__).with_name("engine_answers.json")
 LOGPROB_TOL = 1e-3
 # /metrics lines that count steps or generated tokens: each may differ by the number of
@@ -142,11 +144,7 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
 def machine() -> dict:
     """{"cpu_flags": the KERNEL_FLAGS this CPU has, "torch": its version}."""
     import torch  # only the recording's comparison needs it
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = set(next((line for line in info if line.startswith("flags")), "").split())
-    except OSError:
-        flags = set()
+    flags = cpu_flags()
     return {"cpu_flags": [f for f in KERNEL_FLAGS if f in flags], "torch": torch.__version__}
 
 

@@ -31,6 +31,7 @@ import threading
 from concurrent.futures import Future
 from typing import Optional
 
+from tokenweir.cpu_info import runs_bfloat16_natively
 from tokenweir.model import load_cache
 
 
@@ -71,21 +72,8 @@ def derived_files_for(dtype: str, device: str) -> tuple[str, ...]:
     if device == "cuda":
         return ()
     if dtype == "auto":
-        dtype = "bfloat16" if _cpu_runs_bfloat16() else "float32"
+        dtype = "bfloat16" if runs_bfloat16_natively() else "float32"
     return (_DERIVED[dtype],) if dtype in _DERIVED else ()
-
-
-def _cpu_runs_bfloat16() -> bool:
-    """dtype_choice's CPU test without torch: AMX tiles or AVX-512 BF16 among the flags."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_tile", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
 
 
 def _check_entry(model_path: str, derived: tuple[str, ...]) -> None:
