@@ -1240,20 +1240,23 @@ def _suite_errors(prediction: dict, counts: Optional[dict],
 UNIT_SPEED = {kind: {"ratio": 1.0} for kind in ("decode", "prefill")}
 
 
-def perfect_speed_matched(args, name: str, profile: dict, trace_dir: Path) -> list[dict]:
+def perfect_speed_matched(args, name: str, profile: dict, trace_dir: Path,
+                          prediction: Optional[dict] = None) -> list[dict]:
     """Per synthetic suite (`args.matched_suites`, default `args.perfect_suites`), {metric:
     relative error} of the speed-matched prediction over the mean of the suite's synthetic
     runs, run k of a suite held to the speed kept real run k measured (`run_speed`; see
-    above); seeded per suite and run, the same on every call."""
+    above); seeded per suite and run, the same on every call. `prediction`: {metric: value}
+    of the speed-matched prediction `validate` already drew with this same `profile` (its
+    row's ["speed_matched"]["sim"]: `matched_runs`, --sim-samples draws per run); None draws
+    it here (`matched_prediction`), as --matched-floor-only and a floor without drift must."""
     from tokenweir.sim.latency import FittedLatencyModel
 
     suites_wanted = getattr(args, "matched_suites", None)
     suites_wanted = args.perfect_suites if suites_wanted is None else suites_wanted
     traces = validation_paths(args, trace_dir, name, args.repeats)
     speeds = [run_speed(profile, t) for t in traces]
-    sims = [summarize(records) for t, speed in zip(traces, speeds)
-            for records, _ in matched_runs(name, profile, t, speed, args.sim_samples)]
-    prediction = {k: mean(r[k] for r in sims) for k in METRICS}
+    if prediction is None:
+        prediction = matched_prediction(name, profile, traces, speeds, args.sim_samples)
     model = FittedLatencyModel.from_profile(profile)
     specs = [(run_specs(name, t), run_line(name, t)) for t in traces]
     suites = []
@@ -1262,6 +1265,16 @@ def perfect_speed_matched(args, name: str, profile: dict, trace_dir: Path) -> li
                 for k, ((run, line), speed) in enumerate(zip(specs, speeds))]
         suites.append(_suite_errors(prediction, None, [(records, {}) for records in runs]))
     return suites
+
+
+def matched_prediction(name: str, profile: dict, traces: list[Path], speeds: list[dict],
+                       samples: int) -> dict:
+    """{metric: mean over every speed-matched draw of every run} (`matched_runs`, `samples`
+    draws of each of `traces` at its `speeds`): what `compare` makes the speed-matched row's
+    "sim" from the same draws, in the same order, so the two are equal to the last bit."""
+    sims = [summarize(records) for t, speed in zip(traces, speeds)
+            for records, _ in matched_runs(name, profile, t, speed, samples)]
+    return {k: mean(r[k] for r in sims) for k in METRICS}
 
 
 def _at_speed(name: str, profile: dict, model, specs: list[RequestSpec],
@@ -1590,9 +1603,12 @@ def collect_only(args, names: list[str], started: float) -> int:
     return 0
 
 
-def matched_floor(args, names: list[str], profile: dict, trace_dir: Path) -> dict:
+def matched_floor(args, names: list[str], profile: dict, trace_dir: Path,
+                  predictions: Optional[dict] = None) -> dict:
     """{workload: the speed-matched floor's suites} (`perfect_speed_matched`), or read from
-    --matched-floor-from; none without perfect suites or with --matched-suites 0."""
+    --matched-floor-from; none without perfect suites or with --matched-suites 0.
+    `predictions`: {workload: its speed-matched prediction}, drawn by `validate` with this
+    same `profile` (a workload absent: drawn here)."""
     if args.matched_floor_from:
         kept = json.loads(Path(args.matched_floor_from).read_text())["perfect_speed_matched"]
         missing = sorted(set(names) - set(kept))
@@ -1601,7 +1617,8 @@ def matched_floor(args, names: list[str], profile: dict, trace_dir: Path) -> dic
         return {n: kept[n] for n in names}
     if args.perfect_suites <= 0 or args.matched_suites == 0:
         return {}
-    return {n: perfect_speed_matched(args, n, profile, trace_dir) for n in names}
+    return {n: perfect_speed_matched(args, n, profile, trace_dir, (predictions or {}).get(n))
+            for n in names}
 
 
 def matched_floor_only(args, names: list[str]) -> int:
@@ -1652,7 +1669,11 @@ def main() -> int:
         perfect = {r["workload"]: perfect_simulator(args, r["workload"], floor_profile,
                                                     trace_dir, r["sim"], r["counts_sim"])
                    for r in rows} if args.perfect_suites > 0 else {}
-        matched = matched_floor(args, names, floor_profile, trace_dir)
+        # The rows' speed-matched predictions were drawn with `profile`: the floor's own
+        # when it drifts (the default), so it takes them as they are.
+        predictions = ({r["workload"]: r["speed_matched"]["sim"] for r in rows}
+                       if floor_profile is profile else None)
+        matched = matched_floor(args, names, floor_profile, trace_dir, predictions)
     runs = args.repeats
     seeds = "" if args.profile else ", ".join(map(str, calibration_seeds(args)))
     print(f"\n{len(names)} workloads, {args.threads} thread(s), "
