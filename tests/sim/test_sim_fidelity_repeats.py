@@ -709,3 +709,38 @@ def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, kept, monkeypatch
     fid.perfect_speed_matched(args, "light", wandering, d)
     expected = [{"decode": s, "prefill": s} for s in SCALES]
     assert targets == expected * 2  # the prediction's draws, then the suite's synthetic runs
+
+
+def test_the_speed_matched_floor_takes_validates_prediction(fid, kept, monkeypatch, tmp_path):
+    """fid14: the speed-matched floor compares its synthetic suites with the prediction
+    `validate` already drew (the row's speed-matched "sim"), rather than drawing it again: the
+    floor's suites are those of a floor that draws its own (--matched-floor-only), to the last
+    bit, and `matched_runs` runs once per kept run (in `validate`), not twice. With
+    --no-floor-drift the floor's law is not the rows', so it draws its own (the probe that
+    the count tells the two apart)."""
+    d, _ = kept
+    profile = tmp_path / "drifting.json"
+    profile.write_text(json.dumps({**PROFILE, "variability": {
+        "run_sigma": 0.05, "step_sigma": 0.03, "drift_sigma": 0.1, "drift_tau_s": 2.0}}))
+    argv = ("--replay", str(d), "--profile", str(profile), "--workloads", "light",
+            "--repeats", "3", "--perfect-suites", "2", "--sim-samples", "2")
+    calls, draw = [], fid.matched_runs
+
+    def counted(*a, **kw):
+        calls.append(a[2])
+        return draw(*a, **kw)
+
+    monkeypatch.setattr(fid, "matched_runs", counted)
+    inline = run_main(fid, monkeypatch, tmp_path, *argv)
+    assert len(calls) == 3  # validate's draws of the three kept runs, and no more
+    floor_json = tmp_path / "floor.json"
+    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--validation-seeds", "1",
+                                      "--matched-floor-only", "--json", str(floor_json)])
+    assert fid.main() == 0
+    assert len(calls) == 6  # a floor of its own draws the prediction itself
+    alone = json.loads(floor_json.read_text())["perfect_speed_matched"]
+    assert alone == inline["perfect_speed_matched"]
+    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
+    del calls[:]
+    run_main(fid, monkeypatch, tmp_path, *argv, "--no-floor-drift")
+    assert len(calls) == 6  # the floor's profile lacks the drift: its prediction is its own
