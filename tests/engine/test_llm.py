@@ -8,7 +8,10 @@ import pytest
 
 from tokenweir import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# 16 tokens: decodes enough after the preemptions below that a block handed out while still
+# published in the prefix cache (the eviction skipped in BlockPool.get_new_block[s]) changes
+# the tokens under both policies; with 12, fcfs passed on it (24 were the base's)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _prompts(n: int, seed: int = 0, low: int = 20, high: int = 180) -> list[dict]:
@@ -37,7 +40,12 @@ def test_generate_text_and_fields(make_llm):
     assert out.metrics.num_preemptions == 0
 
 
-CRAMPED = dict(max_num_batched_tokens=64, long_prefill_token_threshold=48, max_model_len=256)
+# Prompts of 20-100 tokens (those over 48 are chunked) in a pool of 10 blocks of 16 (9 usable;
+# max_model_len 128 needs 8 and a null block): 2-4 preemptions a run, each policy, in ~130
+# steps for the three engines. The pool of 17 blocks, prompts up to 180 tokens and 24 output
+# tokens took ~180 steps for 3-4.
+CRAMPED = dict(max_num_batched_tokens=64, long_prefill_token_threshold=48, max_model_len=128)
+CRAMPED_PROMPTS = dict(n=6, seed=1, high=100)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,7 @@ def roomy_tokens(make_llm):
     greedy float32 tokens do not depend on the schedule: tests/engine/test_batch_invariance.py).
     One run for both policies."""
     roomy = make_llm(num_gpu_blocks_override=200, scheduling_policy="fcfs", **CRAMPED)
-    expected = roomy.generate(_prompts(6, seed=1), GREEDY, use_tqdm=False)
+    expected = roomy.generate(_prompts(**CRAMPED_PROMPTS), GREEDY, use_tqdm=False)
     assert _metric(roomy, "num_preemptions") == 0
     return _tokens(expected)
 
@@ -54,9 +62,9 @@ def roomy_tokens(make_llm):
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_cramped_pool_gives_identical_tokens(make_llm, roomy_tokens, policy):
     """Memory pressure costs time, never correctness."""
-    prompts = _prompts(6, seed=1)
+    prompts = _prompts(**CRAMPED_PROMPTS)
     priority = [i % 3 for i in range(len(prompts))] if policy == "priority" else None
-    cramped = make_llm(num_gpu_blocks_override=17, scheduler_reserve_full_isl=False,
+    cramped = make_llm(num_gpu_blocks_override=10, scheduler_reserve_full_isl=False,
                        scheduling_policy=policy, **CRAMPED)
     got = cramped.generate(prompts, GREEDY, priority=priority, use_tqdm=False)
     assert _metric(cramped, "num_preemptions") > 0, "the cramped pool never preempted"
@@ -66,8 +74,10 @@ def test_cramped_pool_gives_identical_tokens(make_llm, roomy_tokens, policy):
 
 
 def test_chunked_and_unchunked_prefill_agree(make_llm):
-    prompts = _prompts(4, seed=2, low=100, high=300)
-    chunked = make_llm(max_num_batched_tokens=48, max_model_len=512)
+    """Prompts of 40-120 tokens in chunks of at most 24 (not a multiple of the 16-token block:
+    chunks end inside blocks), beside decodes, against each prompt prefilled whole."""
+    prompts = _prompts(4, seed=2, low=40, high=120)
+    chunked = make_llm(max_num_batched_tokens=24, max_model_len=512)
     whole = make_llm(max_num_batched_tokens=512, enable_chunked_prefill=False, max_model_len=512)
     a = chunked.generate(prompts, GREEDY, use_tqdm=False)
     b = whole.generate(prompts, GREEDY, use_tqdm=False)
@@ -77,45 +87,50 @@ def test_chunked_and_unchunked_prefill_agree(make_llm):
 
 
 def test_seeded_sampling_independent_of_batch(make_llm):
+    """A seeded request samples the same tokens alone and in a crowd (which outlives it and
+    holds the same prompt under another seed: that one differs)."""
     llm = make_llm()
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=8, ignore_eos=True)
     alone = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
-    crowd = llm.generate(["Hello", "Once upon a time", "The weather today"],
-                         [SamplingParams(temperature=1.0, max_tokens=20), params,
-                          SamplingParams(temperature=0.7, seed=9, max_tokens=5)],
-                         use_tqdm=False)[1]
-    assert alone.outputs[0].token_ids == crowd.outputs[0].token_ids
-    other = llm.generate(["Once upon a time"],
-                         SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16,
-                                        ignore_eos=True), use_tqdm=False)[0]
-    assert other.outputs[0].token_ids != alone.outputs[0].token_ids
+    crowd = llm.generate(["Hello", "Once upon a time", "The weather today", "Once upon a time"],
+                         [SamplingParams(temperature=1.0, max_tokens=10), params,
+                          SamplingParams(temperature=0.7, seed=9, max_tokens=5),
+                          SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=8,
+                                         ignore_eos=True)],
+                         use_tqdm=False)
+    assert alone.outputs[0].token_ids == crowd[1].outputs[0].token_ids
+    assert len(alone.outputs[0].token_ids) == 8
+    assert crowd[3].outputs[0].token_ids != alone.outputs[0].token_ids
 
 
 def test_stop_rules(make_llm):
     llm = make_llm()
     tok = llm.get_tokenizer()
-    base = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=12),
+    prompt = "Count: one, two, three,"
+    base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6),
                         use_tqdm=False)[0].outputs[0]
-    assert len(base.text) > 4
+    assert len(base.text) > 4 and len(base.token_ids) == 6
     stop_str = base.text[2:5]
-    stopped = llm.generate(["Count: one, two, three,"],
-                           SamplingParams(temperature=0, max_tokens=12, stop=[stop_str]),
-                           use_tqdm=False)[0].outputs[0]
+    stop_token = base.token_ids[3]
+    stopped, by_token = llm.generate(  # one batch: greedy tokens do not depend on it
+        [prompt, prompt], [SamplingParams(temperature=0, max_tokens=12, stop=[stop_str]),
+                           SamplingParams(temperature=0, max_tokens=12,
+                                          stop_token_ids=[stop_token])], use_tqdm=False)
+    stopped = stopped.outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_str
     assert stopped.text == base.text[:base.text.index(stop_str)]
-    stop_token = base.token_ids[3]
-    by_token = llm.generate(["Count: one, two, three,"],
-                            SamplingParams(temperature=0, max_tokens=12,
-                                           stop_token_ids=[stop_token]), use_tqdm=False)[0]
     assert by_token.outputs[0].token_ids == base.token_ids[:base.token_ids.index(stop_token) + 1]
     assert by_token.outputs[0].stop_reason == stop_token
-    chat = llm.chat([{"role": "user", "content": "Say hi."}],
-                    SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    # a question the model answers in a few tokens and an end-of-sequence ("2 + 2 = 4": 8)
+    question = [{"role": "user", "content": "What is 2+2? Answer with the number only."}]
+    chat = llm.chat(question, SamplingParams(temperature=0, max_tokens=200),
+                    use_tqdm=False)[0].outputs[0]
     assert chat.finish_reason == "stop" and chat.token_ids[-1] in tok.eos_token_ids
-    forced = llm.chat([{"role": "user", "content": "Say hi."}],
-                      SamplingParams(temperature=0, max_tokens=40, min_tokens=len(chat.token_ids) + 5),
+    at_least = len(chat.token_ids) + 5
+    forced = llm.chat(question, SamplingParams(temperature=0, max_tokens=at_least,
+                                               min_tokens=at_least),
                       use_tqdm=False)[0].outputs[0]
-    assert len(forced.token_ids) >= len(chat.token_ids) + 5
+    assert len(forced.token_ids) == at_least
 
 
 def test_logprobs(make_llm):

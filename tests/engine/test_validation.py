@@ -121,14 +121,16 @@ def test_cuda_without_cuda_is_a_clear_error():
 @pytest.mark.parametrize("kwargs", [dict(preemption_mode="auto", swap_space=0.05),
                                     dict(preemption_policy="cost")])
 def test_small_pool_starts_and_measures_costs(make_llm, kwargs):
-    """Issue 14, #6: the start-up probe assumed a pool of 256 tokens' worth of blocks."""
-    small = dict(num_gpu_blocks_override=28, block_size=8, max_model_len=176)
+    """Issue 14, #6: the start-up probe assumed a pool of 256 tokens' worth of blocks. This
+    pool holds 88 (11 usable blocks of 8; the probe prefills what they hold, twice: 216 tokens
+    a prefill in the pool of 28 blocks this test used before, for the same check)."""
+    small = dict(num_gpu_blocks_override=12, block_size=8, max_model_len=64)
     llm = make_llm(**small, **kwargs)
     costs = llm.llm_engine.scheduler.costs
     assert costs != PreemptionCosts(), "the preemption costs were never measured"
     assert costs.prefill_seconds_per_token > 0 and math.isfinite(costs.swap_seconds_per_block)
     prompts = ["The capital of France is", "One, two, three,"]
-    roomy = make_llm(max_model_len=176)
+    roomy = make_llm(max_model_len=64)
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     expected = roomy.generate(prompts, SamplingParams(temperature=0, max_tokens=8),
                               use_tqdm=False)

@@ -38,21 +38,36 @@ def _guided(seed: int, max_tokens: int = 120, **spec) -> SamplingParams:
                           guided_decoding=Guided(**spec))
 
 
-def test_json_schema_output_validates_for_every_seed(llm):
-    validator = jsonschema_rs.validator_for(SCHEMA)
+@pytest.fixture(scope="module")
+def schema_batch(llm):
+    """ONE batch (its steps are those of its longest request, ~52, not the ~130 of three
+    batches run one after another): the schema as a dict under every seed, the same seeds
+    unguided, and the schema as JSON text (seed 0). Returns those three groups of outputs and
+    the masks the batch filled (unguided requests take none)."""
     masks_before = llm.llm_engine.guided.num_masks
-    outs = _run(llm, [PROMPT] * len(SEEDS), [_guided(s, json=SCHEMA) for s in SEEDS])
+    outs = _run(llm, [PROMPT] * (2 * len(SEEDS) + 1),
+                [_guided(s, json=SCHEMA) for s in SEEDS]
+                + [SamplingParams(temperature=1.0, seed=s, max_tokens=40) for s in SEEDS]
+                + [_guided(0, json=json.dumps(SCHEMA))])
+    n = len(SEEDS)
+    return {"guided": outs[:n], "free": outs[n:2 * n], "json_text": outs[2 * n],
+            "masks": llm.llm_engine.guided.num_masks - masks_before}
+
+
+def test_json_schema_output_validates_for_every_seed(schema_batch):
+    validator = jsonschema_rs.validator_for(SCHEMA)
+    outs = schema_batch["guided"]
     for out in outs:
         assert out.finish_reason == "stop", out.text
         value = json.loads(out.text)
         assert validator.is_valid(value), out.text
     assert len({o.text for o in outs}) > 1, "seeds at temperature 1 should differ"
-    # Probe: every sampled token was masked (the mask is what made the JSON valid) ...
-    assert llm.llm_engine.guided.num_masks - masks_before == sum(len(o.token_ids) for o in outs)
+    # Probe: every sampled token of the guided requests was masked (the mask is what made the
+    # JSON valid), and no unguided token was ...
+    guided = outs + [schema_batch["json_text"]]
+    assert schema_batch["masks"] == sum(len(o.token_ids) for o in guided)
     # ... and without it the same seeds do not produce records that validate.
-    free = _run(llm, [PROMPT] * len(SEEDS),
-                [SamplingParams(temperature=1.0, seed=s, max_tokens=40) for s in SEEDS])
-    assert not all(_validates(validator, o.text) for o in free)
+    assert not all(_validates(validator, o.text) for o in schema_batch["free"])
 
 
 def _validates(validator, text: str) -> bool:
@@ -77,8 +92,8 @@ def test_json_object_output_is_an_object(llm):
     assert free[0].text != out.text  # probe: unguided, the model runs on past the object
 
 
-def test_schema_given_as_json_text(llm):
-    out = _run(llm, [PROMPT], [_guided(0, json=json.dumps(SCHEMA))])[0]
+def test_schema_given_as_json_text(schema_batch):
+    out = schema_batch["json_text"]
     assert jsonschema_rs.validator_for(SCHEMA).is_valid(json.loads(out.text))
 
 
@@ -122,7 +137,8 @@ def test_greedy_guided_picks_the_models_favourite_allowed_token(llm):
 
 def test_a_guided_request_leaves_its_unguided_neighbours_unchanged(llm):
     prompts = ["The river", "Once upon a time", "def fibonacci(n):", "Dear diary,"]
-    plain = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=24, ignore_eos=True)
+    # 16 tokens each: all of them beside the guided one (~31 tokens), masked in every step
+    plain = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=16, ignore_eos=True)
              for i in range(len(prompts))]
     alone = _run(llm, prompts, plain)
     masks_before = llm.llm_engine.guided.num_masks

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema_rs
@@ -40,13 +41,20 @@ def client():
 
 
 def test_chat_response_format_json_schema(client):
+    """Two seeds, sent at once: the server batches them (their steps overlap instead of
+    adding up)."""
     validator = jsonschema_rs.validator_for(SCHEMA)
-    for seed in range(2):
-        resp = client.chat.completions.create(
+
+    def ask(seed: int):
+        return client.chat.completions.create(
             model=probes.MODEL, messages=[{"role": "user", "content": "A city, as JSON."}],
             temperature=1.0, seed=seed, max_tokens=80,
             response_format={"type": "json_schema",
                              "json_schema": {"name": "city", "schema": SCHEMA}})
+
+    with ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(ask, range(2)))
+    for resp in responses:
         choice = resp.choices[0]
         assert choice.finish_reason == "stop"
         assert validator.is_valid(json.loads(choice.message.content))
