@@ -263,3 +263,103 @@ def test_a_size_that_disagrees_is_never_called(monkeypatch):
     monkeypatch.delitem(layers._TILE_AGREES, (96, 600, 1024, threads))
     monkeypatch.delitem(layers._TILE_AGREES, (96, 600, 32, threads))
     assert torch.equal(lin(x), out)  # the probed sizes, whichever agree: the same bits
+
+
+# The AMX kernel (kernels.amx_linear_kernel, amx_linear_impl.h): on CPUs with AMX-BF16 the
+# invariant bfloat16 matmul below 769 rows is one AMX call, whose bits must be oneDNN's 16-row
+# bits (big steps mix it with oneDNN's 1024/2048-row calls).
+AMX_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (64, 96)]
+AMX_ROW_COUNTS = (1, 2, 15, 16, 17, 33, 63, 64, 65, 130, 300)
+
+amx_kernel = pytest.mark.skipif(
+    kernels.amx_linear_kernel() is None or not layers.onednn_bf16_packing(),
+    reason="the AMX kernel runs on CPUs with AMX-BF16 (and oneDNN's bfloat16 packing) only")
+
+
+def _amx_case(n: int, k: int):
+    lin = _linear(n, k, torch.bfloat16, seed=n + k)
+    return lin, kernels.pack_amx_weight(lin.weight), layers.onednn_pack(lin.weight)
+
+
+@amx_kernel
+@pytest.mark.parametrize("n,k", AMX_SHAPES)
+def test_the_amx_kernel_gives_every_row_onednn_16_row_bits(n, k):
+    """Its contract's second half, on this torch / oneDNN build: each row the bits a 16-row
+    oneDNN call gives it (random rows, and a last 16-row block padded inside the kernel)."""
+    _, tiles, packed = _amx_case(n, k)
+    amx = kernels.amx_linear_kernel()
+    gen = torch.Generator().manual_seed(n)
+    for m in (1, 7, 16, 33, 64, 100):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        tiles16 = torch.cat((x, x.new_zeros((-m % 16, k)))).split(16)
+        ref = torch.cat([layers.onednn_linear(t, packed, None) for t in tiles16])[:m]
+        assert torch.equal(amx(x, tiles, n, False), ref), (n, k, m)
+
+
+@amx_kernel
+@pytest.mark.parametrize("n,k", AMX_SHAPES[:4])
+def test_the_amx_kernel_gives_a_row_its_bits_in_any_rows(n, k):
+    """Every row's result among any number of rows (whole 32-row blocks, a lone 16-row block,
+    the padded last block) = its result alone; float_out = those bits widened."""
+    _, tiles, _ = _amx_case(n, k)
+    amx = kernels.amx_linear_kernel()
+    gen = torch.Generator().manual_seed(k)
+    for m in AMX_ROW_COUNTS:
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        out = amx(x, tiles, n, False)
+        alone = torch.cat([amx(x[i:i + 1], tiles, n, False) for i in range(m)])
+        assert torch.equal(out, alone), (n, k, m, (out != alone).any(1).nonzero()[:4].tolist())
+        assert torch.equal(amx(x, tiles, n, True), out.float()), (n, k, m)
+
+
+def _count_calls(monkeypatch) -> dict[str, list[int]]:
+    """Rows of every oneDNN and AMX call the layers make from now on."""
+    calls: dict[str, list[int]] = {"onednn": [], "amx": []}
+    real_onednn, real_amx_kernel = layers.onednn_linear, kernels.amx_linear_kernel
+
+    def amx_kernel():  # None where the real one is (TOKENWEIR_AMX_LINEAR=0, ...)
+        real = real_amx_kernel()
+        return real and (lambda x, *a: calls["amx"].append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(layers, "onednn_linear",
+                        lambda x, p, b: calls["onednn"].append(x.shape[0]) or real_onednn(x, p, b))
+    monkeypatch.setattr(kernels, "amx_linear_kernel", amx_kernel)
+    return calls
+
+
+@amx_kernel
+def test_a_decode_step_is_one_amx_call_with_the_tiles_bits(monkeypatch):
+    """A 64-row step of a SmolLM2 weight: one AMX call on its 64 rows, no oneDNN call (the
+    tiles made two 32-row calls), and the same bits as with TOKENWEIR_AMX_LINEAR=0's tiles."""
+    lin, _, _ = _amx_case(3072, 576)
+    set_batch_invariant(lin, True)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    calls = _count_calls(monkeypatch)
+    out = lin(x)
+    assert calls == {"onednn": [], "amx": [64]}
+    assert lin.__dict__.get(layers._AMX_ATTR) is not None  # probe: the AMX tiles were packed
+    monkeypatch.setenv("TOKENWEIR_AMX_LINEAR", "0")
+    calls["amx"].clear()
+    tiles_out = lin(x)
+    assert calls["amx"] == [] and calls["onednn"] and max(calls["onednn"]) < 64  # probe: tiles
+    assert torch.equal(out, tiles_out)
+
+
+@amx_kernel
+def test_a_big_step_on_the_amx_path_calls_only_agreeing_sizes(monkeypatch):
+    """Over 768 rows: oneDNN's 1024-row call where the probe (against the AMX kernel) agrees,
+    the rest one AMX call, every row the bits of an all-AMX call; marked disagreeing, 1024 is
+    never called."""
+    lin, _, _ = _amx_case(960, 576)
+    set_batch_invariant(lin, True)
+    x = torch.randn(1100, 576, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    lin(x)  # runs the probe
+    key = (960, 576, 1024, torch.get_num_threads(), "amx")
+    agrees = layers._TILE_AGREES[key]
+    calls = _count_calls(monkeypatch)
+    mixed = lin(x)
+    assert calls == ({"onednn": [1024], "amx": [76]} if agrees else
+                     {"onednn": [], "amx": [1100]}), agrees
+    monkeypatch.setitem(layers._TILE_AGREES, key, False)
+    calls["onednn"].clear(), calls["amx"].clear()
+    assert torch.equal(lin(x), mixed)
+    assert calls == {"onednn": [], "amx": [1100]}

@@ -54,6 +54,26 @@ def test_kernel_matches_f_linear_at_every_row_count(packed_kernel, k, n):
                                    msg=lambda m: f"rows={rows}: {m}")
 
 
+# linear_impl.h's kRowChunk (96): a thread runs its panels over one chunk of rows at a time
+ROW_CHUNK = 96
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 17)], ids=["qkv", "long-k-ragged"])
+def test_chunks_of_rows_keep_every_rows_bits(packed_kernel, k, n):
+    """A call on several chunks of rows (and a ragged last one) gives every row the bits a call
+    on its chunk alone gives (one chunk runs the loop as it was before chunking), in the
+    default order and in fixed order: chunking moved no row's sums."""
+    torch.manual_seed(k + n)
+    w = torch.randn(n, k)
+    packed = kernels.pack_linear_weight(w, packed_kernel.panel)
+    x = torch.randn(3 * ROW_CHUNK + 13, k)
+    for fixed in (False, True):
+        out = packed_kernel(x, packed, n, fixed_order=fixed)
+        alone = torch.cat([packed_kernel(c.contiguous(), packed, n, fixed_order=fixed)
+                           for c in x.split(ROW_CHUNK)])
+        assert torch.equal(out, alone), fixed
+
+
 def test_kernel_rejects_a_packing_for_another_shape(packed_kernel):
     packed = kernels.pack_linear_weight(torch.randn(40, 64), packed_kernel.panel)
     with pytest.raises(RuntimeError):

@@ -57,6 +57,7 @@ _PACKED_ATTR = "_tokenweir_packed_weight"
 
 _INT8_ATTR = "_tokenweir_int8_weight"  # the int8 copy has a slot of its own (kept beside)
 _WIDENED_ATTR = "_tokenweir_widened_weight"  # float32 panels of a bfloat16 weight (invariant)
+_AMX_ATTR = "_tokenweir_amx_weight"  # AMX tiles of a bfloat16 weight (invariant: amx_tiles_op)
 DIRECT_ATTR = "_tokenweir_direct_stacks"  # model/direct.py's stacks, bound to packed copies
 
 
@@ -94,6 +95,7 @@ def drop_packed_weights(module: nn.Module) -> None:
         sub.__dict__.pop(_PACKED_ATTR, None)
         sub.__dict__.pop(_INT8_ATTR, None)
         sub.__dict__.pop(_WIDENED_ATTR, None)
+        sub.__dict__.pop(_AMX_ATTR, None)
         sub.__dict__.pop(DIRECT_ATTR, None)
 
 
@@ -238,9 +240,12 @@ def tiled_onednn_op(weight: torch.Tensor, owner: object,
                     out_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """x [M, K] -> x @ weight.T (bfloat16 GEMM, float32 accumulation, rounded to bfloat16, then
     `out_dtype`), every row computed with the bits an INVARIANT_TILE_ROWS-row oneDNN call gives
-    it: calls of the sizes invariant_tile_plan picks (see INVARIANT_BIG_TILES), x padded with
-    zero rows to their sum."""
+    it: by the AMX kernel where it applies (amx_tiles_op), else by calls of the sizes
+    invariant_tile_plan picks (see INVARIANT_BIG_TILES), x padded with zero rows to their sum."""
     packed = packed_weight(owner, weight, "onednn", onednn_pack)
+    amx = amx_tiles_op(weight, owner, packed, out_dtype)
+    if amx is not None:
+        return amx
     n, k = weight.shape
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -258,6 +263,59 @@ def tiled_onednn_op(weight: torch.Tensor, owner: object,
             start += size
         out = (outs[0] if len(outs) == 1 else torch.cat(outs))[:rows]
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+    return run
+
+
+# The AMX kernel (kernels.amx_linear_kernel, amx_linear_impl.h; bi14): on a CPU with AMX-BF16
+# one call on all the rows, each row summed in one order (k blocks of 32 in turn, in an AMX
+# tile) whatever the rows: the bits oneDNN's 16-row calls give (its own 16-row kernel is the
+# same AMX sums: equal on SmolLM2's five shapes and random data, and
+# tests/model/test_batch_invariant_ops.py checks it on every run). It replaces the 16- and
+# 32-row oneDNN calls, each of which read the whole weight: a 64-row decode step made two
+# 32-row calls per weight. Steps of over 768 rows still make the probed 1024/2048-row oneDNN
+# calls (faster there than this kernel), each size only where the probe finds it gives this
+# kernel's bits; the rest of the rows go to one AMX call. Memory: one more bfloat16 copy of
+# every weight it serves (the AMX tile layout), beside the oneDNN-packed one.
+# TOKENWEIR_AMX_LINEAR=0 keeps the oneDNN tiles (to compare).
+AMX_BIG_TILES = (2048, 1024)  # INVARIANT_BIG_TILES' big sizes: under 769 rows, one AMX call
+
+
+def amx_tiles_op(weight: torch.Tensor, owner: object, packed: torch.Tensor,
+                 out_dtype: torch.dtype) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """x -> x @ weight.T rounded to bfloat16, in `out_dtype`, by the AMX kernel (plus oneDNN's
+    probed big calls on `packed`, the oneDNN-packed weight, for steps of over 768 rows), or
+    None where the kernel does not run or the shape does not fit it (N or K not a multiple of
+    32)."""
+    kernel = kernels.amx_linear_kernel()
+    n, k = weight.shape
+    if kernel is None or n % 32 or k % 32 or out_dtype not in (torch.bfloat16, torch.float32):
+        return None
+    tiles = packed_weight(owner, weight, "amx", kernels.pack_amx_weight, slot=_AMX_ATTR)
+    widen = out_dtype == torch.float32  # the kernel widens the rounded values itself
+
+    def amx(x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        return kernel(x, tiles, n, float_out)
+
+    def agrees(size: int) -> bool:  # the big sizes only: the rest is one AMX call
+        return size in AMX_BIG_TILES and onednn_tile_agrees(packed, n, k, size, amx)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16).contiguous()
+        rows = x.shape[0]
+        if rows <= min(AMX_BIG_TILES) * 3 // 4:  # no big call can apply
+            return amx(x, widen)
+        big = [size for size in invariant_tile_plan(rows, agrees) if size in AMX_BIG_TILES]
+        covered = sum(big)
+        if covered > rows:
+            x = torch.cat((x, x.new_zeros((covered - rows, k))))
+        outs, start = [], 0
+        for size in big:
+            outs.append(onednn_linear(x[start:start + size], packed, None))
+            start += size
+        if covered < rows:
+            outs.append(amx(x[covered:]))
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs))[:rows]
+        return out.to(out_dtype) if widen else out
     return run
 
 
@@ -291,26 +349,33 @@ def invariant_tile_plan(rows: int, agrees: Callable[[int], bool]) -> list[int]:
     return plan
 
 
-def onednn_tile_agrees(packed: torch.Tensor, n: int, k: int, size: int) -> bool:
+def onednn_tile_agrees(packed: torch.Tensor, n: int, k: int, size: int,
+                       reference: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> bool:
     """Whether oneDNN on `size` rows gives each row the bits INVARIANT_TILE_ROWS-row calls give
-    it, for [n, k] weights at this thread count: probed once on `packed` (three draws of random
-    rows, one of them mostly zero rows as a padded call has), then remembered."""
-    key = (n, k, size, torch.get_num_threads())
+    it (or, with `reference`, the bits reference(rows) gives: the AMX kernel's), for [n, k]
+    weights at this thread count: probed once on `packed` (three draws of random rows, one of
+    them mostly zero rows as a padded call has), then remembered."""
+    key = (n, k, size, torch.get_num_threads()) + (() if reference is None else ("amx",))
     if key not in _TILE_AGREES:
-        _TILE_AGREES[key] = _probe_tile(packed, k, size)
+        _TILE_AGREES[key] = _probe_tile(packed, k, size, reference or (
+            lambda x: _onednn_tiles(x, packed)))
     return _TILE_AGREES[key]
 
 
-def _probe_tile(packed: torch.Tensor, k: int, size: int) -> bool:
-    gen = torch.Generator().manual_seed(size)
+def _onednn_tiles(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     tile = INVARIANT_TILE_ROWS
+    return torch.cat([onednn_linear(x[s:s + tile], packed, None)
+                      for s in range(0, x.shape[0], tile)])
+
+
+def _probe_tile(packed: torch.Tensor, k: int, size: int,
+                reference: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    gen = torch.Generator().manual_seed(size)
     for draw in range(3):
         x = torch.randn(size, k, generator=gen).to(torch.bfloat16)
         if draw == 2:
             x[size // 3:] = 0
-        small = torch.cat([onednn_linear(x[s:s + tile], packed, None)
-                           for s in range(0, size, tile)])
-        if not torch.equal(onednn_linear(x, packed, None), small):
+        if not torch.equal(onednn_linear(x, packed, None), reference(x)):
             return False
     return True
 

@@ -121,6 +121,28 @@ def pack_linear_weight(weight, panel: int):
     return padded.view(panels, panel, k).transpose(1, 2).contiguous()
 
 
+def amx_linear_kernel() -> Optional[Any]:
+    """`f(x, packed, n, float_out=False) -> x @ w.T`: bfloat16 x on AMX tiles (amx_linear_impl.h:
+    every row's sums in one order whatever the rows; float_out gives the bfloat16-rounded
+    values as float32), w packed by `pack_amx_weight`; or None where it does not run: no
+    kernels, a variant other than "avx512bf16" (TOKENWEIR_CPU_ISA can force one), no AMX-BF16
+    or the OS refused this process the tiles, or TOKENWEIR_AMX_LINEAR=0."""
+    if cpu_isa() != "avx512bf16" or os.environ.get("TOKENWEIR_AMX_LINEAR", "1") == "0":
+        return None
+    module = _module()
+    return module.amx_linear if module.amx_linear_available() else None
+
+
+def pack_amx_weight(weight):
+    """w [N, K] (N % 32 == 0, K % 32 == 0) -> bfloat16 [N / 16, K / 32, 16, 32]: AMX B tiles,
+    element [nb, kb, p, 2 j + e] = w[16 nb + j, 32 kb + 2 p + e] (the layout amx_linear reads)."""
+    import torch
+
+    n, k = weight.shape
+    tiles = weight.detach().to(torch.bfloat16).reshape(n // 16, 16, k // 32, 16, 2)
+    return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+
+
 def unavailable_reason() -> str:
     """Why the compiled module is missing, in words ("" when it is loaded): switched off by
     TOKENWEIR_CPU_KERNELS=0, or the build's error (a missing compiler, headers, ...)."""

@@ -10,6 +10,9 @@
 //    multiplied with every row of x, several weight rows at a time sharing each x load; a
 //    general GEMM (MKL) packs the weight per call, which costs more than the multiply when M is
 //    small. Contract (checked by tokenweir/model/layers.py): x and w float32, contiguous.
+//
+// 3. amx_linear: bfloat16 x @ w.T on AMX tiles for batch-invariant mode, every row's sums in
+//    one order whatever the rows (contract in amx_linear_impl.h and at amx_linear() below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -187,6 +190,41 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, st
     if (wide) linear_avx512::packed_panels(xp, wp, op, M, K, N, p0, p1, fixed_order);
     else linear_avx2::packed_panels(xp, wp, op, M, K, N, p0, p1, fixed_order);
   });
+  return out;
+}
+
+// ---- amx_linear: bfloat16 x @ w.T on AMX tiles, one order per row (amx_linear_impl.h) -------
+#include "amx_linear_impl.h"
+
+// Whether amx_linear runs here: the CPU has AMX-BF16 and the OS granted this process the tiles.
+bool amx_linear_available() { return amx_linear_impl::available(); }
+
+// x [M, K] bfloat16 contiguous @ w.T, w packed as amx_linear_impl.h says ([N/16, K/32, 16, 32]
+// bfloat16); the result [M, N] in bfloat16, or in float32 holding the bfloat16-rounded values
+// (float_out). Each row's bits depend on that row and w only (the header's contract).
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bool float_out) {
+  TORCH_CHECK(amx_linear_available(), "amx_linear: no AMX-BF16 on this CPU (or not permitted)");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+                  x.dim() == 2 && x.is_contiguous() && packed.is_contiguous(),
+              "amx_linear: x 2-D bfloat16 contiguous, packed bfloat16 contiguous");
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0 && packed.dim() == 4 && packed.size(0) == N / 16 &&
+                  packed.size(1) == K / 32 && packed.size(2) == 16 && packed.size(3) == 32,
+              "amx_linear: needs N % 32 == 0, K % 32 == 0 and a weight packed for them");
+  auto out = torch::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+#if TW_HAVE_AMX
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> tail(size_t(16 * K), 0);  // the last partial 16-row block, zero-padded
+  const int64_t full = M / 16 * 16;
+  std::memcpy(tail.data(), xp + full * K, size_t((M - full) * K) * sizeof(uint16_t));
+  void* op = out.data_ptr();
+  at::parallel_for(0, N / 32, 1, [&](int64_t p0, int64_t p1) {
+    if (float_out) amx_linear_impl::run_pairs<true>(xp, tail.data(), M, K, wp, op, N, p0, p1);
+    else amx_linear_impl::run_pairs<false>(xp, tail.data(), M, K, wp, op, N, p0, p1);
+  });
+#endif
   return out;
 }
 
@@ -510,6 +548,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ w.T from a panel-packed w (float32, CPU)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("isa"),
         py::arg("fixed_order") = false);
+  m.def("amx_linear_available", &amx_linear_available, "whether amx_linear runs on this CPU");
+  m.def("amx_linear", &amx_linear, "x @ w.T on AMX tiles, one order per row (bfloat16, CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("float_out") = false);
   m.def("silu_mul", &silu_mul, "silu(x[:, :I]) * x[:, I:] (float32/bfloat16, CPU)");
   m.def("add_rmsnorm", &add_rmsnorm, "residual += x; return rmsnorm(residual) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
