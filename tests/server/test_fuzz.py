@@ -18,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import probes  # tests/server/probes.py
-import tiny_serve_model  # tests/tiny_serve_model.py
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLES_PER_MODE = {"/v1/completions": 50, "/v1/chat/completions": 50}
@@ -63,10 +62,7 @@ def schemathesis():
 
 @pytest.fixture(scope="module")
 def server(schemathesis):
-    """A server of tests/tiny_serve_model.py (SmolLM2-135M's tokenizer, template and name on
-    a tiny random-weight Llama): what is fuzzed is the request handling, not the outputs."""
-    proc, base = probes.start_server(ROOT, "--max-waiting-requests", "64",
-                                     *tiny_serve_model.SERVE_ARGS, model=tiny_serve_model.path())
+    proc, base = probes.start_server(ROOT, "--max-waiting-requests", "64")
     try:
         yield base
     finally:
