@@ -115,24 +115,20 @@ def test_an_import_time_setting_that_differs_is_never_forked_from_another_settin
     library started threads at import, a fresh interpreter), never the 1-thread fork server's
     torch; the 1-thread calls around it are forked. The 2-thread fork server is told to import
     torch alone (forkserver.PRELOAD_VARIABLE: all its child needs)."""
-    # a fresh interpreter's answer per setting: the third call reuses the first's, so its
-    # fresh run is not paid twice
-    fresh_answers: dict = {}
+    # the answer is checked against the setting itself (torch's thread count is what
+    # OMP_NUM_THREADS says: a fresh interpreter's answer, which this test compared with
+    # before, adds nothing the count does not say, at ~1.5 CPU-s of `import torch` each)
     for threads in ("1", "2", "1"):
         extra = {} if threads == "1" else {forkserver.PRELOAD_VARIABLE: "torch"}
         argv = [sys.executable, str(script), "threads"]
         env = _env(OMP_NUM_THREADS=threads, **extra)
-        if threads in fresh_answers:
-            forked = forkserver.run(argv, env=env, cwd=str(tmp_path), timeout=120)
-        else:
-            forked, fresh = _both(argv, env, str(tmp_path))
-            fresh_answers[threads] = fresh.stdout
-        got, want = json.loads(forked.stdout), json.loads(fresh_answers[threads])
-        assert want.pop("preloaded") is False and want.pop("whole_list") is False
+        forked = forkserver.run(argv, env=env, cwd=str(tmp_path), timeout=120)
+        assert forked.returncode == 0, forked.stderr
+        got = json.loads(forked.stdout)
         preloaded, whole_list = got.pop("preloaded"), got.pop("whole_list")
         assert preloaded or threads != "1"  # probe: the 1-thread calls were forked
         assert whole_list == (threads == "1")  # the 2-thread answer: torch alone, or fresh
-        assert got == want and got["threads"] == int(threads)
+        assert got == {"threads": int(threads)}
     # probe: the 2-thread setting's fork server imported torch and not the rest of the list
     # (here it then refuses, as with the whole list: torch's import under OMP_NUM_THREADS=2
     # leaves a thread, and the call runs in a fresh interpreter)
