@@ -127,29 +127,30 @@ SHARED_FIXTURE_UNITS = {
 # The costliest units, handed out first (longest first: a worker that draws one late ends the
 # run alone). xdist's own order is by number of tests, so a file of one or two long tests went
 # last (tests/server/test_fuzz.py, 14 s, ran alone for the run's last 14 s). Worker-seconds of
-# each, from a run's --durations=0 summed by file (Xeon AVX-512, 2 workers, 7c2550b); units not
+# each, from a run's --durations=0 summed by file (Xeon AVX-512, 2 workers, 63cae69); units not
 # named here follow in xdist's order. A name that no longer matches a unit is ignored, and
 # tests/test_schedule_order.py fails on it.
 SLOW_UNITS_FIRST = (
-    "tests/engine/test_llm.py",  # 35
-    "tests/router/test_ray_*.py",  # 31 (two files, one Ray head)
-    "tests/guided/test_guided_engine.py",  # 26
-    "tests/sim/test_sim_fidelity_repeats.py",  # 22
-    "tests/server/test_forkserver.py",  # 16
-    "tests/model/test_model_real.py",  # 16
-    "tests/server/test_server.py",  # 15
-    "tests/core/test_random_invariants.py",  # 15
-    "tests/server/test_fuzz.py",  # 14
-    "tests/server/test_engine_process.py",  # 14
-    "tests/model/test_triton_batch_invariant.py",  # 13
-    "tests/model/test_row_buckets.py",  # 12
-    "tests/server/test_robustness.py",  # 12
-    "tests/timeline/test_timeline_browser.py",  # 12
-    "tests/server/test_start_gate.py",  # 11
-    "tests/router/test_router.py",  # 11
-    "tests/guided/test_guided_server.py",  # 10
+    "tests/sim/test_sim_fidelity_repeats.py",  # 26
+    "tests/router/test_ray_*.py",  # 26 (two files, one Ray head)
+    "tests/guided/test_guided_engine.py",  # 21
+    "tests/engine/test_llm.py",  # 20
+    "tests/server/test_fuzz.py",  # 15
+    "tests/core/test_random_invariants.py",  # 14
+    "tests/server/test_start_gate.py",  # 13
+    "tests/server/test_server.py",  # 13
+    "tests/server/test_engine_process.py",  # 13
+    "tests/model/test_triton_batch_invariant.py",  # 10
+    "tests/router/test_router.py",  # 10
     "tests/engine/test_gpu_benchmark.py",  # 10
-    "tests/engine/test_validation.py",  # 10
+    "tests/server/test_forkserver.py",  # 9
+    "tests/server/test_robustness.py",  # 9
+    "tests/sim/test_decode_stretch.py",  # 9
+    "tests/model/test_row_buckets.py",  # 9
+    "tests/model/test_model_real.py",  # 8
+    "tests/timeline/test_timeline_browser.py",  # 8
+    "tests/engine/test_batch_invariance.py",  # 8
+    "tests/guided/test_guided_server.py",  # 7
 )
 
 
