@@ -30,6 +30,7 @@ from _workload import DEFAULT_MODEL, make_workload  # noqa: E402
 
 from tokenweir import LLM, SamplingParams  # noqa: E402
 from tokenweir.config import EngineConfig  # noqa: E402
+from tokenweir.cpu_info import kernel_flags  # noqa: E402
 from tokenweir.engine.llm_engine import LLMEngine  # noqa: E402
 from tokenweir.model.loader import load_model  # noqa: E402
 
@@ -38,13 +39,8 @@ MEASURES = ("w64_out_tok_s", "single_decode_tok_s", "long_prefill_tok_s")
 
 
 def cpu_flags() -> str:
-    """The instruction sets that decide these figures (AVX2 / AVX-512 / AVX-512 BF16)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return "unknown"
-    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    """The instruction sets that decide these figures (AVX2 / AVX-512 / AVX-512 BF16 / AMX)."""
+    return ",".join(kernel_flags()) or "unknown"
 
 
 def build_engine(args, loaded, dtype: str, invariant: bool) -> LLM:
