@@ -206,17 +206,30 @@ BIG_ROW_COUNTS = (40, 300, 800, 1000, 2100)
 @pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536)])
 def test_a_row_is_the_same_bits_in_a_big_step_as_alone(n, k, monkeypatch):
     """A row among hundreds or thousands (the calls a prefill step makes) gets its bits alone,
-    and every row of the step the bits of 16-row calls; probe: calls of a big size did run (so
-    the big path, not only 16-row tiles, is checked)."""
+    and every row of the step the bits of 16-row calls; probe: the steps themselves made calls
+    of a big size (so the big path, not only 16-row tiles, is checked; the tile probe's own
+    calls are not counted)."""
     lin = _linear(n, k, torch.bfloat16, seed=n + k)
     set_batch_invariant(lin, True)
     gen = torch.Generator().manual_seed(k)
     row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
     alone = lin(row)[0]
-    sizes: list[int] = []
-    real = layers.onednn_linear
-    monkeypatch.setattr(layers, "onednn_linear",
-                        lambda x, p, b: sizes.append(x.shape[0]) or real(x, p, b))
+    sizes: list[int] = []  # rows of each oneDNN call the steps make (not the probe's own)
+    probing = []
+    real, real_agrees = layers.onednn_linear, layers.onednn_tile_agrees
+
+    def agrees(*args, **kwargs):
+        probing.append(True)
+        try:
+            return real_agrees(*args, **kwargs)
+        finally:
+            probing.pop()
+    def counted(x, p, b):
+        if not probing:
+            sizes.append(x.shape[0])
+        return real(x, p, b)
+    monkeypatch.setattr(layers, "onednn_tile_agrees", agrees)
+    monkeypatch.setattr(layers, "onednn_linear", counted)
     packed = layers.onednn_pack(lin.weight)
     for m in BIG_ROW_COUNTS:
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
@@ -254,10 +267,22 @@ def test_a_size_that_disagrees_is_never_called(monkeypatch):
     threads = torch.get_num_threads()
     monkeypatch.setitem(layers._TILE_AGREES, (96, 600, 1024, threads), False)
     monkeypatch.setitem(layers._TILE_AGREES, (96, 600, 32, threads), False)
-    sizes: list[int] = []
-    real = layers.onednn_linear
-    monkeypatch.setattr(layers, "onednn_linear",
-                        lambda x, p, b: sizes.append(x.shape[0]) or real(x, p, b))
+    sizes: list[int] = []  # rows of each oneDNN call the steps make (not the probe's own)
+    probing = []
+    real, real_agrees = layers.onednn_linear, layers.onednn_tile_agrees
+
+    def agrees(*args, **kwargs):
+        probing.append(True)
+        try:
+            return real_agrees(*args, **kwargs)
+        finally:
+            probing.pop()
+    def counted(x, p, b):
+        if not probing:
+            sizes.append(x.shape[0])
+        return real(x, p, b)
+    monkeypatch.setattr(layers, "onednn_tile_agrees", agrees)
+    monkeypatch.setattr(layers, "onednn_linear", counted)
     out = lin(x)
     assert set(sizes) == {layers.INVARIANT_TILE_ROWS}
     monkeypatch.delitem(layers._TILE_AGREES, (96, 600, 1024, threads))
