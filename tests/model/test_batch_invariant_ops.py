@@ -202,6 +202,30 @@ def test_a_narrower_isa_keeps_the_widened_float32_panels(isa, monkeypatch):
 BIG_ROW_COUNTS = (40, 300, 800, 1000, 2100)
 
 
+def _count_step_calls(monkeypatch) -> list[int]:
+    """The rows of each layers.onednn_linear call made from now on by the matmuls themselves,
+    appended to the returned list; the tile probe's own calls (onednn_tile_agrees) not counted."""
+    sizes: list[int] = []
+    probing: list[bool] = []
+    real, real_agrees = layers.onednn_linear, layers.onednn_tile_agrees
+
+    def agrees(*args, **kwargs):
+        probing.append(True)
+        try:
+            return real_agrees(*args, **kwargs)
+        finally:
+            probing.pop()
+
+    def counted(x, p, b):
+        if not probing:
+            sizes.append(x.shape[0])
+        return real(x, p, b)
+
+    monkeypatch.setattr(layers, "onednn_tile_agrees", agrees)
+    monkeypatch.setattr(layers, "onednn_linear", counted)
+    return sizes
+
+
 @native_tiles
 @pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536)])
 def test_a_row_is_the_same_bits_in_a_big_step_as_alone(n, k, monkeypatch):
@@ -214,22 +238,8 @@ def test_a_row_is_the_same_bits_in_a_big_step_as_alone(n, k, monkeypatch):
     gen = torch.Generator().manual_seed(k)
     row = torch.randn(1, k, generator=gen).to(torch.bfloat16)
     alone = lin(row)[0]
-    sizes: list[int] = []  # rows of each oneDNN call the steps make (not the probe's own)
-    probing = []
-    real, real_agrees = layers.onednn_linear, layers.onednn_tile_agrees
-
-    def agrees(*args, **kwargs):
-        probing.append(True)
-        try:
-            return real_agrees(*args, **kwargs)
-        finally:
-            probing.pop()
-    def counted(x, p, b):
-        if not probing:
-            sizes.append(x.shape[0])
-        return real(x, p, b)
-    monkeypatch.setattr(layers, "onednn_tile_agrees", agrees)
-    monkeypatch.setattr(layers, "onednn_linear", counted)
+    real = layers.onednn_linear  # the reference's 16-row calls, not counted
+    sizes = _count_step_calls(monkeypatch)
     packed = layers.onednn_pack(lin.weight)
     for m in BIG_ROW_COUNTS:
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
@@ -267,22 +277,7 @@ def test_a_size_that_disagrees_is_never_called(monkeypatch):
     threads = torch.get_num_threads()
     monkeypatch.setitem(layers._TILE_AGREES, (96, 600, 1024, threads), False)
     monkeypatch.setitem(layers._TILE_AGREES, (96, 600, 32, threads), False)
-    sizes: list[int] = []  # rows of each oneDNN call the steps make (not the probe's own)
-    probing = []
-    real, real_agrees = layers.onednn_linear, layers.onednn_tile_agrees
-
-    def agrees(*args, **kwargs):
-        probing.append(True)
-        try:
-            return real_agrees(*args, **kwargs)
-        finally:
-            probing.pop()
-    def counted(x, p, b):
-        if not probing:
-            sizes.append(x.shape[0])
-        return real(x, p, b)
-    monkeypatch.setattr(layers, "onednn_tile_agrees", agrees)
-    monkeypatch.setattr(layers, "onednn_linear", counted)
+    sizes = _count_step_calls(monkeypatch)
     out = lin(x)
     assert set(sizes) == {layers.INVARIANT_TILE_ROWS}
     monkeypatch.delitem(layers._TILE_AGREES, (96, 600, 1024, threads))

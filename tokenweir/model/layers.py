@@ -254,16 +254,23 @@ def tiled_onednn_op(weight: torch.Tensor, owner: object,
         if rows == 0:
             return x.new_empty((0, n), dtype=out_dtype)
         plan = invariant_tile_plan(rows, lambda size: onednn_tile_agrees(packed, n, k, size))
-        padded = sum(plan)
-        if padded != rows:
-            x = torch.cat((x, x.new_zeros((padded - rows, k))))
-        outs, start = [], 0
-        for size in plan:
-            outs.append(onednn_linear(x[start:start + size], packed, None))
-            start += size
+        outs = _onednn_calls(x, plan, packed)
         out = (outs[0] if len(outs) == 1 else torch.cat(outs))[:rows]
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     return run
+
+
+def _onednn_calls(x: torch.Tensor, sizes: list[int], packed: torch.Tensor) -> list[torch.Tensor]:
+    """oneDNN on consecutive slices of x of `sizes` rows each, in order (x padded with zero rows
+    where the sizes sum to more than its rows): one output per call."""
+    covered, rows = sum(sizes), x.shape[0]
+    if covered > rows:
+        x = torch.cat((x, x.new_zeros((covered - rows, x.shape[1]))))
+    outs, start = [], 0
+    for size in sizes:
+        outs.append(onednn_linear(x[start:start + size], packed, None))
+        start += size
+    return outs
 
 
 # The AMX kernel (kernels.amx_linear_kernel, amx_linear_impl.h; bi14): on a CPU with AMX-BF16
@@ -305,13 +312,8 @@ def amx_tiles_op(weight: torch.Tensor, owner: object, packed: torch.Tensor,
         if rows <= min(AMX_BIG_TILES) * 3 // 4:  # no big call can apply
             return amx(x, widen)
         big = [size for size in invariant_tile_plan(rows, agrees) if size in AMX_BIG_TILES]
+        outs = _onednn_calls(x, big, packed)
         covered = sum(big)
-        if covered > rows:
-            x = torch.cat((x, x.new_zeros((covered - rows, k))))
-        outs, start = [], 0
-        for size in big:
-            outs.append(onednn_linear(x[start:start + size], packed, None))
-            start += size
         if covered < rows:
             outs.append(amx(x[covered:]))
         out = (outs[0] if len(outs) == 1 else torch.cat(outs))[:rows]
