@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_paths import random_linear
-from tokenweir.model import layers
+from tokenweir.model import kernels, layers
 
 pytestmark = pytest.mark.skipif(not layers.onednn_bf16_packing(),
                                 reason="oneDNN does not pack bfloat16 weights on this CPU "
@@ -20,8 +20,10 @@ pytestmark = pytest.mark.skipif(not layers.onednn_bf16_packing(),
 
 @pytest.fixture
 def packings(monkeypatch):
-    """Count the oneDNN weight packings and packed matmuls; packing switched on."""
+    """Count the oneDNN weight packings and packed matmuls; packing switched on, the AMX
+    kernel's decode rows off (tests/model/test_amx_decode.py has them)."""
     monkeypatch.setattr(layers, "PACK_LINEAR", True)
+    monkeypatch.setenv("TOKENWEIR_AMX_LINEAR", "0")
     calls = {"pack": 0, "run": 0}
     pack, run = layers.onednn_pack, layers.onednn_linear
 
@@ -86,20 +88,41 @@ def tiny_bf16(tmp_path_factory):
 @torch.inference_mode()
 def test_model_greedy_is_the_same_packed_and_unpacked(tiny_bf16, packings, monkeypatch):
     """The whole paged forward in bfloat16 (decodes, chunks, the tied LM head) on packed
-    weights vs F.linear: the same greedy tokens, logits within bfloat16 rounding."""
+    weights vs F.linear, and on the AMX kernel's decode rows where it runs
+    (layers.AMX_DECODE_MAX_ROWS): the same greedy tokens, logits within bfloat16 rounding."""
     from paged_driver import PagedDriver, run_greedy
 
     model, arch = tiny_bf16.model, tiny_bf16.arch
     prompts = {"a": [5, 9, 33, 7, 100, 4, 8], "b": [3], "c": list(range(10, 40))}
+    monkeypatch.setenv("TOKENWEIR_AMX_LINEAR", "1")  # `packings` switched it off
+    paths = ("packed", "unpacked") + (("amx",) if kernels.amx_linear_kernel() else ())
+    amx_rows = _count_amx_rows(monkeypatch)
     runs = {}
-    for pack in (True, False):
-        monkeypatch.setattr(layers, "PACK_LINEAR", pack)
+    for path in paths:
+        monkeypatch.setattr(layers, "PACK_LINEAR", path != "unpacked")
+        monkeypatch.setenv("TOKENWEIR_AMX_LINEAR", "1" if path == "amx" else "0")
         layers.drop_packed_weights(model)
+        before = (packings["run"], len(amx_rows))
         driver = PagedDriver(model, arch, block_size=4, dtype=torch.bfloat16)
-        runs[pack] = run_greedy(driver, prompts, 6, chunk=5, stagger=True)
-        if pack:
-            assert packings["run"] > 0  # probe: the packed matmul ran in the packed run
-    assert runs[True][0] == runs[False][0]
-    for (rid, n, got), (rid2, n2, want) in zip(runs[True][1], runs[False][1]):
-        assert (rid, n) == (rid2, n2)
-        torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+        runs[path] = run_greedy(driver, prompts, 6, chunk=5, stagger=True)
+        # probes: which path ran
+        assert (packings["run"] > before[0]) == (path == "packed"), path
+        assert (len(amx_rows) > before[1]) == (path == "amx"), path
+    for path, run in runs.items():
+        assert run[0] == runs["unpacked"][0], path
+        for (rid, n, got), (rid2, n2, want) in zip(run[1], runs["unpacked"][1]):
+            assert (rid, n) == (rid2, n2)
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+
+
+def _count_amx_rows(monkeypatch) -> list[int]:
+    """The rows of every AMX kernel call from now on (its getter still reads the switch)."""
+    getter, rows = kernels.amx_linear_kernel, []
+
+    def counting_getter():
+        kernel = getter()
+        if kernel is None:
+            return None
+        return lambda x, *args: rows.append(x.shape[0]) or kernel(x, *args)
+    monkeypatch.setattr(kernels, "amx_linear_kernel", counting_getter)
+    return rows

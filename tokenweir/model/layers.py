@@ -471,11 +471,43 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             owner: Optional[object]) -> torch.Tensor:
-    """F.linear(x, weight, bias), on the oneDNN-packed weight cached on `owner` where it
-    applies (see ONEDNN_PACK_HINT_ROWS)."""
+    """F.linear(x, weight, bias), on the AMX kernel for decode-sized x (see AMX_DECODE_MAX_ROWS)
+    or on the oneDNN-packed weight cached on `owner` where they apply (ONEDNN_PACK_HINT_ROWS)."""
     if owner is None or not _onednn_packs(x, weight):
         return F.linear(x, weight, bias)
+    if bias is None and 0 < x.shape[0] <= AMX_DECODE_MAX_ROWS:
+        amx = amx_decode_op(weight, owner)
+        if amx is not None:
+            return amx(x)
     return onednn_linear(x, packed_weight(owner, weight, "onednn", onednn_pack), bias)
+
+
+# Decode-sized bfloat16 matmuls (1-16 rows, no bias) on the AMX kernel (amx_linear_impl.h,
+# written for the batch-invariant mode) where it runs, instead of oneDNN. Measured (this Xeon
+# with AMX, 2 threads, exclusive, SmolLM2's shapes, min of 5 x 20 calls) at 1 row: a layer's
+# four matmuls 324 us on oneDNN, 170 us on AMX; the LM head 2.05 vs 1.77 ms. Single-stream
+# decode of SmolLM2: 1.49x (README). On those shapes the rows come out the same bits as
+# oneDNN's at 1-16 rows (its small-row kernel sums in the same order), which
+# tests/model/test_amx_decode.py checks where it runs. A weight with a bias keeps oneDNN, which
+# adds it before rounding once (the kernel rounds its sums). Memory: one more bfloat16 copy of
+# every weight a decode step reads (the AMX tile layout), beside the oneDNN-packed one: +270 MB
+# for SmolLM2-135M. TOKENWEIR_AMX_LINEAR=0 keeps oneDNN (and makes no copy).
+AMX_DECODE_MAX_ROWS = 16
+
+
+def amx_decode_op(weight: torch.Tensor,
+                  owner: object) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """x [M, K] bfloat16 -> x @ weight.T by the AMX kernel on tiles cached on `owner`, or None
+    where the kernel does not run (no AMX, TOKENWEIR_AMX_LINEAR=0) or the shape does not fit it
+    (N or K not a multiple of 32). For M in 1..AMX_DECODE_MAX_ROWS (any M is correct)."""
+    kernel = kernels.amx_linear_kernel()
+    if kernel is None or not native_bf16_tiles(weight):
+        return None
+    n, k = weight.shape
+    if n % 32 or k % 32:
+        return None
+    tiles = packed_weight(owner, weight, "amx", kernels.pack_amx_weight, slot=_AMX_ATTR)
+    return lambda x: kernel(x.contiguous(), tiles, n, False)
 
 
 def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -540,6 +572,9 @@ class Linear(nn.Linear):
         if probe.dtype == torch.float32 and weight.dtype == torch.float32:
             return self._bind_float32(probe, small)
         if _onednn_packs(probe, weight):
+            amx = amx_decode_op(weight, self) if small and bias is None else None
+            if amx is not None:
+                return amx
             packed = packed_weight(self, weight, "onednn", onednn_pack)
             if small or not BUCKET_ROWS:
                 return lambda y: onednn_linear(y, packed, bias)
