@@ -487,7 +487,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 # with AMX, 2 threads, exclusive, SmolLM2's shapes, min of 5 x 20 calls on one weight, so hot
 # in cache) at 1 row: a layer's four matmuls 324 us on oneDNN, 170 us on AMX; the LM head 2.05
 # vs 1.77 ms. In the model the weights come from memory: single-stream decode of SmolLM2 ran
-# its 120 layer matmuls in 14.1 ms per token (~19 GB/s), 1.49x the whole decode (README). On those shapes the rows come out the same bits as
+# its 121 matmuls a token (30 layers' four, the LM head) in 14.1 ms (~19 GB/s of weights); the
+# whole decode 1.49x (README). On those shapes the rows come out the same bits as
 # oneDNN's at 1-16 rows (its small-row kernel sums in the same order), which
 # tests/model/test_amx_decode.py checks where it runs. A weight with a bias keeps oneDNN, which
 # adds it before rounding once (the kernel rounds its sums). Memory: one more bfloat16 copy of
