@@ -471,37 +471,39 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             owner: Optional[object]) -> torch.Tensor:
-    """F.linear(x, weight, bias), on the AMX kernel for decode-sized x (see AMX_DECODE_MAX_ROWS)
-    or on the oneDNN-packed weight cached on `owner` where they apply (ONEDNN_PACK_HINT_ROWS)."""
+    """F.linear(x, weight, bias), on the oneDNN-packed weight cached on `owner` where it
+    applies (see ONEDNN_PACK_HINT_ROWS)."""
     if owner is None or not _onednn_packs(x, weight):
         return F.linear(x, weight, bias)
-    if bias is None and 0 < x.shape[0] <= AMX_DECODE_MAX_ROWS:
-        amx = amx_decode_op(weight, owner)
-        if amx is not None:
-            return amx(x)
     return onednn_linear(x, packed_weight(owner, weight, "onednn", onednn_pack), bias)
 
 
-# Decode-sized bfloat16 matmuls (1-16 rows, no bias) on the AMX kernel (amx_linear_impl.h,
-# written for the batch-invariant mode) where it runs, instead of oneDNN. Measured (this Xeon
-# with AMX, 2 threads, exclusive, SmolLM2's shapes, min of 5 x 20 calls on one weight, so hot
-# in cache) at 1 row: a layer's four matmuls 324 us on oneDNN, 170 us on AMX; the LM head 2.05
-# vs 1.77 ms. In the model the weights come from memory: single-stream decode of SmolLM2 ran
-# its 121 matmuls a token (30 layers' four, the LM head) in 14.1 ms (~19 GB/s of weights); the
-# whole decode 1.49x (README). On those shapes the rows come out the same bits as
-# oneDNN's at 1-16 rows (its small-row kernel sums in the same order), which
-# tests/model/test_amx_decode.py checks where it runs. A weight with a bias keeps oneDNN, which
-# adds it before rounding once (the kernel rounds its sums). Memory: one more bfloat16 copy of
-# every weight a decode step reads (the AMX tile layout), beside the oneDNN-packed one: +270 MB
-# for SmolLM2-135M. TOKENWEIR_AMX_LINEAR=0 keeps oneDNN (and makes no copy).
-AMX_DECODE_MAX_ROWS = 16
+# Bfloat16 matmuls of up to AMX_MAX_ROWS rows (decode steps, small chunks, the LM head's
+# sampled rows), without a bias, on the AMX kernel (amx_linear_impl.h, written for the
+# batch-invariant mode) where it runs, instead of oneDNN; unpadded (it keeps no per-shape state).
+# Measured (this Xeon with AMX, 2 threads, exclusive): on one weight hot in cache, SmolLM2's
+# shapes, 1 row, a layer's four matmuls 324 us on oneDNN, 170 us on AMX, the LM head 2.05 vs
+# 1.77 ms; one pass over all 121 weights (30 layers' four and the LM head, so from memory), min
+# of 5, two rounds: 1 row 16.4 / 27.7 ms vs 11.3 / 16.9, 32 rows 19.2 / 41.4 vs 13.6 / 24.8, 64
+# rows 20.7 / 27.5 vs 18.5 / 23.8, 96 rows 44.5 / 35.7 vs 50.9 / 51.6 (oneDNN wins from 96 on).
+# Single-stream decode of SmolLM2 ran its 121 matmuls a token in 14.1 ms (~19 GB/s of weights),
+# the whole decode 1.49x, 32 streams 1.41x (README); at 64 streams two pairs of offline runs
+# disagreed (781 / 868 vs 1110 / 775 tok/s), so the limit stays at 32 until measured better. Bits: every row is summed in one order whatever the rows; at
+# 1-16 rows that is oneDNN's own (tests/model/test_amx_decode.py checks it where it runs),
+# above that oneDNN's differ by bfloat16 rounding. A weight with a bias keeps oneDNN, which adds
+# it before rounding once (the kernel rounds its sums). Memory: one more bfloat16 copy of every
+# weight it reads (the AMX tile layout), beside the oneDNN-packed one: +270 MB for SmolLM2-135M.
+# TOKENWEIR_AMX_LINEAR=0 keeps oneDNN (and makes no copy).
+AMX_MAX_ROWS = 32
 
 
-def amx_decode_op(weight: torch.Tensor,
+def amx_linear_op(weight: torch.Tensor, bias: Optional[torch.Tensor],
                   owner: object) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """x [M, K] bfloat16 -> x @ weight.T by the AMX kernel on tiles cached on `owner`, or None
-    where the kernel does not run (no AMX, TOKENWEIR_AMX_LINEAR=0) or the shape does not fit it
-    (N or K not a multiple of 32). For M in 1..AMX_DECODE_MAX_ROWS (any M is correct)."""
+    where it does not apply: no AMX (or TOKENWEIR_AMX_LINEAR=0), a bias, N or K not a multiple
+    of 32. Correct for any M; used for M in 1..AMX_MAX_ROWS (see above)."""
+    if bias is not None:
+        return None
     kernel = kernels.amx_linear_kernel()
     if kernel is None or not native_bf16_tiles(weight):
         return None
@@ -512,11 +514,23 @@ def amx_decode_op(weight: torch.Tensor,
     return lambda x: kernel(x.contiguous(), tiles, n, False)
 
 
+def _amx_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              owner: Optional[object]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """amx_linear_op for this x where x's rows are AMX's (1..AMX_MAX_ROWS), else None."""
+    if owner is None or not _onednn_packs(x, weight) or not 0 < x.shape[0] <= AMX_MAX_ROWS:
+        return None
+    return amx_linear_op(weight, bias, owner)
+
+
 def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                     owner: Optional[object] = None) -> torch.Tensor:
     """F.linear(x, weight, bias), with a 2-D CPU bfloat16/float16 x padded to row_bucket rows
     (the pad rows are zeros; the result has x's rows). With an `owner`, bfloat16 runs on the
-    weight packed for oneDNN once and cached on it (see ONEDNN_PACK_HINT_ROWS)."""
+    AMX kernel up to AMX_MAX_ROWS rows where it applies (unpadded), else on the weight packed
+    for oneDNN once and cached on it (see ONEDNN_PACK_HINT_ROWS)."""
+    amx = _amx_rows(x, weight, bias, owner)
+    if amx is not None:
+        return amx(x)
     if (not BUCKET_ROWS or x.dim() != 2 or x.device.type != "cpu"
             or x.dtype not in (torch.bfloat16, torch.float16)):
         return _linear(x, weight, bias, owner)
@@ -574,13 +588,18 @@ class Linear(nn.Linear):
         if probe.dtype == torch.float32 and weight.dtype == torch.float32:
             return self._bind_float32(probe, small)
         if _onednn_packs(probe, weight):
-            amx = amx_decode_op(weight, self) if small and bias is None else None
-            if amx is not None:
+            amx = amx_linear_op(weight, bias, self)
+            if amx is not None and small:
                 return amx
             packed = packed_weight(self, weight, "onednn", onednn_pack)
             if small or not BUCKET_ROWS:
-                return lambda y: onednn_linear(y, packed, bias)
-            return lambda y: on_bucketed_rows(lambda z: onednn_linear(z, packed, bias), y)
+                onednn = lambda y: onednn_linear(y, packed, bias)  # noqa: E731
+            else:
+                onednn = lambda y: on_bucketed_rows(  # noqa: E731
+                    lambda z: onednn_linear(z, packed, bias), y)
+            if amx is None:
+                return onednn
+            return lambda y: amx(y) if y.shape[0] <= AMX_MAX_ROWS else onednn(y)
         return self.forward
 
     def _bind_float32(self, x: torch.Tensor, small: bool) -> Callable[[torch.Tensor],
