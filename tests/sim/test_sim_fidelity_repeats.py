@@ -331,46 +331,49 @@ def test_a_perfect_simulator_of_a_machine_without_variability_scores_zero(
     d, profile = kept
     # --matched-suites 0: the speed-matched floor (perfect_speed_matched, ~60% of this test's
     # time, and none of its assertions) is left to the tests of that floor below
-    argv = ("--replay", str(d), "--workloads", "light", "--repeats", "3", "--perfect-suites", "4",
-            "--matched-suites", "0")
-    out = run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(profile),
-                   "--sim-samples", "1")
+    # (and --sim-samples 1: the prediction is then the profile's deterministic model, which
+    # the noisy profile's synthetic suites still miss, each its own way)
+    argv = ("--replay", str(d), "--workloads", "light", "--repeats", "3", "--perfect-suites", "3",
+            "--matched-suites", "0", "--sim-samples", "1")
+    out = run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(profile))
     suites = out["perfect_simulator"]["light"]
-    assert len(suites) == 4
+    assert len(suites) == 3
     assert all(e[k] == pytest.approx(0, abs=1e-12) for e in suites for k in fid.METRICS)
-    assert "it meets every |error| <= 5% in 4/4 suites" in capsys.readouterr().out
+    assert "it meets every |error| <= 5% in 3/3 suites" in capsys.readouterr().out
 
     noisy = tmp_path / "noisy.json"
     noisy.write_text(json.dumps({**PROFILE, "variability": {"run_sigma": 0.05,
                                                             "step_sigma": 0.03}}))
-    first, again = (run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(noisy),
-                             "--sim-samples", "2")["perfect_simulator"]["light"]
-                    for _ in range(2))
+    first, again = (run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(noisy))
+                    ["perfect_simulator"]["light"] for _ in range(2))
     assert first == again
     totals = [e["total_s"] for e in first]
-    assert len(set(totals)) == 4 and max(abs(x) for x in totals) > 1e-4
+    assert len(set(totals)) == 3 and max(abs(x) for x in totals) > 1e-4
 
 
-def test_a_perfect_simulators_errors_grow_with_the_machines_run_to_run_spread(fid, kept):
+def test_a_perfect_simulators_errors_grow_with_the_machines_run_to_run_spread(fid, kept,
+                                                                             det_total):
     """The synthetic real runs draw each run's speed from run_sigma: a machine spread 10%
     run to run leaves the prediction further from their mean than one spread 0.5%."""
     d, _ = kept
-    # 6 suites (the benchmark's default is 12): 0.00099 against 0.00022 here (4.4x; 4.8x
-    # with 12), the same seeded draws on every run
-    args = argparse.Namespace(repeats=3, perfect_suites=6, seed=0)
+    # 4 suites (the benchmark's default is 12): 0.00071 against 0.00019 here (3.7x; 3.6x
+    # with 3, 4.4x with 6, 4.8x with 12), the same seeded draws on every run
+    args = argparse.Namespace(repeats=3, perfect_suites=4, seed=0)
 
     def p90_total(run_sigma: float) -> float:
         profile = {**PROFILE, "variability": {"run_sigma": run_sigma, "step_sigma": 0.0}}
         suites = fid.perfect_simulator(args, "light", profile, d,
                                        {k: 1.0 for k in fid.METRICS} | {
-                                           "total_s": _deterministic_total(fid, d)})
+                                           "total_s": det_total})
         return fid._p90([abs(e["total_s"]) for e in suites])
 
     assert p90_total(0.10) > 3 * p90_total(0.005)
 
 
-def _deterministic_total(fid, d) -> float:
+@pytest.fixture(scope="module")
+def det_total(fid, kept) -> float:
     """The mean total time of the deterministic model over the three kept runs' arrivals."""
+    d, _ = kept
     model = FittedLatencyModel.from_profile(PROFILE)
     args = argparse.Namespace(repeats=3, seed=0)
     return statistics.fmean(
@@ -522,16 +525,17 @@ def test_collect_only_runs_the_real_engine_and_nothing_else(fid, monkeypatch, tm
     assert len(calls) == 1
 
 
-def test_a_perfect_simulator_draws_the_drift_inside_runs(fid, kept):
+def test_a_perfect_simulator_draws_the_drift_inside_runs(fid, kept, det_total):
     """The profile's measured drift inside runs (variability's drift_sigma, drift_tau_s:
     drift.fit_drift) enters the synthetic real runs, so a machine that wanders inside runs
     leaves the prediction further from their mean (the floor widens). Probe: the same
     profile without the drift (`without_drift`, --no-floor-drift) scores as a profile that
     never measured any."""
     d, _ = kept
-    # 3 suites: 0.00088 against 0.000072 here (12x; 16x with 6, 27x with 12), seeded draws
-    args = argparse.Namespace(repeats=3, perfect_suites=3, seed=0)
-    prediction = {k: 1.0 for k in fid.METRICS} | {"total_s": _deterministic_total(fid, d)}
+    # 2 suites: 0.00089 against 0.000015 here (61x; 12x with 3, 16x with 6, 27x with 12),
+    # seeded draws
+    args = argparse.Namespace(repeats=3, perfect_suites=2, seed=0)
+    prediction = {k: 1.0 for k in fid.METRICS} | {"total_s": det_total}
     steady = {**PROFILE, "variability": {"run_sigma": 0.0, "step_sigma": 0.01}}
     wandering = {**PROFILE, "variability": {**steady["variability"], "drift_sigma": 0.15,
                                             "drift_tau_s": 2.0}}
@@ -626,30 +630,6 @@ def test_speed_matched_floor_reruns_each_synthetic_run_at_its_measured_speed(fid
     assert max(abs(e[k]) for e in drifting for k in fid.METRICS) > 1e-3
 
 
-def test_matched_floor_in_a_run_of_its_own_is_the_one_computed_inline(fid, kept, monkeypatch,
-                                                                     tmp_path):
-    """--matched-floor-only writes the speed-matched floor's suites, --matched-floor-from
-    reads them back: the same suites and verdict as one invocation computing it (a long
-    replay split in two). Probe: the floor is there (suites with nonzero errors)."""
-    d, _ = kept
-    noisy = tmp_path / "noisy.json"
-    noisy.write_text(json.dumps({**PROFILE, "variability": {"run_sigma": 0.05,
-                                                            "step_sigma": 0.03}}))
-    argv = ("--replay", str(d), "--profile", str(noisy), "--workloads", "light",
-            "--repeats", "3", "--perfect-suites", "1", "--sim-samples", "2")
-    inline = run_main(fid, monkeypatch, tmp_path, *argv)
-    floor_json = tmp_path / "floor.json"
-    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--validation-seeds", "1",
-                                      "--matched-floor-only", "--json", str(floor_json)])
-    assert fid.main() == 0
-    alone = json.loads(floor_json.read_text())["perfect_speed_matched"]
-    assert alone == inline["perfect_speed_matched"]
-    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
-    split = run_main(fid, monkeypatch, tmp_path, *argv, "--matched-floor-from", str(floor_json))
-    assert split["perfect_speed_matched"] == alone
-    assert split["criterion_misses"] == inline["criterion_misses"]
-
-
 def test_a_perfect_simulators_speed_matched_errors_are_centred(fid, kept):
     """fid12: the speed-matched prediction draws the machine as the synthetic real runs are
     drawn (step jitter and the drift inside runs, each draw measured and held to the run's
@@ -714,19 +694,67 @@ def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, kept, monkeypatch
     assert targets == expected * 2  # the prediction's draws, then the suite's synthetic runs
 
 
-def test_the_speed_matched_floor_takes_validates_prediction(fid, kept, monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def floor_runs(fid, kept, tmp_path_factory):
+    """One drifting profile's replay (3 kept runs, 1 perfect suite, 2 draws per run) three
+    ways, shared by the two tests below: computing the speed-matched floor inline, in a
+    --matched-floor-only run of its own, and read back by --matched-floor-from. Returns
+    ({way: its --json}, argv, the matched_runs calls after each way: each call is one kept
+    run's speed-matched draws)."""
+    d, _ = kept
+    tmp = tmp_path_factory.mktemp("floor")
+    profile = tmp / "drifting.json"
+    profile.write_text(json.dumps({**PROFILE, "variability": {
+        "run_sigma": 0.05, "step_sigma": 0.03, "drift_sigma": 0.1, "drift_tau_s": 2.0}}))
+    argv = ("--replay", str(d), "--profile", str(profile), "--workloads", "light",
+            "--repeats", "3", "--perfect-suites", "1", "--sim-samples", "2")
+    calls, counts, out, draw = [], {}, {}, fid.matched_runs
+
+    def counted(*a, **kw):
+        calls.append(a[2])
+        return draw(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fid, "matched_runs", counted)
+        out["inline"] = run_main(fid, mp, tmp, *argv)
+        counts["inline"] = len(calls)
+        floor_json = tmp / "floor.json"
+        mp.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--validation-seeds", "1",
+                                 "--matched-floor-only", "--json", str(floor_json)])
+        assert fid.main() == 0
+        counts["alone"] = len(calls) - counts["inline"]
+        out["alone"] = json.loads(floor_json.read_text())
+        out["split"] = run_main(fid, mp, tmp, *argv, "--matched-floor-from", str(floor_json))
+    return out, argv, counts
+
+
+def test_matched_floor_in_a_run_of_its_own_is_the_one_computed_inline(fid, floor_runs):
+    """--matched-floor-only writes the speed-matched floor's suites, --matched-floor-from
+    reads them back: the same suites and verdict as one invocation computing it (a long
+    replay split in two). Probe: the floor is there (suites with nonzero errors)."""
+    out, _, _ = floor_runs
+    alone = out["alone"]["perfect_speed_matched"]
+    assert alone == out["inline"]["perfect_speed_matched"]
+    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
+    split = out["split"]
+    assert split["perfect_speed_matched"] == alone
+    assert split["criterion_misses"] == out["inline"]["criterion_misses"]
+
+
+def test_the_speed_matched_floor_takes_validates_prediction(fid, floor_runs, monkeypatch,
+                                                             tmp_path):
     """fid14: the speed-matched floor compares its synthetic suites with the prediction
     `validate` already drew (the row's speed-matched "sim"), rather than drawing it again: the
     floor's suites are those of a floor that draws its own (--matched-floor-only), to the last
     bit, and `matched_runs` runs once per kept run (in `validate`), not twice. With
     --no-floor-drift the floor's law is not the rows', so it draws its own (the probe that
     the count tells the two apart)."""
-    d, _ = kept
-    profile = tmp_path / "drifting.json"
-    profile.write_text(json.dumps({**PROFILE, "variability": {
-        "run_sigma": 0.05, "step_sigma": 0.03, "drift_sigma": 0.1, "drift_tau_s": 2.0}}))
-    argv = ("--replay", str(d), "--profile", str(profile), "--workloads", "light",
-            "--repeats", "3", "--perfect-suites", "2", "--sim-samples", "2")
+    out, argv, counts = floor_runs
+    assert counts["inline"] == 3  # validate's draws of the three kept runs, and no more
+    assert counts["alone"] == 3  # a floor of its own draws the prediction itself
+    alone = out["alone"]["perfect_speed_matched"]
+    assert alone == out["inline"]["perfect_speed_matched"]
+    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
     calls, draw = [], fid.matched_runs
 
     def counted(*a, **kw):
@@ -734,16 +762,5 @@ def test_the_speed_matched_floor_takes_validates_prediction(fid, kept, monkeypat
         return draw(*a, **kw)
 
     monkeypatch.setattr(fid, "matched_runs", counted)
-    inline = run_main(fid, monkeypatch, tmp_path, *argv)
-    assert len(calls) == 3  # validate's draws of the three kept runs, and no more
-    floor_json = tmp_path / "floor.json"
-    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--validation-seeds", "1",
-                                      "--matched-floor-only", "--json", str(floor_json)])
-    assert fid.main() == 0
-    assert len(calls) == 6  # a floor of its own draws the prediction itself
-    alone = json.loads(floor_json.read_text())["perfect_speed_matched"]
-    assert alone == inline["perfect_speed_matched"]
-    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
-    del calls[:]
     run_main(fid, monkeypatch, tmp_path, *argv, "--no-floor-drift")
     assert len(calls) == 6  # the floor's profile lacks the drift: its prediction is its own
