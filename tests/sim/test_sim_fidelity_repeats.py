@@ -5,6 +5,8 @@ profiles written in the real runs' format, so the expected figures are known exa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -33,7 +35,36 @@ def kept(fid, tmp_path_factory):
     them, each the simulator at PROFILE on a machine whose runner runs at SCALES[k] of the
     profile's time, each step's time split into phases as the engine traces them (the
     profile's overhead, the rest the forward); returns (dir, profile path)."""
-    d = tmp_path_factory.mktemp("kept")
+    return keep_runs(fid, tmp_path_factory.mktemp("kept"))
+
+
+# The light workload of `small_kept`: 8 requests at --quick (light's own: 32), ~1/3 of the
+# simulator steps per run. For the tests of the replay's plumbing (what is drawn, passed on,
+# written and read back), which hold at any size; the tests that measure a spread or a drift
+# keep light's 32 requests (their margins were computed there).
+SMALL_LIGHT = 16
+
+
+@pytest.fixture(scope="module")
+def small_kept(fid, tmp_path_factory):
+    """`kept` on a light workload of SMALL_LIGHT requests (8 at --quick): (dir, profile
+    path, that workload). A replay of it runs with the workload in fid.WORKLOADS["light"]
+    (`small_light`): the kept runs' requests are rebuilt from their seed by the workload."""
+    small = dataclasses.replace(fid.WORKLOADS["light"], num_requests=SMALL_LIGHT)
+    with small_light(fid, small):
+        d, profile = keep_runs(fid, tmp_path_factory.mktemp("small_kept"))
+    return d, profile, small
+
+
+@contextlib.contextmanager
+def small_light(fid, small):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(fid.WORKLOADS, "light", small)
+        yield mp
+
+
+def keep_runs(fid, d: Path) -> tuple[Path, Path]:
+    """`kept`'s runs, of fid.WORKLOADS["light"] as it is, written into `d`."""
     w = fid.WORKLOADS["light"]
     specs = fid.make_specs(w, 1, quick=True)
     overhead = PROFILE["overhead"]["const"]
@@ -323,12 +354,13 @@ def test_at_run_speed_keeps_the_step_jitter_and_drops_the_run_draw(fid):
 
 
 def test_a_perfect_simulator_of_a_machine_without_variability_scores_zero(
-        fid, kept, monkeypatch, tmp_path, capsys):
+        fid, small_kept, monkeypatch, tmp_path, capsys):
     """The real engine exactly the profile and no variability: every synthetic run is the
     deterministic model, so is the prediction, and every error is 0. The probe: with the
     profile's variability, the same suites err, each its own way, and the same on every call
-    (the draws are seeded by suite and run)."""
-    d, profile = kept
+    (the draws are seeded by suite and run). On the small kept runs."""
+    d, profile, small = small_kept
+    monkeypatch.setitem(fid.WORKLOADS, "light", small)
     # --matched-suites 0: the speed-matched floor (perfect_speed_matched, ~60% of this test's
     # time, and none of its assertions) is left to the tests of that floor below
     # (and --sim-samples 1: the prediction is then the profile's deterministic model, which
@@ -336,6 +368,7 @@ def test_a_perfect_simulator_of_a_machine_without_variability_scores_zero(
     argv = ("--replay", str(d), "--workloads", "light", "--repeats", "3", "--perfect-suites", "3",
             "--matched-suites", "0", "--sim-samples", "1")
     out = run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(profile))
+    assert out["rows"][0]["requests"] == SMALL_LIGHT // 2  # the small runs were replayed
     suites = out["perfect_simulator"]["light"]
     assert len(suites) == 3
     assert all(e[k] == pytest.approx(0, abs=1e-12) for e in suites for k in fid.METRICS)
@@ -695,13 +728,13 @@ def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, kept, monkeypatch
 
 
 @pytest.fixture(scope="module")
-def floor_runs(fid, kept, tmp_path_factory):
-    """One drifting profile's replay (3 kept runs, 1 perfect suite, 2 draws per run) three
-    ways, shared by the two tests below: computing the speed-matched floor inline, in a
+def floor_runs(fid, small_kept, tmp_path_factory):
+    """One drifting profile's replay (3 small kept runs, 1 perfect suite, 2 draws per run)
+    three ways, shared by the two tests below: computing the speed-matched floor inline, in a
     --matched-floor-only run of its own, and read back by --matched-floor-from. Returns
     ({way: its --json}, argv, the matched_runs calls after each way: each call is one kept
     run's speed-matched draws)."""
-    d, _ = kept
+    d, _, small = small_kept
     tmp = tmp_path_factory.mktemp("floor")
     profile = tmp / "drifting.json"
     profile.write_text(json.dumps({**PROFILE, "variability": {
@@ -714,7 +747,7 @@ def floor_runs(fid, kept, tmp_path_factory):
         calls.append(a[2])
         return draw(*a, **kw)
 
-    with pytest.MonkeyPatch.context() as mp:
+    with small_light(fid, small) as mp:
         mp.setattr(fid, "matched_runs", counted)
         out["inline"] = run_main(fid, mp, tmp, *argv)
         counts["inline"] = len(calls)
@@ -741,8 +774,8 @@ def test_matched_floor_in_a_run_of_its_own_is_the_one_computed_inline(fid, floor
     assert split["criterion_misses"] == out["inline"]["criterion_misses"]
 
 
-def test_the_speed_matched_floor_takes_validates_prediction(fid, floor_runs, monkeypatch,
-                                                             tmp_path):
+def test_the_speed_matched_floor_takes_validates_prediction(fid, floor_runs, small_kept,
+                                                             monkeypatch, tmp_path):
     """fid14: the speed-matched floor compares its synthetic suites with the prediction
     `validate` already drew (the row's speed-matched "sim"), rather than drawing it again: the
     floor's suites are those of a floor that draws its own (--matched-floor-only), to the last
@@ -762,5 +795,6 @@ def test_the_speed_matched_floor_takes_validates_prediction(fid, floor_runs, mon
         return draw(*a, **kw)
 
     monkeypatch.setattr(fid, "matched_runs", counted)
+    monkeypatch.setitem(fid.WORKLOADS, "light", small_kept[2])
     run_main(fid, monkeypatch, tmp_path, *argv, "--no-floor-drift")
     assert len(calls) == 6  # the floor's profile lacks the drift: its prediction is its own
