@@ -616,10 +616,12 @@ def test_floored_criterion_allows_the_speed_matched_and_counts_floors(fid):
             "tpot_p50_ms +0.0% tpot_p90_ms +2.0%; every cell within 5% in 1/3 suites") in text
 
 
-def test_perfect_simulator_scores_counts_against_the_prediction(fid, kept):
+def test_perfect_simulator_scores_counts_against_the_prediction(fid, small_kept, monkeypatch):
     """With the row's counts, each synthetic suite carries each count's predicted minus its
-    runs' mean; light never preempts, so every difference is the prediction's own count."""
-    d, _ = kept
+    runs' mean; light never preempts, so every difference is the prediction's own count. On
+    the small kept runs."""
+    d, _, small = small_kept
+    monkeypatch.setitem(fid.WORKLOADS, "light", small)
     args = argparse.Namespace(repeats=3, perfect_suites=3, seed=0)
     noisy = {**PROFILE, "variability": {"run_sigma": 0.05, "step_sigma": 0.03}}
     prediction = {k: 1.0 for k in fid.METRICS}
@@ -706,11 +708,13 @@ def test_speed_matched_draws_drift_and_measure_the_runs_speed(fid, kept):
     assert tpot_p90(PROFILE, 1) == pytest.approx(exact, rel=1e-9)
 
 
-def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, kept, monkeypatch):
+def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, small_kept, monkeypatch):
     """fid12: the floor's synthetic run k and its prediction are held to the speed kept real
     run k measured (SCALES here), not 1.0x: the drift's share of a tail grows with the load,
-    so a floor at another speed measures another noise. Probe: the targets differ run to run."""
-    d, _ = kept
+    so a floor at another speed measures another noise. Probe: the targets differ run to run.
+    On the small kept runs."""
+    d, _, small = small_kept
+    monkeypatch.setitem(fid.WORKLOADS, "light", small)
     wandering = {**PROFILE, "variability": {"run_sigma": 0.0, "step_sigma": 0.02,
                                             "drift_sigma": 0.15, "drift_tau_s": 2.0}}
     targets, at_speed = [], fid._at_speed
