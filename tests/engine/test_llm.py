@@ -131,6 +131,10 @@ def test_stop_rules(make_llm):
                                                min_tokens=at_least),
                       use_tqdm=False)[0].outputs[0]
     assert len(forced.token_ids) == at_least
+    # The sampler's min_tokens mask, not only the stop rule: below min_tokens no EOS is even
+    # sampled (vLLM's contract). Without the mask the greedy EOS at the chat's length would be
+    # sampled and, the stop rule holding it off, kept in the output.
+    assert not tok.eos_token_ids & set(forced.token_ids), forced.token_ids
 
 
 def test_logprobs(make_llm):

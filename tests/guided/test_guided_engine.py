@@ -105,6 +105,21 @@ def test_choice_returns_one_of_the_choices(llm):
         assert out.text in choices and out.finish_reason == "stop"
 
 
+def test_min_tokens_holds_back_an_eos_the_grammar_leaves_as_the_only_token(llm):
+    """min_tokens is enforced twice, as in vLLM: the sampler masks EOS and the stop ids below it
+    (tests/engine/test_llm.py::test_stop_rules), and the stop rule (core/sched/stop.py) does
+    not finish a request on a stop token below it. Here, once "yes" is out, the grammar allows
+    EOS alone: the sampler's mask would leave nothing finite and is dropped (model/sampler.py),
+    so EOS is sampled below min_tokens and only the stop rule keeps the request going."""
+    params = [SamplingParams(temperature=0, max_tokens=8, min_tokens=m,
+                             guided_decoding=Guided(choice=["yes"])) for m in (0, 3)]
+    plain, held = _run(llm, ["Will it rain tomorrow? Answer:"] * 2, params)
+    eos = llm.get_tokenizer().eos_token_ids
+    assert plain.text == held.text == "yes" and held.finish_reason == "stop"
+    assert len(plain.token_ids) == 2 and plain.token_ids[-1] in eos  # probe: EOS right after
+    assert len(held.token_ids) == 3 and set(held.token_ids[1:]) <= eos
+
+
 def test_regex_output_matches(llm):
     pattern = r"\(\d{3}\) \d{3}-\d{4}"
     outs = _run(llm, ["Call me at"] * 4, [_guided(s, regex=pattern) for s in range(4)])

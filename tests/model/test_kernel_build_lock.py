@@ -75,29 +75,31 @@ def test_finished_build_marker_matches_only_the_library_it_was_written_for(tmp_p
     assert not kernels._finished_build(build, name)
 
 
-def test_a_start_imports_the_remembered_build_without_cpp_extension(tmp_path):
-    """In a fresh interpreter whose kernels were built before: the module comes straight from
-    the remembered directory; a remembered directory holding no finished build falls back to
-    torch's `load` (which finds the real one) and is remembered anew."""
+def test_a_start_imports_the_remembered_build_without_cpp_extension(tmp_path, monkeypatch):
+    """A remembered directory holding no finished build falls back to torch's build directory
+    (found through torch.utils.cpp_extension, as `load` would) and is remembered anew: here, in
+    this process (`_build` itself, which `_module` calls once). Then, in a fresh interpreter,
+    the module comes straight from the remembered directory without importing cpp_extension."""
     import subprocess
     import sys
 
     if not kernels.kernels_enabled() or kernels.fused_ops() is None:
         pytest.skip("no C++ kernels on this machine")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TOKENWEIR_CACHE_DIR", str(tmp_path))
+    name = f"tokenweir_cpu_kernels_{kernels._source_hash()}"
+    remembered = tmp_path / "kernels" / f"{name}.dir"
+    remembered.parent.mkdir()
+    remembered.write_text(str(tmp_path / "nothing-built-here"))
+    assert kernels._build() is not None
+    assert remembered.read_text() == _get_build_directory(name, verbose=False)  # anew
     code = ("import sys, torch\n"
             "from tokenweir.model import kernels\n"
             "m = kernels._module()\n"
             "print(m is not None, 'torch.utils.cpp_extension' in sys.modules)\n")
     env = {**os.environ, "TOKENWEIR_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(kernels._DIR)))}
-    name = f"tokenweir_cpu_kernels_{kernels._source_hash()}"
-    remembered = tmp_path / "kernels" / f"{name}.dir"
-    remembered.parent.mkdir()
-    remembered.write_text(str(tmp_path / "nothing-built-here"))
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+    fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                            text=True, timeout=600)
-    assert first.stdout.split() == ["True", "True"], first.stderr  # fell back to `load`
-    assert remembered.read_text() != str(tmp_path / "nothing-built-here")
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert second.stdout.split() == ["True", "False"], second.stderr  # straight import
+    assert fresh.stdout.split() == ["True", "False"], fresh.stderr  # straight import

@@ -27,6 +27,16 @@ class _Head:
         return iter(_RUNNING["value"])
 
 
+@pytest.fixture
+def no_sweep_png(monkeypatch):
+    """`sweep` in this process writes its CSV and draws no PNG beside it (as without
+    matplotlib, which sim/cli.py:_plot allows): the Ray tests compare CSVs, never the plot,
+    and drawing it cost ~1 s per sweep."""
+    import tokenweir.sim.cli as sim_cli
+
+    monkeypatch.setattr(sim_cli, "_plot", lambda rows, names, csv_path: None)
+
+
 @pytest.fixture(scope="session")
 def ray_head():
     """(process, address) of one Ray head (ray_cluster.head), shared by test_ray_remote.py and

@@ -87,3 +87,42 @@ def test_openapi_fuzz_no_5xx_and_engine_serves_after(server, schemathesis):
         pass
     assert neighbour["ok"], neighbour  # the engine serves in full afterwards
     print(f"fuzzed {sum(statuses.values())} requests in {fuzz_seconds:.1f} s: {dict(statuses)}")
+
+
+# What the fuzzer found (a variant of run()'s source drew it): a finite temperature beyond
+# float32's range with EOS masked (min_tokens) made the sampler's weights NaN and its draw
+# index past the vocabulary, a 500. Pinned here, end to end and on the sampler alone.
+HUGE_TEMPERATURE = 8.789124501359472e+134
+
+
+def test_a_temperature_beyond_float32_is_served(server):
+    import torch
+
+    assert torch.tensor(HUGE_TEMPERATURE, dtype=torch.float32).isinf()  # probe: out of range
+    body = {"model": probes.MODEL, "prompt": "\x1f\x9c럚\x15£", "temperature": HUGE_TEMPERATURE,
+            "min_tokens": 1, "max_tokens": 2}
+    response = probes.post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text[:500]
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_huge_temperature_draws_as_the_largest_finite_one():
+    """Beyond float32, a row draws what it draws at 1e30 (every allowed token weighs ~1), for
+    the plain, top-k and top-p paths, and never a masked token (EOS, under min_tokens)."""
+    import torch
+
+    from tokenweir.model.sampler import sample
+    from tokenweir.request import SamplingParams
+
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0))
+    logits[:, 7] = 50.0  # EOS would win every draw were it not masked
+
+    def draws(temperature: float, min_tokens: int = 1, **extra) -> list[int]:
+        params = [SamplingParams(temperature=temperature, min_tokens=min_tokens, seed=seed,
+                                 **extra) for seed in range(3)]
+        return sample(logits, params, [0, 0, 0], frozenset({7}), 0, 0).token_ids
+
+    assert draws(1.0, min_tokens=0) == [7, 7, 7]  # probe: unmasked, EOS is every draw
+    for extra in ({}, {"top_k": 5}, {"top_p": 0.9}):
+        huge = draws(HUGE_TEMPERATURE, **extra)
+        assert huge == draws(1e30, **extra) and 7 not in huge, extra

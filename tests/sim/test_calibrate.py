@@ -4,6 +4,7 @@ own training points, and `simulate --profile` runs on it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 
@@ -108,23 +109,89 @@ def test_fitted_model_drives_the_simulator_and_rejects_non_profiles(tmp_path):
         FittedLatencyModel({"bogus": 1.0})
 
 
+# The small random Llama calibrated below, as transformers' LlamaConfig(vocab_size=384,
+# hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+# num_key_value_heads=2, head_dim=64, max_position_embeddings=512) and save_pretrained wrote it
+# (config.json and generation_config.json less transformers_version). Written without
+# transformers: importing it and building the model was most of the fixture's time.
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "attention_bias": False,
+              "attention_dropout": 0.0, "bos_token_id": 1, "dtype": "float32",
+              "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu", "hidden_size": 256,
+              "initializer_range": 0.02, "intermediate_size": 768,
+              "max_position_embeddings": 512, "mlp_bias": False, "model_type": "llama",
+              "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+              "pad_token_id": None, "pretraining_tp": 1, "rms_norm_eps": 1e-06,
+              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+              "tie_word_embeddings": False, "use_cache": True, "vocab_size": 384}
+TINY_GENERATION = {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2,
+                   "output_attentions": False, "output_hidden_states": False, "use_cache": True}
+# sha256 of the old fixture's model.safetensors (transformers' from_config, randomize_(model,
+# 1), save_pretrained), over its tensors by name: names, shapes, dtypes and bytes
+# (`_weights_digest`); recorded from that code with transformers 5.24.0
+TINY_LLAMA_WEIGHTS = "95af212c6387aca183620ac7cb764b408757aac752d0c0efedddce1b3d21139c"
+
+
+def _tiny_llama_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters of LlamaForCausalLM(c), in its named_parameters() order."""
+    h, f, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    layer = [("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
+             ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
+             ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)), ("mlp.down_proj", (h, f)),
+             ("input_layernorm", (h,)), ("post_attention_layernorm", (h,))]
+    return ([("model.embed_tokens.weight", (c["vocab_size"], h))]
+            + [(f"model.layers.{i}.{name}.weight", shape)
+               for i in range(c["num_hidden_layers"]) for name, shape in layer]
+            + [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))])
+
+
+def write_tiny_llama(path, seed: int = 1) -> None:
+    """An HF directory (config.json, model.safetensors) of TINY_LLAMA with the weights
+    tests/model/tiny_models.randomize_(model, seed) gives that model: randomize_ itself, over
+    the same names and shapes in the same order, so the same bits."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.model.tiny_models import randomize_
+
+    class Parameters:  # what randomize_ reads of a model
+        def __init__(self, tensors: dict):
+            self.named_parameters = tensors.items
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA, indent=2))
+    (path / "generation_config.json").write_text(json.dumps(TINY_GENERATION, indent=2))
+    tensors = {name: torch.empty(shape) for name, shape in _tiny_llama_shapes(TINY_LLAMA)}
+    randomize_(Parameters(tensors), seed)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _weights_digest(path) -> str:
+    from safetensors.torch import load_file
+
+    tensors, h = load_file(str(path / "model.safetensors")), hashlib.sha256()
+    for name in sorted(tensors):
+        x = tensors[name].contiguous()
+        h.update(f"{name}{tuple(x.shape)}{x.dtype}".encode())
+        h.update(x.numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_the_tiny_llama_is_the_one_transformers_wrote(tmp_path):
+    """write_tiny_llama writes the weights the old fixture's transformers model had, to the
+    bit (the recorded digest), under the names and in the order of its named_parameters."""
+    write_tiny_llama(tmp_path / "tiny")
+    assert _weights_digest(tmp_path / "tiny") == TINY_LLAMA_WEIGHTS
+    names = [name for name, _ in _tiny_llama_shapes(TINY_LLAMA)]
+    assert len(names) == 1 + 4 * 9 + 2 and names[-1] == "lm_head.weight"
+
+
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory):
     """`tokenweir calibrate --quick` on a small random Llama (HF directory, no tokenizer),
     big enough that its steps take milliseconds rather than scheduler noise."""
-    import torch
-    import transformers as tf
-
-    from tests.model.tiny_models import randomize_
-
     root = tmp_path_factory.mktemp("calibrate")
-    torch.manual_seed(1)
-    config = tf.LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=768,
-                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=64, max_position_embeddings=512)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_(model, 1)
-    model.save_pretrained(str(root / "tiny"))
+    write_tiny_llama(root / "tiny")
     out = root / "profile.json"
     assert cli_main(["calibrate", str(root / "tiny"), "--quick", "--repeats", "5",
                      "--out", str(out)]) == 0

@@ -55,10 +55,14 @@ def test_one_instance_reproduces_the_single_instance_simulator_exactly():
 def test_one_instance_steps_again_after_a_step_that_only_preempted_as_the_simulator_does():
     """Auto preemption with cost victims on a cramped pool: some steps only preempt (their
     requester is its own victim). The instance must step again at once, as Simulation does
-    (they share SimEngine); the cluster loop used to idle and stalled on this workload."""
+    (they share SimEngine); the cluster loop used to idle and stalled on this workload. The
+    first 40 of its 400 requests (the last arriving at 0.140 s): the preempt-only step comes
+    at 0.178 s with these as with all 400 (833 steps instead of 2,869), and no arrival follows
+    it to wake an idling instance, so an instance that does not step again stalls."""
     specs = synthetic(400, 300.0, seed=2, prompt="lognormal:120:0.9", output="lognormal:40:0.9",
                       arrival="gamma", cv=2.0, num_prefix_groups=4, prefix_len=64,
-                      priority_mix="0:0.7,1:0.3", max_model_len=1024)
+                      priority_mix="0:0.7,1:0.3", max_model_len=1024)[:40]
+    assert max(s.arrival for s in specs) < 0.178
     engine = {"max_model_len": 1024, "max_num_batched_tokens": 256,
               "num_gpu_blocks_override": 120, "scheduler_reserve_full_isl": False,
               "preemption_mode": "auto", "preemption_policy": "cost", "swap_space": 0.01}

@@ -5,6 +5,8 @@ profiles written in the real runs' format, so the expected figures are known exa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -33,7 +35,36 @@ def kept(fid, tmp_path_factory):
     them, each the simulator at PROFILE on a machine whose runner runs at SCALES[k] of the
     profile's time, each step's time split into phases as the engine traces them (the
     profile's overhead, the rest the forward); returns (dir, profile path)."""
-    d = tmp_path_factory.mktemp("kept")
+    return keep_runs(fid, tmp_path_factory.mktemp("kept"))
+
+
+# The light workload of `small_kept`: 8 requests at --quick (light's own: 32), ~1/3 of the
+# simulator steps per run. For the tests of the replay's plumbing (what is drawn, passed on,
+# written and read back), which hold at any size; the tests that measure a spread or a drift
+# keep light's 32 requests (their margins were computed there).
+SMALL_LIGHT = 16
+
+
+@pytest.fixture(scope="module")
+def small_kept(fid, tmp_path_factory):
+    """`kept` on a light workload of SMALL_LIGHT requests (8 at --quick): (dir, profile
+    path, that workload). A replay of it runs with the workload in fid.WORKLOADS["light"]
+    (`small_light`): the kept runs' requests are rebuilt from their seed by the workload."""
+    small = dataclasses.replace(fid.WORKLOADS["light"], num_requests=SMALL_LIGHT)
+    with small_light(fid, small):
+        d, profile = keep_runs(fid, tmp_path_factory.mktemp("small_kept"))
+    return d, profile, small
+
+
+@contextlib.contextmanager
+def small_light(fid, small):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(fid.WORKLOADS, "light", small)
+        yield mp
+
+
+def keep_runs(fid, d: Path) -> tuple[Path, Path]:
+    """`kept`'s runs, of fid.WORKLOADS["light"] as it is, written into `d`."""
     w = fid.WORKLOADS["light"]
     specs = fid.make_specs(w, 1, quick=True)
     overhead = PROFILE["overhead"]["const"]
@@ -323,54 +354,59 @@ def test_at_run_speed_keeps_the_step_jitter_and_drops_the_run_draw(fid):
 
 
 def test_a_perfect_simulator_of_a_machine_without_variability_scores_zero(
-        fid, kept, monkeypatch, tmp_path, capsys):
+        fid, small_kept, monkeypatch, tmp_path, capsys):
     """The real engine exactly the profile and no variability: every synthetic run is the
     deterministic model, so is the prediction, and every error is 0. The probe: with the
     profile's variability, the same suites err, each its own way, and the same on every call
-    (the draws are seeded by suite and run)."""
-    d, profile = kept
+    (the draws are seeded by suite and run). On the small kept runs."""
+    d, profile, small = small_kept
+    monkeypatch.setitem(fid.WORKLOADS, "light", small)
     # --matched-suites 0: the speed-matched floor (perfect_speed_matched, ~60% of this test's
     # time, and none of its assertions) is left to the tests of that floor below
-    argv = ("--replay", str(d), "--workloads", "light", "--repeats", "3", "--perfect-suites", "4",
-            "--matched-suites", "0")
-    out = run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(profile),
-                   "--sim-samples", "1")
+    # (and --sim-samples 1: the prediction is then the profile's deterministic model, which
+    # the noisy profile's synthetic suites still miss, each its own way)
+    argv = ("--replay", str(d), "--workloads", "light", "--repeats", "3", "--perfect-suites", "3",
+            "--matched-suites", "0", "--sim-samples", "1")
+    out = run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(profile))
+    assert out["rows"][0]["requests"] == SMALL_LIGHT // 2  # the small runs were replayed
     suites = out["perfect_simulator"]["light"]
-    assert len(suites) == 4
+    assert len(suites) == 3
     assert all(e[k] == pytest.approx(0, abs=1e-12) for e in suites for k in fid.METRICS)
-    assert "it meets every |error| <= 5% in 4/4 suites" in capsys.readouterr().out
+    assert "it meets every |error| <= 5% in 3/3 suites" in capsys.readouterr().out
 
     noisy = tmp_path / "noisy.json"
     noisy.write_text(json.dumps({**PROFILE, "variability": {"run_sigma": 0.05,
                                                             "step_sigma": 0.03}}))
-    first, again = (run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(noisy),
-                             "--sim-samples", "2")["perfect_simulator"]["light"]
-                    for _ in range(2))
+    first, again = (run_main(fid, monkeypatch, tmp_path, *argv, "--profile", str(noisy))
+                    ["perfect_simulator"]["light"] for _ in range(2))
     assert first == again
     totals = [e["total_s"] for e in first]
-    assert len(set(totals)) == 4 and max(abs(x) for x in totals) > 1e-4
+    assert len(set(totals)) == 3 and max(abs(x) for x in totals) > 1e-4
 
 
-def test_a_perfect_simulators_errors_grow_with_the_machines_run_to_run_spread(fid, kept):
+def test_a_perfect_simulators_errors_grow_with_the_machines_run_to_run_spread(fid, kept,
+                                                                             det_total):
     """The synthetic real runs draw each run's speed from run_sigma: a machine spread 10%
     run to run leaves the prediction further from their mean than one spread 0.5%."""
     d, _ = kept
-    # 6 suites (the benchmark's default is 12): 0.00099 against 0.00022 here (4.4x; 4.8x
-    # with 12), the same seeded draws on every run
-    args = argparse.Namespace(repeats=3, perfect_suites=6, seed=0)
+    # 4 suites (the benchmark's default is 12): 0.00071 against 0.00019 here (3.7x; 3.6x
+    # with 3, 4.4x with 6, 4.8x with 12), the same seeded draws on every run
+    args = argparse.Namespace(repeats=3, perfect_suites=4, seed=0)
 
     def p90_total(run_sigma: float) -> float:
         profile = {**PROFILE, "variability": {"run_sigma": run_sigma, "step_sigma": 0.0}}
         suites = fid.perfect_simulator(args, "light", profile, d,
                                        {k: 1.0 for k in fid.METRICS} | {
-                                           "total_s": _deterministic_total(fid, d)})
+                                           "total_s": det_total})
         return fid._p90([abs(e["total_s"]) for e in suites])
 
     assert p90_total(0.10) > 3 * p90_total(0.005)
 
 
-def _deterministic_total(fid, d) -> float:
+@pytest.fixture(scope="module")
+def det_total(fid, kept) -> float:
     """The mean total time of the deterministic model over the three kept runs' arrivals."""
+    d, _ = kept
     model = FittedLatencyModel.from_profile(PROFILE)
     args = argparse.Namespace(repeats=3, seed=0)
     return statistics.fmean(
@@ -522,16 +558,17 @@ def test_collect_only_runs_the_real_engine_and_nothing_else(fid, monkeypatch, tm
     assert len(calls) == 1
 
 
-def test_a_perfect_simulator_draws_the_drift_inside_runs(fid, kept):
+def test_a_perfect_simulator_draws_the_drift_inside_runs(fid, kept, det_total):
     """The profile's measured drift inside runs (variability's drift_sigma, drift_tau_s:
     drift.fit_drift) enters the synthetic real runs, so a machine that wanders inside runs
     leaves the prediction further from their mean (the floor widens). Probe: the same
     profile without the drift (`without_drift`, --no-floor-drift) scores as a profile that
     never measured any."""
     d, _ = kept
-    # 3 suites: 0.00088 against 0.000072 here (12x; 16x with 6, 27x with 12), seeded draws
-    args = argparse.Namespace(repeats=3, perfect_suites=3, seed=0)
-    prediction = {k: 1.0 for k in fid.METRICS} | {"total_s": _deterministic_total(fid, d)}
+    # 2 suites: 0.00089 against 0.000015 here (61x; 12x with 3, 16x with 6, 27x with 12),
+    # seeded draws
+    args = argparse.Namespace(repeats=3, perfect_suites=2, seed=0)
+    prediction = {k: 1.0 for k in fid.METRICS} | {"total_s": det_total}
     steady = {**PROFILE, "variability": {"run_sigma": 0.0, "step_sigma": 0.01}}
     wandering = {**PROFILE, "variability": {**steady["variability"], "drift_sigma": 0.15,
                                             "drift_tau_s": 2.0}}
@@ -579,10 +616,12 @@ def test_floored_criterion_allows_the_speed_matched_and_counts_floors(fid):
             "tpot_p50_ms +0.0% tpot_p90_ms +2.0%; every cell within 5% in 1/3 suites") in text
 
 
-def test_perfect_simulator_scores_counts_against_the_prediction(fid, kept):
+def test_perfect_simulator_scores_counts_against_the_prediction(fid, small_kept, monkeypatch):
     """With the row's counts, each synthetic suite carries each count's predicted minus its
-    runs' mean; light never preempts, so every difference is the prediction's own count."""
-    d, _ = kept
+    runs' mean; light never preempts, so every difference is the prediction's own count. On
+    the small kept runs."""
+    d, _, small = small_kept
+    monkeypatch.setitem(fid.WORKLOADS, "light", small)
     args = argparse.Namespace(repeats=3, perfect_suites=3, seed=0)
     noisy = {**PROFILE, "variability": {"run_sigma": 0.05, "step_sigma": 0.03}}
     prediction = {k: 1.0 for k in fid.METRICS}
@@ -624,30 +663,6 @@ def test_speed_matched_floor_reruns_each_synthetic_run_at_its_measured_speed(fid
     assert all(e[k] == pytest.approx(0, abs=1e-9) for e in steady for k in fid.METRICS)
     drifting = fid.perfect_speed_matched(args, "light", wandering, d)
     assert max(abs(e[k]) for e in drifting for k in fid.METRICS) > 1e-3
-
-
-def test_matched_floor_in_a_run_of_its_own_is_the_one_computed_inline(fid, kept, monkeypatch,
-                                                                     tmp_path):
-    """--matched-floor-only writes the speed-matched floor's suites, --matched-floor-from
-    reads them back: the same suites and verdict as one invocation computing it (a long
-    replay split in two). Probe: the floor is there (suites with nonzero errors)."""
-    d, _ = kept
-    noisy = tmp_path / "noisy.json"
-    noisy.write_text(json.dumps({**PROFILE, "variability": {"run_sigma": 0.05,
-                                                            "step_sigma": 0.03}}))
-    argv = ("--replay", str(d), "--profile", str(noisy), "--workloads", "light",
-            "--repeats", "3", "--perfect-suites", "1", "--sim-samples", "2")
-    inline = run_main(fid, monkeypatch, tmp_path, *argv)
-    floor_json = tmp_path / "floor.json"
-    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--validation-seeds", "1",
-                                      "--matched-floor-only", "--json", str(floor_json)])
-    assert fid.main() == 0
-    alone = json.loads(floor_json.read_text())["perfect_speed_matched"]
-    assert alone == inline["perfect_speed_matched"]
-    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
-    split = run_main(fid, monkeypatch, tmp_path, *argv, "--matched-floor-from", str(floor_json))
-    assert split["perfect_speed_matched"] == alone
-    assert split["criterion_misses"] == inline["criterion_misses"]
 
 
 def test_a_perfect_simulators_speed_matched_errors_are_centred(fid, kept):
@@ -693,11 +708,13 @@ def test_speed_matched_draws_drift_and_measure_the_runs_speed(fid, kept):
     assert tpot_p90(PROFILE, 1) == pytest.approx(exact, rel=1e-9)
 
 
-def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, kept, monkeypatch):
+def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, small_kept, monkeypatch):
     """fid12: the floor's synthetic run k and its prediction are held to the speed kept real
     run k measured (SCALES here), not 1.0x: the drift's share of a tail grows with the load,
-    so a floor at another speed measures another noise. Probe: the targets differ run to run."""
-    d, _ = kept
+    so a floor at another speed measures another noise. Probe: the targets differ run to run.
+    On the small kept runs."""
+    d, _, small = small_kept
+    monkeypatch.setitem(fid.WORKLOADS, "light", small)
     wandering = {**PROFILE, "variability": {"run_sigma": 0.0, "step_sigma": 0.02,
                                             "drift_sigma": 0.15, "drift_tau_s": 2.0}}
     targets, at_speed = [], fid._at_speed
@@ -714,19 +731,67 @@ def test_speed_matched_floor_runs_at_the_real_runs_speeds(fid, kept, monkeypatch
     assert targets == expected * 2  # the prediction's draws, then the suite's synthetic runs
 
 
-def test_the_speed_matched_floor_takes_validates_prediction(fid, kept, monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def floor_runs(fid, small_kept, tmp_path_factory):
+    """One drifting profile's replay (3 small kept runs, 1 perfect suite, 2 draws per run)
+    three ways, shared by the two tests below: computing the speed-matched floor inline, in a
+    --matched-floor-only run of its own, and read back by --matched-floor-from. Returns
+    ({way: its --json}, argv, the matched_runs calls after each way: each call is one kept
+    run's speed-matched draws)."""
+    d, _, small = small_kept
+    tmp = tmp_path_factory.mktemp("floor")
+    profile = tmp / "drifting.json"
+    profile.write_text(json.dumps({**PROFILE, "variability": {
+        "run_sigma": 0.05, "step_sigma": 0.03, "drift_sigma": 0.1, "drift_tau_s": 2.0}}))
+    argv = ("--replay", str(d), "--profile", str(profile), "--workloads", "light",
+            "--repeats", "3", "--perfect-suites", "1", "--sim-samples", "2")
+    calls, counts, out, draw = [], {}, {}, fid.matched_runs
+
+    def counted(*a, **kw):
+        calls.append(a[2])
+        return draw(*a, **kw)
+
+    with small_light(fid, small) as mp:
+        mp.setattr(fid, "matched_runs", counted)
+        out["inline"] = run_main(fid, mp, tmp, *argv)
+        counts["inline"] = len(calls)
+        floor_json = tmp / "floor.json"
+        mp.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--validation-seeds", "1",
+                                 "--matched-floor-only", "--json", str(floor_json)])
+        assert fid.main() == 0
+        counts["alone"] = len(calls) - counts["inline"]
+        out["alone"] = json.loads(floor_json.read_text())
+        out["split"] = run_main(fid, mp, tmp, *argv, "--matched-floor-from", str(floor_json))
+    return out, argv, counts
+
+
+def test_matched_floor_in_a_run_of_its_own_is_the_one_computed_inline(fid, floor_runs):
+    """--matched-floor-only writes the speed-matched floor's suites, --matched-floor-from
+    reads them back: the same suites and verdict as one invocation computing it (a long
+    replay split in two). Probe: the floor is there (suites with nonzero errors)."""
+    out, _, _ = floor_runs
+    alone = out["alone"]["perfect_speed_matched"]
+    assert alone == out["inline"]["perfect_speed_matched"]
+    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
+    split = out["split"]
+    assert split["perfect_speed_matched"] == alone
+    assert split["criterion_misses"] == out["inline"]["criterion_misses"]
+
+
+def test_the_speed_matched_floor_takes_validates_prediction(fid, floor_runs, small_kept,
+                                                             monkeypatch, tmp_path):
     """fid14: the speed-matched floor compares its synthetic suites with the prediction
     `validate` already drew (the row's speed-matched "sim"), rather than drawing it again: the
     floor's suites are those of a floor that draws its own (--matched-floor-only), to the last
     bit, and `matched_runs` runs once per kept run (in `validate`), not twice. With
     --no-floor-drift the floor's law is not the rows', so it draws its own (the probe that
     the count tells the two apart)."""
-    d, _ = kept
-    profile = tmp_path / "drifting.json"
-    profile.write_text(json.dumps({**PROFILE, "variability": {
-        "run_sigma": 0.05, "step_sigma": 0.03, "drift_sigma": 0.1, "drift_tau_s": 2.0}}))
-    argv = ("--replay", str(d), "--profile", str(profile), "--workloads", "light",
-            "--repeats", "3", "--perfect-suites", "2", "--sim-samples", "2")
+    out, argv, counts = floor_runs
+    assert counts["inline"] == 3  # validate's draws of the three kept runs, and no more
+    assert counts["alone"] == 3  # a floor of its own draws the prediction itself
+    alone = out["alone"]["perfect_speed_matched"]
+    assert alone == out["inline"]["perfect_speed_matched"]
+    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
     calls, draw = [], fid.matched_runs
 
     def counted(*a, **kw):
@@ -734,16 +799,6 @@ def test_the_speed_matched_floor_takes_validates_prediction(fid, kept, monkeypat
         return draw(*a, **kw)
 
     monkeypatch.setattr(fid, "matched_runs", counted)
-    inline = run_main(fid, monkeypatch, tmp_path, *argv)
-    assert len(calls) == 3  # validate's draws of the three kept runs, and no more
-    floor_json = tmp_path / "floor.json"
-    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", *argv, "--validation-seeds", "1",
-                                      "--matched-floor-only", "--json", str(floor_json)])
-    assert fid.main() == 0
-    assert len(calls) == 6  # a floor of its own draws the prediction itself
-    alone = json.loads(floor_json.read_text())["perfect_speed_matched"]
-    assert alone == inline["perfect_speed_matched"]
-    assert max(abs(e[k]) for e in alone["light"] for k in fid.METRICS) > 1e-4
-    del calls[:]
+    monkeypatch.setitem(fid.WORKLOADS, "light", small_kept[2])
     run_main(fid, monkeypatch, tmp_path, *argv, "--no-floor-drift")
     assert len(calls) == 6  # the floor's profile lacks the drift: its prediction is its own

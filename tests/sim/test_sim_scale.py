@@ -160,12 +160,20 @@ def test_a_small_cluster_run_twice_gives_the_same_digest():
 
 
 def test_the_digest_changes_when_a_decision_changes():
+    """Two routers route the same requests differently: two digests. The pools hold 4096
+    blocks each, room for every request an instance gets (20 of at most 64 blocks), so
+    nothing is preempted: the model's default pool (1 GiB of KV: ~209k blocks per instance)
+    took ~90% of this test's time to build and decided the same."""
     specs = synthetic(60, 100.0, seed=2, max_model_len=1024)
-    digests = set()
+    digests, routed = set(), set()
     for router in ("round-robin", "least-loaded"):
-        result = build_cluster({}, specs, "smollm2-135m", num_instances=3,
-                               router=router).run()
+        result = build_cluster({"num_gpu_blocks_override": 4096}, specs, "smollm2-135m",
+                               num_instances=3, router=router).run()
+        assert result.overall.stats.num_preemptions == 0
         digests.add(cluster_digest(result))
+        routed.add(repr([sorted(r.request_id for r in inst.requests)
+                         for inst in result.instances]))
+    assert len(routed) == 2  # the probe: the routers did send requests elsewhere
     assert len(digests) == 2
 
 

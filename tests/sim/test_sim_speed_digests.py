@@ -35,13 +35,29 @@ def test_the_cramped_small_cluster_decides_as_before_the_speed_work():
     assert digest == SMALL_CRAMPED
 
 
-def test_the_cluster_benchmark_decides_as_before_the_speed_work():
+@pytest.fixture(scope="module")
+def bench_2000_16():
+    """`benchmarks/sim_speed.py --cluster --num-requests 2000 --num-instances 16` plus the
+    flags asked, in a process of its own: its stdout's lines. Each flag set runs once per
+    module (the default run serves both tests below: the same command)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_speed.py"), "--cluster",
            "--num-requests", "2000", "--num-instances", "16"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}).stdout
-    assert "requests 2000/2000" in out
-    assert f"digest {BENCH_2000_16}" in out.splitlines()
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    runs: dict[tuple, list[str]] = {}
+
+    def run(*extra: str) -> list[str]:
+        if extra not in runs:
+            runs[extra] = subprocess.run(cmd + list(extra), capture_output=True, text=True,
+                                         check=True, cwd=ROOT, env=env).stdout.splitlines()
+        return runs[extra]
+
+    return run
+
+
+def test_the_cluster_benchmark_decides_as_before_the_speed_work(bench_2000_16):
+    out = bench_2000_16()
+    assert "requests 2000/2000" in "\n".join(out)
+    assert f"digest {BENCH_2000_16}" in out
 
 
 def _thp_mode() -> str:
@@ -58,17 +74,13 @@ def _glibc_has_hugetlb() -> bool:
 
 
 @pytest.mark.skipif(not _glibc_has_hugetlb(), reason="glibc.malloc.hugetlb needs glibc >= 2.35")
-def test_huge_pages_change_where_objects_live_not_what_is_decided():
+def test_huge_pages_change_where_objects_live_not_what_is_decided(bench_2000_16):
     """Huge pages (the default for --cluster where offered; `--no-huge-pages` off,
     `--huge-pages` on) re-execute the benchmark with its objects in glibc malloc on transparent
     huge pages: the same digest every way; probes: the run's memory is in huge pages (where
     the kernel offers them), the default run's too, and the `--no-huge-pages` run's is not."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_speed.py"), "--cluster",
-           "--num-requests", "2000", "--num-instances", "16"]
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     flags = (["--no-huge-pages"], ["--huge-pages"], [])
-    outs = [subprocess.run(cmd + extra, capture_output=True, text=True, check=True, cwd=ROOT,
-                           env=env).stdout.splitlines() for extra in flags]
+    outs = [bench_2000_16(*extra) for extra in flags]
     offered = _thp_mode() in ("madvise", "always")
     huge = "glibc malloc on transparent huge pages"
     huge_kib = []

@@ -204,8 +204,8 @@ def _put_random(x: torch.Tensor, params: Sequence[SamplingParams], random_rows: 
     all_rows = len(random_rows) == x.shape[0]
     if not all_rows:
         x = x[_index(random_rows, x.device)]
-    picked = _sample_random(x, sub, scalars[0], scalars[1].long(), scalars[2], scalars[3],
-                            scalars[4])
+    picked = _sample_random(x, sub, _finite_temperature(scalars[0], x.dtype), scalars[1].long(),
+                            scalars[2], scalars[3], scalars[4])
     if all_rows:
         return picked
     tokens[_index(random_rows, x.device)] = picked
@@ -288,6 +288,16 @@ def _apply_masks(raw: torch.Tensor, masks: dict[int, list[int]]) -> torch.Tensor
         dead_rows = m_rows[dead]
         x[dead_rows] = raw[dead_rows]
     return x
+
+
+def _finite_temperature(temperature: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The temperatures capped at `dtype`'s largest finite value. SamplingParams accepts any
+    finite temperature, and one beyond float32's range (1e57) became inf in the logits' dtype:
+    a masked token's -inf / inf is NaN, and the draw indexed past the vocabulary (a 500 from
+    the server, found by tests/server/test_fuzz.py). Capped, every allowed token's weight is
+    exp(~0) = 1 (the limit of an ever larger temperature) and a masked one's stays 0; rows
+    within range are unchanged."""
+    return temperature.clamp(max=torch.finfo(dtype).max)
 
 
 def _sample_random(x: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor,
