@@ -635,6 +635,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-floor-drift", dest="floor_drift", action="store_false",
                    help="the perfect simulator's runs without the drift inside runs the "
                         "profile measured (its floor as before fid5: run and step sigma only)")
+    p.add_argument("--kind-blind-noise", action="store_true",
+                   help="the perfect simulator's and the speed-matched draws' noise one law "
+                        "for every step (run, step and drift sigmas pooled over step kinds), "
+                        "as before fid15; default: each step kind its own "
+                        "(`drift.KindNoisyModel`) where the profile records them")
     p.add_argument("--sensitivity", action="store_true",
                    help="also resimulate with every step 2%% faster and 2%% slower; print how "
                         "many points each error moves per 1%% of step time")
@@ -1212,12 +1217,14 @@ def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
     answer is the same on every call. It needs no real run beyond the arrivals, and it is
     optimistic: a real machine varies in more ways than the sigmas (the transients and
     slow stretches of the module doc), so the real engine's floor lies above it."""
-    from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel
+    from tokenweir.sim.drift import KindLaw, KindNoisyModel
+    from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel, step_kind
 
     model = FittedLatencyModel.from_profile(profile)
     v = profile.get("variability") or {}
     run_sigma, step_sigma = float(v.get("run_sigma", 0.0)), float(v.get("step_sigma", 0.0))
     drift_sigma = float(v.get("drift_sigma", 0.0))
+    law = KindLaw.from_variability(v)
     specs = [(run_specs(name, t), run_line(name, t))
              for t in validation_paths(args, trace_dir, name, args.repeats)]
     suites = []
@@ -1226,8 +1233,10 @@ def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
         for k, (run, line) in enumerate(specs):
             rng = random.Random(f"perfect/{name}/{g}/{k}")
             scale = math.exp(rng.gauss(-run_sigma * run_sigma / 2, run_sigma))
-            machine = NoisyLatencyModel(model, step_sigma, seed=rng.randrange(2**31), scale=scale,
-                                        drift=_drift(drift_sigma, v, f"{name}/{g}/{k}"))
+            seed = rng.randrange(2**31)
+            machine = (KindNoisyModel(model, law, step_kind, seed=seed) if law else
+                       NoisyLatencyModel(model, step_sigma, seed=seed, scale=scale,
+                                         drift=_drift(drift_sigma, v, f"{name}/{g}/{k}")))
             records, trace = run_sim(WORKLOADS[name], machine, run, line)
             runs.append((records, step_counts(trace)))
         suites.append(_suite_errors(prediction, counts, runs))
@@ -1310,12 +1319,16 @@ def _at_speed(name: str, profile: dict, model, specs: list[RequestSpec],
     streams: (records, trace) of the second pass, and the first pass's measured speed
     (`trace_speed` against `model`, the profile's own). A kind the target lacks is held at
     1.0x; the second pass measures the target up to the steps the rescaling moved."""
-    from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel
+    from tokenweir.sim.drift import KindLaw, KindNoisyModel
+    from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel, step_kind
 
     v = profile.get("variability") or {}
     seed = random.Random(key).randrange(2**31)
+    law = KindLaw.from_variability(v)
 
     def machine(base):
+        if law:
+            return KindNoisyModel(base, law, step_kind, seed=seed, run_draw=False)
         return NoisyLatencyModel(base, float(v.get("step_sigma", 0.0)), seed=seed,
                                  drift=_drift(float(v.get("drift_sigma", 0.0)), v, key))
 
@@ -1344,8 +1357,17 @@ def trace_speed(model, trace) -> dict:
 
 
 def without_drift(profile: dict) -> dict:
-    """The profile with no drift inside runs in its variability (--no-floor-drift)."""
+    """The profile with no drift inside runs in its variability (--no-floor-drift; its
+    per-kind law, `drift.KindLaw.from_variability`, then drifts no kind either)."""
     v = {k: x for k, x in (profile.get("variability") or {}).items() if k != "drift_sigma"}
+    return {**profile, "variability": v}
+
+
+def kind_blind(profile: dict) -> dict:
+    """The profile without its per-kind noise law (--kind-blind-noise): the perfect simulator
+    and the speed-matched draws use one law for every step, as before fid15."""
+    v = {k: x for k, x in (profile.get("variability") or {}).items()
+         if k not in ("kinds", "kind_run_rho", "kind_drift_rho")}
     return {**profile, "variability": v}
 
 
@@ -1440,10 +1462,11 @@ def format_perfect(profile: dict, rows: list[dict], perfect: dict[str, list[dict
     some = next(iter(perfect.values()))
     floor = perfect_floor(perfect)
     lines = [f"a perfect simulator (the real engine exactly the profile, varying only as its "
-             f"run_sigma {100 * v.get('run_sigma', 0):.1f}% and step_sigma "
-             f"{100 * v.get('step_sigma', 0):.1f}%"
-             + (f", drifting {100 * v['drift_sigma']:.1f}% inside runs over "
-                f"{v['drift_tau_s']:.1f} s" if v.get("drift_sigma") else "")
+             + (_kind_noise(v) if v.get("kinds") else
+                f"run_sigma {100 * v.get('run_sigma', 0):.1f}% and step_sigma "
+                f"{100 * v.get('step_sigma', 0):.1f}%"
+                + (f", drifting {100 * v['drift_sigma']:.1f}% inside runs over "
+                   f"{v['drift_tau_s']:.1f} s" if v.get("drift_sigma") else ""))
              + f") in {len(some)} synthetic suites of "
              f"{rows[0]['runs']} runs: |error| p90 (suites over {100 * TARGET:.0f}%)",
              f"{'workload':10s}" + "".join(f"{k:>16s}" for k in METRICS)]
@@ -1465,6 +1488,18 @@ def format_perfect(profile: dict, rows: list[dict], perfect: dict[str, list[dict
     lines.append("cells over the target and beyond a perfect simulator's p90: "
                  + (", ".join(beyond) if beyond else "none"))
     return "\n".join(lines)
+
+
+def _kind_noise(v: dict) -> str:
+    """The per-kind law's words in the perfect simulator's heading (`drift.KindLaw`)."""
+    drifts = bool(v.get("drift_sigma"))
+    parts = [f"{kind} run {100 * k['run_sigma']:.1f}% step {100 * k['step_sigma']:.1f}%"
+             + (f" drift {100 * k['drift_sigma']:.1f}%" if drifts else "")
+             for kind, k in v["kinds"].items()]
+    return (f"noise per step kind: {'; '.join(parts)}; kinds correlated run "
+            f"{v.get('kind_run_rho', 0.0):.2f}"
+            + (f", drift {v.get('kind_drift_rho', 0.0):.2f} over {v['drift_tau_s']:.1f} s"
+               if drifts else ""))
 
 
 def format_floors(rows: list[dict], perfect: dict[str, list[dict]],
@@ -1654,6 +1689,7 @@ def matched_floor_only(args, names: list[str]) -> int:
     if not (args.replay and args.profile and args.json_out):
         raise SystemExit("--matched-floor-only needs --replay, --profile and --json")
     profile = load_profile(args.profile)
+    profile = kind_blind(profile) if args.kind_blind_noise else profile
     profile = profile if args.floor_drift else without_drift(profile)
     matched = matched_floor(args, names, profile, Path(args.replay))
     floor = perfect_floor(matched)
@@ -1687,6 +1723,8 @@ def main() -> int:
                    else calibrate_on_traces(args, names, trace_dir))
         if args.save_profile:
             Path(args.save_profile).write_text(json.dumps(profile, indent=1))
+        if args.kind_blind_noise:
+            profile = kind_blind(profile)
         rows = [validate(args, name, profile, trace_dir) for name in names]
         noise = ([noise_floor(args, name, trace_dir) for name in names]
                  if args.noise_floor else [])

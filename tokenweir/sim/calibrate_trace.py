@@ -44,8 +44,12 @@ The profile is calibrate.py's format with, in addition:
                      kind, over the run and its range over windows: the machine's drift),
     "stalls": {"num_steps": n, "seconds": s (their measured cycle time)},
     "variability": {"step_sigma": s, "run_sigma": s, "num_steps": n, "num_run_kinds": n,
-                    "drift_sigma": s, "drift_tau_s": s, "num_windows": n}
-                   (log-space scatter of step times around the model: `variability`),
+                    "drift_sigma": s, "drift_tau_s": s, "num_windows": n,
+                    "kinds": {kind: {"run_sigma", "step_sigma", "drift_sigma", "num_runs",
+                                     "num_steps", "num_windows"}},
+                    "kind_run_rho": r, "kind_drift_rho": r}
+                   (log-space scatter of step times around the model: `variability`; per
+                   step kind: `with_drift`),
     "forward_phases": {"pre_s", "sample_const_s", "sample_per_row_s", "post_s", "num_steps"}
                       (where the forward lies in a step, for the slo cut's layer boundaries:
                       sim/forward_phases.py; null for traces without phases),
@@ -245,13 +249,20 @@ def variability(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedSt
 
 def with_drift(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedStep]],
                stalled: Sequence[Sequence[bool]]) -> dict:
-    """`variability` and the drift inside runs (`drift.fit_drift`: "drift_sigma",
-    "drift_tau_s", "num_windows"), stalls left out of both."""
-    from tokenweir.sim.drift import fit_drift
+    """`variability`, the drift inside runs (`drift.fit_drift`: "drift_sigma",
+    "drift_tau_s", "num_windows") and the same per step kind (`drift.fit_kind_law`: "kinds",
+    "kind_run_rho", "kind_drift_rho"; fid15), stalls left out of all."""
+    from tokenweir.sim.drift import fit_drift, fit_kind_law
 
     v = variability(model, per_trace, stalled)
     kept = [[s for s, f in zip(steps, flags) if not f] for steps, flags in zip(per_trace, stalled)]
-    return {**v, **fit_drift(model, kept, step_kind, v["step_sigma"])}
+    step_logs: dict[str, list[float]] = {k: [] for k in STEP_KINDS}
+    for steps in kept:
+        for s, r in zip(steps, local_ratios(model, steps)):
+            if r:
+                step_logs[step_kind(s.totals)].append(math.log(r))
+    return {**v, **fit_drift(model, kept, step_kind, v["step_sigma"]),
+            **fit_kind_law(model, kept, step_kind, step_logs)}
 
 
 def find_stalls(model: FittedLatencyModel, steps: Sequence[TracedStep]) -> list[bool]:
@@ -561,10 +572,21 @@ def format_heldout(profile: dict) -> str:
                      + (f"; drift inside runs {100 * v['drift_sigma']:.1f}%, correlation "
                         f"time {v['drift_tau_s']:.1f} s over {v['num_windows']} windows "
                         f"(`drift.fit_drift`)" if "drift_sigma" in v else ""))
+        if v.get("kinds"):
+            lines.append(format_kind_law(v))
     names = [Path(t).name for t in profile.get("traces", [])]
     lines += [format_speed(f"machine speed in {name}", speed)
               for name, speed in zip(names, profile.get("machine_speed", []))]
     return "\n".join(lines)
+
+
+def format_kind_law(v: dict) -> str:
+    """One line: the variability per step kind (`drift.fit_kind_law`)."""
+    parts = [f"{kind} run {100 * k['run_sigma']:.1f}% step {100 * k['step_sigma']:.1f}% "
+             f"drift {100 * k['drift_sigma']:.1f}%" for kind, k in v["kinds"].items()]
+    return (f"per step kind (`drift.fit_kind_law`): {'; '.join(parts)}; the kinds' run logs "
+            f"correlate {v.get('kind_run_rho', 0.0):.2f}, their drifts "
+            f"{v.get('kind_drift_rho', 0.0):.2f}")
 
 
 def format_hinge(profile: dict) -> str:
