@@ -1542,7 +1542,45 @@ def _matched_centre(rows: list[dict], matched: dict[str, list[dict]]) -> list[st
         passed = sum(all(abs(e[k]) <= TARGET for k in METRICS) for e in suites)
         lines.append(f"{r['workload']:10s} its signed median: {centre}; every cell within "
                      f"{100 * TARGET:.0f}% in {passed}/{len(suites)} suites")
+        lines.append(_median_noise_line(r["workload"], suites))
     return lines
+
+
+# The signed median's own noise (fid15): over 20 suites a median that is centred moves by
+# +-3-4 points (fid14: slo's TPOT p50 median -9.0% at 20 suites, -3.7% at 100), so a reader
+# needs its standard error to tell a lean from sampling. A bootstrap over the suites,
+# MEDIAN_BOOTSTRAP_DRAWS resamples seeded by the workload: the same line on every call.
+MEDIAN_BOOTSTRAP_DRAWS = 1000
+LEAN_STANDARD_ERRORS = 2.0
+
+
+def median_standard_error(values: list[float], key: str,
+                          draws: int = MEDIAN_BOOTSTRAP_DRAWS) -> float:
+    """The bootstrap standard error of the median of `values` (resampled with replacement
+    `draws` times, seeded by `key`); 0 for fewer than 2 values."""
+    if len(values) < 2:
+        return 0.0
+    rng = random.Random(f"median-noise/{key}")
+    n = len(values)
+    medians = [statistics.median(rng.choices(values, k=n)) for _ in range(draws)]
+    return statistics.pstdev(medians)
+
+
+def _median_noise_line(workload: str, suites: list[dict]) -> str:
+    """One line: each cell's signed median's bootstrap standard error over the suites
+    (`median_standard_error`) and the cells whose median lies LEAN_STANDARD_ERRORS or more
+    of them from 0 (a lean the suites can tell from sampling)."""
+    errors, leaning = [], []
+    for k in METRICS:
+        values = [e[k] for e in suites]
+        se = median_standard_error(values, f"{workload}/{k}")
+        centre = statistics.median(values)
+        errors.append(f"{k} +-{100 * se:.1f}")
+        if abs(centre) >= LEAN_STANDARD_ERRORS * se and abs(centre) > 0:
+            leaning.append(f"{k} {100 * centre:+.1f}%")
+    return (f"{workload:10s} its median's standard error (bootstrap over {len(suites)} "
+            f"suites): {' '.join(errors)} points; leaning (|median| >= "
+            f"{LEAN_STANDARD_ERRORS:g} SE): {', '.join(leaning) if leaning else 'none'}")
 
 
 def _count(x: float) -> str:
