@@ -249,6 +249,11 @@ class KindNoisyModel:
         tau = law.drift_tau_s
         self._common = DriftProcess(1.0, tau, seed=self._rng.randrange(2**31))
         self._own = {k: DriftProcess(1.0, tau, seed=self._rng.randrange(2**31)) for k in KINDS}
+        self._processes = (self._common, *self._own.values())
+        self._drifts = any(law.drift[k] > 0 for k in KINDS)
+        # per kind: (run factor, jitter mean, jitter sigma, drift sigma, its mean correction)
+        self._per_kind = {k: (self.run_factor[k], -law.step[k] ** 2 / 2, law.step[k],
+                              law.drift[k], -law.drift[k] ** 2 / 2) for k in KINDS}
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -263,11 +268,17 @@ class KindNoisyModel:
 
     def predict_totals(self, totals) -> float:
         kind = self._kind_of(totals)
-        s = self.law.step[kind]
-        seconds = (self.base.predict_totals(totals) * self.run_factor[kind]
-                   * math.exp(self._rng.gauss(-s * s / 2, s)) * self.drift_factor(kind))
-        for p in (self._common, *self._own.values()):
-            p.advance(seconds)
+        run, mu, sigma, drift, drift_mu = self._per_kind[kind]
+        log = self._rng.gauss(mu, sigma)
+        if drift > 0:  # drift_factor(kind)'s log
+            a, b = self._weights
+            log += drift * (a * self._common._x + b * self._own[kind]._x) + drift_mu
+        seconds = self.base.predict_totals(totals) * run * math.exp(log)
+        if self._drifts:  # DriftProcess.advance of each unit process, the decay shared
+            decay = math.exp(-max(0.0, seconds) / self.law.drift_tau_s)
+            spread = math.sqrt(1.0 - decay * decay)
+            for p in self._processes:
+                p._x = p._x * decay + spread * p._rng.gauss(0.0, 1.0)
         return seconds
 
     def predict(self, scheduler_output, context_lens) -> float:
