@@ -1552,6 +1552,7 @@ def _matched_centre(rows: list[dict], matched: dict[str, list[dict]]) -> list[st
 # MEDIAN_BOOTSTRAP_DRAWS resamples seeded by the workload: the same line on every call.
 MEDIAN_BOOTSTRAP_DRAWS = 1000
 LEAN_STANDARD_ERRORS = 2.0
+LEAN_MIN = 0.01  # a lean under 1 point is named by no one (total_s: -0.1% at SE 0.0)
 
 
 def median_standard_error(values: list[float], key: str,
@@ -1569,18 +1570,20 @@ def median_standard_error(values: list[float], key: str,
 def _median_noise_line(workload: str, suites: list[dict]) -> str:
     """One line: each cell's signed median's bootstrap standard error over the suites
     (`median_standard_error`) and the cells whose median lies LEAN_STANDARD_ERRORS or more
-    of them from 0 (a lean the suites can tell from sampling)."""
+    of them, and LEAN_MIN or more, from 0 (a lean the suites can tell from sampling, and
+    large enough to matter)."""
     errors, leaning = [], []
     for k in METRICS:
         values = [e[k] for e in suites]
         se = median_standard_error(values, f"{workload}/{k}")
         centre = statistics.median(values)
         errors.append(f"{k} +-{100 * se:.1f}")
-        if abs(centre) >= LEAN_STANDARD_ERRORS * se and abs(centre) > 0:
+        if abs(centre) >= max(LEAN_STANDARD_ERRORS * se, LEAN_MIN):
             leaning.append(f"{k} {100 * centre:+.1f}%")
     return (f"{workload:10s} its median's standard error (bootstrap over {len(suites)} "
             f"suites): {' '.join(errors)} points; leaning (|median| >= "
-            f"{LEAN_STANDARD_ERRORS:g} SE): {', '.join(leaning) if leaning else 'none'}")
+            f"{LEAN_STANDARD_ERRORS:g} SE and {100 * LEAN_MIN:g} point): "
+            f"{', '.join(leaning) if leaning else 'none'}")
 
 
 def _count(x: float) -> str:

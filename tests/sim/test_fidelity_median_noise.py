@@ -35,8 +35,9 @@ def test_the_standard_error_is_the_medians_sampling_noise(fid):
 
 def test_the_floor_prints_the_noise_and_names_the_leaning_cells(fid):
     """format_floors' signed-median line is followed by each cell's standard error and the
-    cells 2 standard errors or more from 0: a floor whose TPOT p90 leans +6% names it, a
-    centred one names none. Probe: the line before it is the signed median, unchanged."""
+    cells 2 standard errors (and 1 point) or more from 0: a floor whose TPOT p90 leans +6%
+    names it, a centred one names none, nor one whose every cell sits 0.5 points off with
+    no noise at all. Probe: the line before it is the signed median, unchanged."""
     zero = {k: 0.0 for k in fid.METRICS}
     row = {"workload": "w", "rel_error": zero, "speed_matched": {"rel_error": zero}}
     for shift, expected in (({}, "none"), ({"tpot_p90_ms": 0.06}, "tpot_p90_ms +")):
@@ -46,6 +47,9 @@ def test_the_floor_prints_the_noise_and_names_the_leaning_cells(fid):
         noise = text[at + 1]
         assert noise.startswith("w          its median's standard error (bootstrap over 20 "
                                 "suites): total_s +-")
-        assert noise.split("leaning (|median| >= 2 SE): ")[1].startswith(expected)
+        assert noise.split("leaning (|median| >= 2 SE and 1 point): ")[1].startswith(expected)
         median = statistics.median(e["tpot_p90_ms"] for e in matched["w"])
         assert f"tpot_p90_ms {100 * median:+.1f}%" in text[at]
+    exact = {"w": [{k: 0.005 for k in fid.METRICS}] * 20}
+    text = fid.format_floors([row], {"w": [zero]}, exact)
+    assert "+-0.0 points; leaning (|median| >= 2 SE and 1 point): none" in text
