@@ -230,13 +230,15 @@ def test_with_the_window_fit_off_the_profile_is_the_one_before_it(tmp_path, monk
     def comparable(profile: dict) -> dict:
         kept = {k: v for k, v in profile.items() if k not in ("calibration_seconds", "traces")}
         assert kept.pop("forward_phases") is None  # fid9's key: null, these traces carry no phases
-        return before_fid7(kept)
+        return before_fid7(before_fid15(kept))
 
     def sha(profile: dict) -> str:
         return hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()
 
     on = calibrate_from_traces(paths, holdout_every=5)
     monkeypatch.setattr(ct, "WINDOW_FIT", False)
+    monkeypatch.setattr(ct, "FEW_ROWS_RUN_SPEED", False)  # fid15's few_rows fit off as well
+    monkeypatch.setattr(ct, "FEW_ROWS_NOISE_SE", 0.0)
     off = calibrate_from_traces(paths, holdout_every=5)
     recorded = json.loads(PRE_FID6_PROFILE.read_text())
     off_profile, on_profile = comparable(off), comparable(on)
@@ -245,6 +247,15 @@ def test_with_the_window_fit_off_the_profile_is_the_one_before_it(tmp_path, monk
     with pytest.raises(AssertionError):
         assert_values_close(on_profile, recorded)
     assert sha(on_profile) not in PRE_FID6_DIGESTS and on["fit"]["num_windows"] > 1
+
+
+def before_fid15(profile: dict) -> dict:
+    """The profile less the per-kind noise law fid15 added to its variability
+    (`drift.fit_kind_law`), checked to be there."""
+    v = dict(profile["variability"])
+    assert set(v.pop("kinds")) == {"decode", "prefill"}
+    v.pop("kind_run_rho"), v.pop("kind_drift_rho")
+    return {**profile, "variability": v}
 
 
 def before_fid7(profile: dict) -> dict:

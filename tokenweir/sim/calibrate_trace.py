@@ -44,8 +44,12 @@ The profile is calibrate.py's format with, in addition:
                      kind, over the run and its range over windows: the machine's drift),
     "stalls": {"num_steps": n, "seconds": s (their measured cycle time)},
     "variability": {"step_sigma": s, "run_sigma": s, "num_steps": n, "num_run_kinds": n,
-                    "drift_sigma": s, "drift_tau_s": s, "num_windows": n}
-                   (log-space scatter of step times around the model: `variability`),
+                    "drift_sigma": s, "drift_tau_s": s, "num_windows": n,
+                    "kinds": {kind: {"run_sigma", "step_sigma", "drift_sigma", "num_runs",
+                                     "num_steps", "num_windows"}},
+                    "kind_run_rho": r, "kind_drift_rho": r}
+                   (log-space scatter of step times around the model: `variability`; per
+                   step kind: `with_drift`),
     "forward_phases": {"pre_s", "sample_const_s", "sample_per_row_s", "post_s", "num_steps"}
                       (where the forward lies in a step, for the slo cut's layer boundaries:
                       sim/forward_phases.py; null for traces without phases),
@@ -209,6 +213,18 @@ FEW_ROWS_MIN_STEPS = 10
 FEW_ROWS_MIN_RUNS = 2
 FEW_ROWS_MIN_RUN_STEPS = 3
 FEW_ROWS_ROUNDS = 2
+# fid15: the table as fitted on fid14's calibration runs alternated +-5 ms (6 rows +3.75, 7
+# rows -5.56, 8 rows +5.27) and none of it came back in the validation runs (per count, each
+# run's median residual with the run's speed divided out: -2.2, -0.2, -1.7 ms). Its cause:
+# a run's speed multiplies a whole ~50-ms step (a run 10% slow is +5 ms at every count) and
+# each count is seen in its own few runs. So each run's residuals are taken with its speed
+# for the step kind divided out (FEW_ROWS_RUN_SPEED: measured over the linear model's
+# runner time, over the run's steps of that kind), and an entry within FEW_ROWS_NOISE_SE
+# standard errors (its runs' medians' scatter: 1.2533 sd / sqrt(runs)) of the table's
+# weighted median pools into it, so detrending leaves it 0: the linear model's (issue 36,
+# fid15; False / 0: as before).
+FEW_ROWS_RUN_SPEED = True
+FEW_ROWS_NOISE_SE = 2.0
 
 
 def variability(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedStep]],
@@ -245,13 +261,20 @@ def variability(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedSt
 
 def with_drift(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedStep]],
                stalled: Sequence[Sequence[bool]]) -> dict:
-    """`variability` and the drift inside runs (`drift.fit_drift`: "drift_sigma",
-    "drift_tau_s", "num_windows"), stalls left out of both."""
-    from tokenweir.sim.drift import fit_drift
+    """`variability`, the drift inside runs (`drift.fit_drift`: "drift_sigma",
+    "drift_tau_s", "num_windows") and the same per step kind (`drift.fit_kind_law`: "kinds",
+    "kind_run_rho", "kind_drift_rho"; fid15), stalls left out of all."""
+    from tokenweir.sim.drift import fit_drift, fit_kind_law
 
     v = variability(model, per_trace, stalled)
     kept = [[s for s, f in zip(steps, flags) if not f] for steps, flags in zip(per_trace, stalled)]
-    return {**v, **fit_drift(model, kept, step_kind, v["step_sigma"])}
+    step_logs: dict[str, list[float]] = {k: [] for k in STEP_KINDS}
+    for steps in kept:
+        for s, r in zip(steps, local_ratios(model, steps)):
+            if r:
+                step_logs[step_kind(s.totals)].append(math.log(r))
+    return {**v, **fit_drift(model, kept, step_kind, v["step_sigma"]),
+            **fit_kind_law(model, kept, step_kind, step_logs)}
 
 
 def find_stalls(model: FittedLatencyModel, steps: Sequence[TracedStep]) -> list[bool]:
@@ -438,29 +461,68 @@ def fit_few_rows(model: FittedLatencyModel, steps: Sequence[TracedStep],
                  runs: Sequence[int]) -> dict[int, float]:
     """The `few_rows` table (latency.FEW_ROWS_MAX) from steps and the run (trace) each came
     from: per token count of at most that many, the median over runs of each run's median
-    residual (measured runner time minus the linear part of `model`, its coefficients alone),
-    for a count seen in FEW_ROWS_MIN_STEPS steps in all, FEW_ROWS_MIN_RUN_STEPS of them in each
-    of at least FEW_ROWS_MIN_RUNS runs. The kernels' staircase is the same in every run; a
-    run's drift is not: in one run a count that only occurs while the machine runs slow would
-    take the drift for the count's cost. (Residuals of the measured time, not of the time
-    divided by fit_runner's window factors: in a window whose decode steps all have one row
-    count, the factor takes that count's step for drift; tests/sim/test_calibrate_trace.py's
-    staircase test fails that way.)"""
+    residual (measured runner time, divided by the run's speed for the step's kind
+    (`_run_speeds`, FEW_ROWS_RUN_SPEED), minus the linear part of `model`, its coefficients
+    alone), for a count seen in FEW_ROWS_MIN_STEPS steps in all, FEW_ROWS_MIN_RUN_STEPS of them
+    in each of at least FEW_ROWS_MIN_RUNS runs; an entry within FEW_ROWS_NOISE_SE standard
+    errors (of its runs' medians) of the table's level pooled into it (`_pooled`); then
+    detrended (`_detrended`). The kernels' staircase
+    is the same in every run; a run's drift is not: in one run a count that only occurs while
+    the machine runs slow would take the drift for the count's cost. (Residuals of the
+    measured time over the whole run's speed, not of the time divided by fit_runner's window
+    factors: in a window whose decode steps all have one row count, the factor takes that
+    count's step for drift; tests/sim/test_calibrate_trace.py's staircase test fails that
+    way.)"""
     linear = FittedLatencyModel(model.coefficients,
                                 decode_hinge_tokens=model.decode_hinge_tokens)
+    speed = _run_speeds(linear, steps, runs) if FEW_ROWS_RUN_SPEED else {}
     residuals: dict[int, dict[int, list[float]]] = {}
     for s, run in zip(steps, runs):
         if s.totals.num_tokens <= FEW_ROWS_MAX:
+            factor = speed.get((run, step_kind(s.totals)), 1.0)
             residuals.setdefault(s.totals.num_tokens, {}).setdefault(run, []).append(
-                s.runner - linear.runner_seconds(s.totals))
-    table, weight = {}, {}
+                s.runner / factor - linear.runner_seconds(s.totals))
+    table, weight, noise = {}, {}, {}
     for n, by_run in sorted(residuals.items()):
         medians = [statistics.median(r) for r in by_run.values()
                    if len(r) >= FEW_ROWS_MIN_RUN_STEPS]
         if (len(medians) >= FEW_ROWS_MIN_RUNS
                 and sum(map(len, by_run.values())) >= FEW_ROWS_MIN_STEPS):
             table[n], weight[n] = statistics.median(medians), sum(map(len, by_run.values()))
-    return _detrended(table, weight)
+            noise[n] = 1.2533 * statistics.stdev(medians) / math.sqrt(len(medians))
+    return _detrended(_pooled(table, weight, noise), weight)
+
+
+def _pooled(table: dict[int, float], weight: dict[int, float],
+            noise: dict[int, float]) -> dict[int, float]:
+    """The table with each entry within FEW_ROWS_NOISE_SE x its standard error (`noise`) of
+    the table's weighted median replaced by that median: a count's entry stands apart only
+    where its runs agree it does; the rest pool into one level (which `_detrended` then
+    hands to the linear model)."""
+    if not table or FEW_ROWS_NOISE_SE <= 0:
+        return dict(table)
+    ordered = sorted(table, key=table.get)
+    half, acc = sum(weight.values()) / 2, 0.0
+    for n in ordered:
+        acc += weight[n]
+        if acc >= half:
+            centre = table[n]
+            break
+    return {n: v if abs(v - centre) > FEW_ROWS_NOISE_SE * noise[n] else centre
+            for n, v in table.items()}
+
+
+def _run_speeds(linear: FittedLatencyModel, steps: Sequence[TracedStep],
+                runs: Sequence[int]) -> dict[tuple[int, str], float]:
+    """(run, step kind) -> the run's measured runner seconds over `linear`'s, summed over its
+    steps of that kind (fit_few_rows divides it out: the drift between runs)."""
+    sums: dict[tuple[int, str], list[float]] = {}
+    for s, run in zip(steps, runs):
+        acc = sums.setdefault((run, step_kind(s.totals)), [0.0, 0.0])
+        acc[0] += s.runner
+        acc[1] += linear.runner_seconds(s.totals)
+    return {key: real / modelled for key, (real, modelled) in sums.items()
+            if real > 0 and modelled > 0}
 
 
 def _detrended(table: dict[int, float], weight: dict[int, float]) -> dict[int, float]:
@@ -561,10 +623,21 @@ def format_heldout(profile: dict) -> str:
                      + (f"; drift inside runs {100 * v['drift_sigma']:.1f}%, correlation "
                         f"time {v['drift_tau_s']:.1f} s over {v['num_windows']} windows "
                         f"(`drift.fit_drift`)" if "drift_sigma" in v else ""))
+        if v.get("kinds"):
+            lines.append(format_kind_law(v))
     names = [Path(t).name for t in profile.get("traces", [])]
     lines += [format_speed(f"machine speed in {name}", speed)
               for name, speed in zip(names, profile.get("machine_speed", []))]
     return "\n".join(lines)
+
+
+def format_kind_law(v: dict) -> str:
+    """One line: the variability per step kind (`drift.fit_kind_law`)."""
+    parts = [f"{kind} run {100 * k['run_sigma']:.1f}% step {100 * k['step_sigma']:.1f}% "
+             f"drift {100 * k['drift_sigma']:.1f}%" for kind, k in v["kinds"].items()]
+    return (f"per step kind (`drift.fit_kind_law`): {'; '.join(parts)}; the kinds' run logs "
+            f"correlate {v.get('kind_run_rho', 0.0):.2f}, their drifts "
+            f"{v.get('kind_drift_rho', 0.0):.2f}")
 
 
 def format_hinge(profile: dict) -> str:

@@ -22,13 +22,22 @@ step count), at least 0; adjacent windows' mean product over drift_sigma^2 is th
 correlation rho, and tau = -DRIFT_WINDOW_S / ln(rho) (rho clipped to [RHO_MIN, RHO_MAX]).
 It is an upper bound of the machine alone: the model's error between windows of different
 step composition counts as drift too, as the model's error between neighbouring steps counts
-in step_sigma."""
+in step_sigma.
+
+Per step kind (issue 36, fid15): decode steps (memory-bound) and steps with a prefill chunk
+(compute-bound) do not scatter alike. On fid14's ten calibration runs the prefill steps'
+run-to-run log-sd was 9.9% (decode 6.6%), step to step 7.3% (4.1%), drift inside runs ~17%
+(~9%), the two kinds' run logs correlating 0.71 and their same-window drift 0.73; one
+kind-blind law (8.4%, 4.4%, 11.8%) draws prefill steps too tame and decode steps too wild.
+`KindLaw` holds each kind's three sigmas and the two correlations (`fit_kind_law` fits them:
+calibrate_trace.with_drift), `KindNoisyModel` draws a run on it."""
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
 
 DRIFT_WINDOW_S = 3.0  # busy seconds per window of the fit
 MIN_WINDOW_STEPS = 5  # steps of a kind a window needs to give that kind a ratio
@@ -50,6 +59,11 @@ class DriftProcess:
     def factor(self) -> float:
         return math.exp(self._x - self.sigma * self.sigma / 2)
 
+    def standard(self) -> float:
+        """The log factor's current deviation in units of sigma (a unit normal over the
+        stationary law; 0 when sigma is 0)."""
+        return self._x / self.sigma if self.sigma > 0 else 0.0
+
     def advance(self, seconds: float) -> None:
         decay = math.exp(-max(0.0, seconds) / self.tau_s)
         self._x = (self._x * decay
@@ -61,6 +75,12 @@ def window_logs(model, steps: Sequence, kind_of, window_s: float = DRIFT_WINDOW_
     """Per step kind of one run: (window index, log ratio less the run's, effective steps)
     for every window of `window_s` busy seconds with MIN_WINDOW_STEPS steps of that kind.
     `steps` have .totals, .runner and .cycle; `kind_of(totals)` names a step's kind."""
+    return list(kind_window_logs(model, steps, kind_of, window_s).values())
+
+
+def kind_window_logs(model, steps: Sequence, kind_of, window_s: float = DRIFT_WINDOW_S
+                     ) -> dict[str, list[tuple[int, float, float]]]:
+    """`window_logs` keyed by kind (kinds in the order their first step came)."""
     sums: dict[str, dict[int, list[float]]] = {}
     clock = 0.0
     for s in steps:
@@ -72,25 +92,29 @@ def window_logs(model, steps: Sequence, kind_of, window_s: float = DRIFT_WINDOW_
         acc[2] += predicted
         acc[3] += predicted * predicted
         clock += s.cycle
-    out = []
-    for windows in sums.values():
+    out = {}
+    for kind, windows in sums.items():
         real, modelled = (sum(a[i] for a in windows.values()) for i in (1, 2))
         if modelled <= 0 or real <= 0:
             continue
         mean = math.log(real / modelled)
-        out.append([(w, math.log(a[1] / a[2]) - mean, a[2] * a[2] / a[3])
-                    for w, a in sorted(windows.items())
-                    if a[0] >= MIN_WINDOW_STEPS and a[1] > 0 and a[2] > 0])
+        out[kind] = [(w, math.log(a[1] / a[2]) - mean, a[2] * a[2] / a[3])
+                     for w, a in sorted(windows.items())
+                     if a[0] >= MIN_WINDOW_STEPS and a[1] > 0 and a[2] > 0]
     return out
 
 
 def fit_drift(model, per_trace: Sequence[Sequence], kind_of, step_sigma: float,
-              window_s: float = DRIFT_WINDOW_S) -> dict:
+              window_s: float = DRIFT_WINDOW_S, only: Optional[str] = None) -> dict:
     """{"drift_sigma", "drift_tau_s", "num_windows"} from runs' traced steps (stalls left
-    out by the caller); see the module doc. Fewer than 4 windows: drift_sigma 0."""
+    out by the caller); see the module doc. Fewer than 4 windows: drift_sigma 0. `only`: the
+    windows of that kind alone (the clock still counts every step)."""
     logs, pairs, num_series = [], [], 0
     for steps in per_trace:
-        for series in window_logs(model, steps, kind_of, window_s):
+        by_kind = kind_window_logs(model, steps, kind_of, window_s)
+        for kind, series in by_kind.items():
+            if only is not None and kind != only:
+                continue
             logs += [(x, n) for _, x, n in series]
             pairs += [a[1] * b[1] for a, b in zip(series, series[1:]) if b[0] == a[0] + 1]
             num_series += 1
@@ -104,3 +128,161 @@ def fit_drift(model, per_trace: Sequence[Sequence], kind_of, step_sigma: float,
     rho = min(RHO_MAX, max(RHO_MIN, rho))
     return {"drift_sigma": math.sqrt(variance), "drift_tau_s": -window_s / math.log(rho),
             "num_windows": n}
+
+
+# ---- per step kind (fid15) -------------------------------------------------------------------
+KINDS = ("decode", "prefill")  # latency.STEP_KINDS, named here so this module imports nothing
+
+
+@dataclass(frozen=True)
+class KindLaw:
+    """The machine's noise per step kind, log-space sigmas: "run" (a run's mean speed),
+    "step" (step to step, the drift divided out), "drift" (an Ornstein-Uhlenbeck wander
+    inside a run, correlation time `drift_tau_s`, shared by the kinds); `run_rho` and
+    `drift_rho`: the correlation of the two kinds' run logs and of their drifts."""
+    run: Mapping[str, float]
+    step: Mapping[str, float]
+    drift: Mapping[str, float]
+    run_rho: float
+    drift_rho: float
+    drift_tau_s: float
+
+    @staticmethod
+    def from_variability(v: Optional[Mapping]) -> Optional["KindLaw"]:
+        """The law a profile's "variability" records under "kinds" (`fit_kind_law`), or None
+        when it records none (a profile fitted before fid15: draw it kind-blind). Without a
+        kind-blind "drift_sigma" (the floor's --no-floor-drift strips it) no kind drifts."""
+        kinds = (v or {}).get("kinds")
+        if not kinds:
+            return None
+        drift = bool(v.get("drift_sigma"))
+        sigma = {k: {key: float(kinds.get(k, {}).get(f"{key}_sigma", 0.0))
+                     for key in ("run", "step", "drift")} for k in KINDS}
+        return KindLaw({k: sigma[k]["run"] for k in KINDS},
+                       {k: sigma[k]["step"] for k in KINDS},
+                       {k: sigma[k]["drift"] if drift else 0.0 for k in KINDS},
+                       float(v.get("kind_run_rho", 0.0)), float(v.get("kind_drift_rho", 0.0)),
+                       float(v.get("drift_tau_s") or 1.0))
+
+
+def _rho(products: Sequence[float], sd_a: float, sd_b: float) -> float:
+    """A correlation from mean products of zero-mean logs over the two sigmas, in [-1, 1];
+    0 without products or with a sigma of 0."""
+    if not products or sd_a <= 0 or sd_b <= 0:
+        return 0.0
+    return max(-1.0, min(1.0, sum(products) / len(products) / (sd_a * sd_b)))
+
+
+def fit_kind_law(model, per_trace: Sequence[Sequence], kind_of,
+                 step_logs: Mapping[str, Sequence[float]], window_s: float = DRIFT_WINDOW_S
+                 ) -> dict:
+    """{"kinds": {kind: {"run_sigma", "step_sigma", "drift_sigma", "num_runs", "num_steps",
+    "num_windows"}}, "kind_run_rho", "kind_drift_rho"} (a profile's variability keys; the
+    law `KindLaw.from_variability` reads). `step_logs`: per kind, the logs of its steps'
+    local ratios (calibrate_trace.local_ratios). Per kind, as the kind-blind fit does over
+    all steps: step_sigma 1.4826 x the median |log|; run_sigma the root mean square of each
+    run's log measured/modelled runner time for the kind (runs with MIN_WINDOW_STEPS steps
+    of it; 0 with fewer than 3 runs); the drift `fit_drift(only=kind)` with the kind's step
+    sigma. The run correlation: mean product of the two kinds' run logs over the runs with
+    both, over the run sigmas; the drift's: the same over windows holding both kinds, over
+    the drift sigmas (step jitter is independent between steps, so it leaves the product
+    alone)."""
+    kinds: dict[str, dict] = {}
+    run_logs: list[dict[str, float]] = []
+    for steps in per_trace:
+        logs = {}
+        for kind in KINDS:
+            mine = [s for s in steps if kind_of(s.totals) == kind]
+            modelled = sum(model.runner_seconds(s.totals) for s in mine)
+            if len(mine) >= MIN_WINDOW_STEPS and modelled > 0:
+                logs[kind] = math.log(sum(s.runner for s in mine) / modelled)
+        run_logs.append(logs)
+    for kind in KINDS:
+        logs = sorted(abs(x) for x in step_logs.get(kind, ()))
+        step = 1.4826 * _median(logs) if logs else 0.0
+        runs = [r[kind] for r in run_logs if kind in r]
+        run = math.sqrt(sum(x * x for x in runs) / len(runs)) if len(runs) >= 3 else 0.0
+        d = fit_drift(model, per_trace, kind_of, step, window_s, only=kind)
+        kinds[kind] = {"run_sigma": run, "step_sigma": step, "drift_sigma": d["drift_sigma"],
+                       "num_runs": len(runs), "num_steps": len(logs),
+                       "num_windows": d["num_windows"]}
+    both = [r["decode"] * r["prefill"] for r in run_logs if len(r) == 2]
+    same_window = []
+    for steps in per_trace:
+        by_kind = kind_window_logs(model, steps, kind_of, window_s)
+        prefill = {w: x for w, x, _ in by_kind.get("prefill", [])}
+        same_window += [x * prefill[w] for w, x, _ in by_kind.get("decode", []) if w in prefill]
+    return {"kinds": kinds,
+            "kind_run_rho": _rho(both, kinds["decode"]["run_sigma"],
+                                 kinds["prefill"]["run_sigma"]) if len(both) >= 3 else 0.0,
+            "kind_drift_rho": _rho(same_window, kinds["decode"]["drift_sigma"],
+                                   kinds["prefill"]["drift_sigma"])}
+
+
+def _median(xs: Sequence[float]) -> float:
+    n = len(xs)
+    return (xs[n // 2] + xs[(n - 1) // 2]) / 2
+
+
+class KindNoisyModel:
+    """`base`'s step times (a latency model: predict_totals) drawn on a `KindLaw`, each step
+    by its kind (`kind_of(totals)`): times the run's factor for the kind (with `run_draw`:
+    log-normal of mean 1, the two kinds correlated `run_rho`; else 1), a step jitter of the
+    kind's sigma (mean 1), and the drift: log = sigma_kind x (sqrt(rho) C + sqrt(1 - rho)
+    E_kind), C and E_kind unit Ornstein-Uhlenbeck processes (`DriftProcess`) of the law's
+    correlation time, so each kind drifts with its own sigma and the two correlate `drift_rho`;
+    their clock advances by each drawn step. One random stream per `seed`: deterministic.
+    `predict`, `step_time` and the rest are `base`'s (the noise-free mean a scheduler sees),
+    as NoisyLatencyModel's."""
+
+    def __init__(self, base, law: KindLaw, kind_of: Callable, seed: int = 0,
+                 run_draw: bool = True) -> None:
+        self.base, self.law, self._kind_of = base, law, kind_of
+        self._rng = random.Random(seed)
+        rho = max(-1.0, min(1.0, law.run_rho))
+        z1, z2 = self._rng.gauss(0.0, 1.0), self._rng.gauss(0.0, 1.0)
+        unit = {"decode": z1, "prefill": rho * z1 + math.sqrt(1.0 - rho * rho) * z2}
+        self.run_factor = {k: math.exp(law.run[k] * unit[k] - law.run[k] ** 2 / 2)
+                           if run_draw else 1.0 for k in KINDS}
+        share = max(0.0, min(1.0, law.drift_rho))
+        self._weights = (math.sqrt(share), math.sqrt(1.0 - share))
+        tau = law.drift_tau_s
+        self._common = DriftProcess(1.0, tau, seed=self._rng.randrange(2**31))
+        self._own = {k: DriftProcess(1.0, tau, seed=self._rng.randrange(2**31)) for k in KINDS}
+        self._processes = (self._common, *self._own.values())
+        self._drifts = any(law.drift[k] > 0 for k in KINDS)
+        # per kind: (run factor, jitter mean, jitter sigma, drift sigma, its mean correction)
+        self._per_kind = {k: (self.run_factor[k], -law.step[k] ** 2 / 2, law.step[k],
+                              law.drift[k], -law.drift[k] ** 2 / 2) for k in KINDS}
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def drift_factor(self, kind: str) -> float:
+        s = self.law.drift[kind]
+        if s <= 0:
+            return 1.0
+        a, b = self._weights
+        return math.exp(s * (a * self._common.standard() + b * self._own[kind].standard())
+                        - s * s / 2)
+
+    def predict_totals(self, totals) -> float:
+        kind = self._kind_of(totals)
+        run, mu, sigma, drift, drift_mu = self._per_kind[kind]
+        log = self._rng.gauss(mu, sigma)
+        if drift > 0:  # drift_factor(kind)'s log
+            a, b = self._weights
+            log += drift * (a * self._common._x + b * self._own[kind]._x) + drift_mu
+        seconds = self.base.predict_totals(totals) * run * math.exp(log)
+        if self._drifts:  # DriftProcess.advance of each unit process, the decay shared
+            decay = math.exp(-max(0.0, seconds) / self.law.drift_tau_s)
+            spread = math.sqrt(1.0 - decay * decay)
+            for p in self._processes:
+                p._x = p._x * decay + spread * p._rng.gauss(0.0, 1.0)
+        return seconds
+
+    def predict(self, scheduler_output, context_lens) -> float:
+        return self.base.predict(scheduler_output, context_lens)
+
+    def step_time(self, chunks) -> float:
+        return self.base.step_time(chunks)
