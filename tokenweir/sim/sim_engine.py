@@ -264,6 +264,8 @@ class SimEngine:
 def _count(values: list[float]) -> dict[float, int]:
     """value -> count, in order of first appearance. Usually every value is the same (each
     decoded request's previous token came at the previous step's end): one C-level pass."""
-    if values and values.count(values[0]) == len(values):
+    if not values:  # a step whose outputs hold no plain decode (one beside a stretch's rows)
+        return {}
+    if values.count(values[0]) == len(values):
         return {values[0]: len(values)}
     return dict(Counter(values))
