@@ -340,3 +340,27 @@ def test_stretches_publish_most_output_blocks_through_the_table(monkeypatch):
     monkeypatch.setattr(RegularBlockKeys, "__call__", counting_call)
     _compare("roomy, no gaps", 1)
     assert len(reads) > 100 and len(reads) > len(calls)
+
+
+def test_steps_with_a_finish_publish_the_other_rows_fills_through_the_table(monkeypatch):
+    """A step where a row takes the stop rules publishes the blocks its other rows fill by
+    the table read too (the runs between the slow tokens), not by calling the rule: a row
+    never preempted is never keyed by a call. Probe: such steps happened, and the comparison
+    with the general path held (`_compare`)."""
+    calls, mixed = [], []
+    call, update = RegularBlockKeys.__call__, DecodeStretch.update_step
+
+    def counting_call(self, request, k):
+        if not request.num_preemptions:
+            calls.append(k)
+        return call(self, request, k)
+
+    def watching(self, now):
+        slow = self._slow_at.get(self.j)
+        if slow and set(self._buckets[(self.j + 1) % len(self._buckets)]) - set(slow):
+            mixed.append(self.j)
+        return update(self, now)
+    monkeypatch.setattr(RegularBlockKeys, "__call__", counting_call)
+    monkeypatch.setattr(DecodeStretch, "update_step", watching)
+    _compare("roomy, no gaps", 1)
+    assert len(mixed) > 10 and calls == []

@@ -10,7 +10,7 @@ the least loaded.
 
 from __future__ import annotations
 
-from itertools import islice
+from collections import OrderedDict
 from typing import Hashable, Optional, Sequence
 
 from tokenweir.routing.base import RoutingPolicy
@@ -33,11 +33,16 @@ class PrefixAwareRouter(RoutingPolicy):
         super().__init__(num_instances, block_size)
         self.max_blocks = max_blocks
         self.capacity, self.balance_slack = capacity, balance_slack
-        # per instance: chained hashes of routed prompts' leading blocks, oldest first (LRU)
-        self._seen: list[dict[int, None]] = [{} for _ in range(num_instances)]
+        # per instance: chained hashes of routed prompts' leading blocks, oldest first (LRU;
+        # an OrderedDict: the oldest leaves in O(1), `popitem(last=False)`, where a dict's
+        # iteration walks the dead slots its deletions leave in front)
+        self._seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_instances)]
         self._holders: dict[int, int] = {}  # hash -> bitmask: instances whose _seen holds it
         self._sizes = [0] * num_instances  # len(self._seen[i]), for the fallback's key
-        self._deleted = [0] * num_instances  # entries deleted from _seen[i] since its copy
+        # 1 << i, one int object per instance: the mask of a hash only instance i holds (most
+        # of the index: a prompt's blocks after its shared prefix) refers to it, not to an
+        # int object of its own (~4M of them, 32 bytes each, in a 1M-request cluster run)
+        self._bits = [1 << i for i in range(num_instances)]
 
     def block_chain(self, tokens: list[int]) -> list[int]:
         """Hashes of the leading full blocks, each covering every token before it. Python
@@ -102,37 +107,28 @@ class PrefixAwareRouter(RoutingPolicy):
 
     def _remember(self, instance: int, chain: list[int]) -> None:
         """`chain` becomes the most recently routed to `instance`; the LRU then drops its
-        oldest hashes beyond `capacity`."""
-        seen, holders, bit = self._seen[instance], self._holders, 1 << instance
-        deleted = 0
+        oldest hashes beyond `capacity`, oldest first."""
+        seen, holders, bit = self._seen[instance], self._holders, self._bits[instance]
+        move_to_end = seen.move_to_end
         for h in chain:
-            if seen.pop(h, _ABSENT) is _ABSENT:
-                holders[h] = holders.get(h, 0) | bit
+            if h in seen:
+                move_to_end(h)
             else:
-                deleted += 1
-            seen[h] = None
+                seen[h] = None
+                holding = holders.get(h)
+                holders[h] = bit if holding is None else holding | bit
         excess = len(seen) - self.capacity
         if excess > 0:
-            for oldest in list(islice(seen, excess)):  # the `excess` oldest, oldest first
-                del seen[oldest]
+            pop_oldest = seen.popitem
+            for _ in range(excess):
+                oldest = pop_oldest(last=False)[0]
                 holding = holders[oldest] & ~bit
-                if holding:
-                    holders[oldest] = holding
+                if holding:  # one holder left: its shared bit (self._bits)
+                    holders[oldest] = holding if holding & (holding - 1) else \
+                        self._bits[holding.bit_length() - 1]
                 else:
                     del holders[oldest]
-            deleted += excess
         self._sizes[instance] = len(seen)
-        self._deleted[instance] += deleted
-        if self._deleted[instance] > _COMPACT_AFTER:
-            self._compact(instance)
-
-    def _compact(self, instance: int) -> None:
-        """Copy `instance`'s LRU (same entries, same order). A dict keeps a dead slot for each
-        deleted entry until it grows, and finding its oldest entry walks the dead slots in
-        front: with a full LRU that walk grew to ~10^5 slots per eviction (~0.1 ms). A copy
-        has none."""
-        self._seen[instance] = dict(self._seen[instance])
-        self._deleted[instance] = 0
 
 
 def instances_in(mask: int) -> list[int]:
@@ -144,6 +140,3 @@ def instances_in(mask: int) -> list[int]:
         mask ^= low
     return found
 
-
-_ABSENT = object()
-_COMPACT_AFTER = 8192  # deletions from an LRU after which it is copied (PrefixAwareRouter)

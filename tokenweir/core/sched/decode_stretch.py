@@ -219,7 +219,10 @@ class DecodeStretch:
                 at[i] = j
             assert allocate(r, 1) is not None, "can_continue checked the pool"
         plan = None
-        if sched.waiting or len(sched.running) > self.n:
+        # waiting or a tail: the scheduler's requests are exactly its running and waiting
+        # ones (check_integrity), so this is `sched.waiting or len(sched.running) > self.n`
+        # without the queue's two Python-level calls (__bool__, __len__) per step
+        if len(sched.requests) > self.n:
             plan = StepPlan(sched.config.max_num_batched_tokens - self.n, now)
             self._schedule_tail(plan)
             sched.admission.admit_waiting(plan)
@@ -259,14 +262,20 @@ class DecodeStretch:
         outputs = []
         if slow is None:  # only blocks filled (a bucket holds alive rows only)
             self._fill_blocks(filled, j)
-        else:
+        else:  # in running order: the runs of fills between the slow tokens, each as above
+            run: list[int] = []
             for i in sorted(set(filled).union(slow)):
                 if not alive[i]:
                     continue
                 if i in slow:
+                    if run:
+                        self._fill_blocks(run, j)
+                        run = []
                     outputs.append((i, self._slow_token(i, j, now)))
                 else:  # a block filled: its tokens published
-                    self._fill_block(i, j)
+                    run.append(i)
+            if run:
+                self._fill_blocks(run, j)
         self.sched.stats.generation_tokens += n_before - (len(slow) if slow else 0)
         self.context += n_before
         self.j = j + 1
