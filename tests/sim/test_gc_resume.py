@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from tokenweir.sim.build import build_simulation
 from tokenweir.sim.sim_engine import gc_paused
 from tokenweir.sim.workload import synthetic
@@ -28,7 +30,21 @@ def _passes_during(fn) -> tuple[list[int], object]:
     return seen, result
 
 
-def test_a_run_resumes_the_collector_without_a_pass_over_what_it_made():
+@pytest.fixture
+def nothing_frozen():
+    """A process without frozen objects, as a simulation's own process is: in the suite an
+    earlier test of this worker may have started an engine, whose startup_gc froze its objects
+    (then gc_paused leaves the collector as it finds it). Thawed for the test, frozen again
+    after (everything alive then, a superset: the collector only skips more)."""
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    yield
+    if frozen:
+        gc.freeze()
+
+
+def test_a_run_resumes_the_collector_without_a_pass_over_what_it_made(nothing_frozen):
     specs = synthetic(300, 200.0, seed=1, prompt="lognormal:90:0.7", output="lognormal:40:0.9",
                       max_model_len=1024)
     sim = build_simulation({"max_model_len": 1024}, specs, "smollm2-135m", "h100")
