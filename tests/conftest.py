@@ -127,12 +127,31 @@ SHARED_FIXTURE_UNITS = {
 # The costliest units, handed out first (longest first: a worker that draws one late ends the
 # run alone). xdist's own order is by number of tests, so a file of one or two long tests went
 # last (tests/server/test_fuzz.py, 14 s, ran alone for the run's last 14 s). Worker-seconds of
-# each, from a run's --durations=0 summed by file (Xeon AVX-512, 2 workers, 63cae69); units not
+# each, from a run's --durations=0 summed by file (Xeon AVX-512, 2 workers, e8b3c6f); units not
 # named here follow in xdist's order. A name that no longer matches a unit is ignored, and
 # tests/test_schedule_order.py fails on it.
 SLOW_UNITS_FIRST = (
-    "tests/sim/test_sim_fidelity_repeats.py",  # 26
-    "tests/router/test_ray_*.py",  # 26 (two files, one Ray head)
+    "tests/guided/test_guided_engine.py",  # 20
+    "tests/engine/test_llm.py",  # 17
+    "tests/server/test_fuzz.py",  # 13
+    "tests/server/test_start_gate.py",  # 13
+    "tests/router/test_ray_*.py",  # 12
+    "tests/sim/test_sim_fidelity_repeats.py",  # 12
+    "tests/server/test_engine_process.py",  # 12
+    "tests/router/test_router.py",  # 11
+    "tests/model/test_triton_batch_invariant.py",  # 11
+    "tests/server/test_server.py",  # 11
+    "tests/engine/test_batch_invariance.py",  # 11
+    "tests/model/test_model_real.py",  # 11
+    "tests/timeline/test_timeline_browser.py",  # 10
+    "tests/server/test_forkserver.py",  # 10
+    "tests/engine/test_gpu_benchmark.py",  # 10
+    "tests/server/test_robustness.py",  # 9
+    "tests/sim/test_decode_stretch.py",  # 9
+    "tests/guided/test_guided_server.py",  # 8
+    "tests/engine/test_slo_cut.py",  # 7
+    "tests/core/test_random_invariants.py",  # 7
+)
     "tests/guided/test_guided_engine.py",  # 21
     "tests/engine/test_llm.py",  # 20
     "tests/server/test_fuzz.py",  # 15
