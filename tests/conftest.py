@@ -152,25 +152,6 @@ SLOW_UNITS_FIRST = (
     "tests/engine/test_slo_cut.py",  # 7
     "tests/core/test_random_invariants.py",  # 7
 )
-    "tests/guided/test_guided_engine.py",  # 21
-    "tests/engine/test_llm.py",  # 20
-    "tests/server/test_fuzz.py",  # 15
-    "tests/core/test_random_invariants.py",  # 14
-    "tests/server/test_start_gate.py",  # 13
-    "tests/server/test_server.py",  # 13
-    "tests/server/test_engine_process.py",  # 13
-    "tests/model/test_triton_batch_invariant.py",  # 10
-    "tests/router/test_router.py",  # 10
-    "tests/engine/test_gpu_benchmark.py",  # 10
-    "tests/server/test_forkserver.py",  # 9
-    "tests/server/test_robustness.py",  # 9
-    "tests/sim/test_decode_stretch.py",  # 9
-    "tests/model/test_row_buckets.py",  # 9
-    "tests/model/test_model_real.py",  # 8
-    "tests/timeline/test_timeline_browser.py",  # 8
-    "tests/engine/test_batch_invariance.py",  # 8
-    "tests/guided/test_guided_server.py",  # 7
-)
 
 
 def slow_units_first(queue):

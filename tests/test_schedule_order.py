@@ -66,11 +66,11 @@ def test_the_slow_units_are_handed_out_first_and_shared_fixture_files_together(s
         scheduler.add_node_collection(node, COLLECTION)
     scheduler.schedule()
     first = [[COLLECTION[i] for i in node.sent[0]] for node in nodes]
-    # the Ray files (one unit, named first) to one worker, the fuzz file to the other; xdist's
-    # own order would have sent test_many.py (6 tests) and test_some.py (3) first
-    assert first == [["tests/router/test_ray_points.py::test_a",
-                      "tests/router/test_ray_remote.py::test_b"],
-                     ["tests/server/test_fuzz.py::test_one"]]
+    # the fuzz file (named before the Ray files) to one worker, the Ray files (one unit) to the
+    # other; xdist's own order would have sent test_many.py (6 tests) and test_some.py (3) first
+    assert first == [["tests/server/test_fuzz.py::test_one"],
+                     ["tests/router/test_ray_points.py::test_a",
+                      "tests/router/test_ray_remote.py::test_b"]]
     assert sorted(COLLECTION[i] for node in nodes for batch in node.sent for i in batch) == \
         sorted(COLLECTION)  # probe: every test was handed out, once
 
