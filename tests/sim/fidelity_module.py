@@ -30,3 +30,22 @@ def loaded_sim_fidelity(alias: str) -> Iterator:
         yield module
     finally:
         del sys.modules[alias]
+
+
+def keep_light_run(fid, directory: Path, model) -> Path:
+    """Writes into `directory` one kept real run of `light` (seed 1, quick) as the engine traces
+    it (steps with their phases, and the run's records), simulated on `model` by `fid` (the
+    sim_fidelity module); returns the trace's path."""
+    import json
+
+    from tokenweir.timeline.records import write_jsonl
+
+    w = fid.WORKLOADS["light"]
+    records, trace = fid.run_sim(w, model, fid.make_specs(w, 1, quick=True))
+    for s in trace.steps:
+        s["phases"] = {"schedule": 0.0004, "forward": s["duration"] - 0.0004}
+    path = fid.real_path(directory, "light", 1)
+    write_jsonl(trace, path)
+    fid.records_path(path).write_text(json.dumps(
+        {"workload": "light", "seed": 1, "quick": True, "records": records}))
+    return path

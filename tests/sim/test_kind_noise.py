@@ -6,19 +6,17 @@ them where the profile records them (benchmarks/sim_fidelity.py)."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
 import pytest
-from fidelity_module import loaded_sim_fidelity  # tests/sim/fidelity_module.py
+from fidelity_module import keep_light_run, loaded_sim_fidelity  # tests/sim/fidelity_module.py
 
 from tokenweir.sim.calibrate_trace import TracedStep, local_ratios
 from tokenweir.sim.drift import KindLaw, KindNoisyModel, fit_kind_law
 from tokenweir.sim.latency import NoisyLatencyModel, StepTotals, step_kind
-from tokenweir.timeline.records import write_jsonl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_calibrate_trace import known_model  # noqa: E402
@@ -153,15 +151,7 @@ def kept(fid, tmp_path_factory):
     from tokenweir.sim.latency import FittedLatencyModel
 
     d = tmp_path_factory.mktemp("kept")
-    w = fid.WORKLOADS["light"]
-    records, trace = fid.run_sim(w, FittedLatencyModel.from_profile(PROFILE),
-                                 fid.make_specs(w, 1, quick=True))
-    for s in trace.steps:
-        s["phases"] = {"schedule": 0.0004, "forward": s["duration"] - 0.0004}
-    path = fid.real_path(d, "light", 1)
-    write_jsonl(trace, path)
-    fid.records_path(path).write_text(json.dumps(
-        {"workload": "light", "seed": 1, "quick": True, "records": records}))
+    keep_light_run(fid, d, FittedLatencyModel.from_profile(PROFILE))
     return d
 
 

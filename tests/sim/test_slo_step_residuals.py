@@ -3,19 +3,18 @@ profile, replayed by class (prefill-bearing / decode-only) and rearranged."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 from tokenweir.sim.latency import FittedLatencyModel, NoisyLatencyModel
-from tokenweir.timeline.records import write_jsonl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import sim_fidelity as sf  # noqa: E402
 from benchmarks import slo_step_residuals as ssr  # noqa: E402
+from fidelity_module import keep_light_run  # noqa: E402  (tests/sim/fidelity_module.py)
 
 PROFILE = {"format": "tokenweir-step-profile/1",
            "coefficients": {"const": 0.010, "prefill_tokens": 0.0004, "decode_rows": 0.001},
@@ -28,18 +27,9 @@ PROFILE = {"format": "tokenweir-step-profile/1",
 def kept(tmp_path_factory) -> Path:
     """A light run kept as --trace-dir keeps it: the simulator at PROFILE, each step times
     its own log-normal jitter of sigma 0.2 (its residuals), phases split as the engine's."""
-    d = tmp_path_factory.mktemp("kept")
-    w = sf.WORKLOADS["light"]
     model = FittedLatencyModel.from_profile(PROFILE)
-    records, trace = sf.run_sim(w, NoisyLatencyModel(model, 0.2, seed=3),
-                                sf.make_specs(w, 1, quick=True))
-    for s in trace.steps:
-        s["phases"] = {"schedule": 0.0004, "forward": s["duration"] - 0.0004}
-    path = sf.real_path(d, "light", 1)
-    write_jsonl(trace, path)
-    sf.records_path(path).write_text(json.dumps(
-        {"workload": "light", "seed": 1, "quick": True, "records": records}))
-    return path
+    return keep_light_run(sf, tmp_path_factory.mktemp("kept"),
+                          NoisyLatencyModel(model, 0.2, seed=3))
 
 
 def test_real_residuals_replay_the_kept_run_and_rearranged_ones_do_not(kept):
