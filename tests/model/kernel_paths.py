@@ -96,3 +96,21 @@ def random_linear(in_features: int, out_features: int, bias: bool, seed: int):
         if bias:
             lin.bias.normal_()
     return lin
+
+
+def count_amx_rows(monkeypatch) -> list[int]:
+    """The rows of every AMX kernel call (kernels.amx_linear_kernel) from now on: the probe
+    that the AMX path really ran. The kernel's getter still reads TOKENWEIR_AMX_LINEAR."""
+    getter, rows = kernels.amx_linear_kernel, []
+
+    def counting_getter():
+        kernel = getter()
+        if kernel is None:
+            return None
+
+        def counting(x, *args):
+            rows.append(x.shape[0])
+            return kernel(x, *args)
+        return counting
+    monkeypatch.setattr(kernels, "amx_linear_kernel", counting_getter)
+    return rows

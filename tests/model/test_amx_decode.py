@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_paths import count_amx_rows  # tests/model/kernel_paths.py
 
 from tokenweir.model import kernels, layers
 from tokenweir.model.layers import AMX_MAX_ROWS, Linear
@@ -34,22 +35,8 @@ def _rows(m: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture
 def amx_calls(monkeypatch):
-    """The rows of every call the AMX kernel gets (the probe that the path really ran); the
-    kernel's getter still reads TOKENWEIR_AMX_LINEAR."""
-    real_getter = kernels.amx_linear_kernel
-    rows: list[int] = []
-
-    def getter():
-        kernel = real_getter()
-        if kernel is None:
-            return None
-
-        def counting(x, tiles, n, float_out=False):
-            rows.append(x.shape[0])
-            return kernel(x, tiles, n, float_out)
-        return counting
-    monkeypatch.setattr(kernels, "amx_linear_kernel", getter)
-    return rows
+    """The rows of every call the AMX kernel gets (the probe that the path really ran)."""
+    return count_amx_rows(monkeypatch)
 
 
 def _onednn(lin: Linear, x: torch.Tensor) -> torch.Tensor:

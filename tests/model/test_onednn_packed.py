@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_paths import random_linear
+from kernel_paths import count_amx_rows, random_linear
 from tokenweir.model import kernels, layers
 
 pytestmark = pytest.mark.skipif(not layers.onednn_bf16_packing(),
@@ -96,7 +96,7 @@ def test_model_greedy_is_the_same_packed_and_unpacked(tiny_bf16, packings, monke
     prompts = {"a": [5, 9, 33, 7, 100, 4, 8], "b": [3], "c": list(range(10, 40))}
     monkeypatch.setenv("TOKENWEIR_AMX_LINEAR", "1")  # `packings` switched it off
     paths = ("packed", "unpacked") + (("amx",) if kernels.amx_linear_kernel() else ())
-    amx_rows = _count_amx_rows(monkeypatch)
+    amx_rows = count_amx_rows(monkeypatch)
     runs = {}
     for path in paths:
         monkeypatch.setattr(layers, "PACK_LINEAR", path != "unpacked")
@@ -114,15 +114,3 @@ def test_model_greedy_is_the_same_packed_and_unpacked(tiny_bf16, packings, monke
             assert (rid, n) == (rid2, n2)
             torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
 
-
-def _count_amx_rows(monkeypatch) -> list[int]:
-    """The rows of every AMX kernel call from now on (its getter still reads the switch)."""
-    getter, rows = kernels.amx_linear_kernel, []
-
-    def counting_getter():
-        kernel = getter()
-        if kernel is None:
-            return None
-        return lambda x, *args: rows.append(x.shape[0]) or kernel(x, *args)
-    monkeypatch.setattr(kernels, "amx_linear_kernel", counting_getter)
-    return rows
