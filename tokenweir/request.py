@@ -10,6 +10,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
+# The error message of a request that failed through its own fault starts with this: one
+# refused at admission for a bad value (a ValueError: prompt + max_tokens over max_model_len, a
+# duplicate id), or a grammar no token of the model can continue (guided/decoder.py). The
+# client's error (HTTP 400, engine/engine_core.py:error_http_status); every other failure
+# (sampling, stop rules, output, the forward) is the server's (500).
+INVALID_REQUEST = "invalid request"
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: every status greater than PREEMPTED is a finished one."""

@@ -81,3 +81,17 @@ def test_bad_schema_is_a_400_naming_response_format(client):
             response_format={"type": "json_schema",
                              "json_schema": {"name": "x", "schema": {"type": "nope"}}})
     assert exc.value.body["param"] == "response_format"
+
+
+def test_a_regex_the_model_cannot_spell_is_a_400_and_the_server_serves_on(client):
+    """The fuzzer's body (tests/server/test_fuzz.py found it): the regex needs the byte 0xF1,
+    which no SmolLM2 token spells; it answered 500 ("the grammar refused token 237")."""
+    regex = ("ë\U0005378eó}\x92\x80\x0f&\U000e1431æ5\x8f\x8b\x11\U000c8496\x14-\U000a8b30"
+             "\x9eÔ\x8d𧠒j")
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model=probes.MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            extra_body={"guided_regex": regex})
+    assert "no token of this model can continue the grammar" in exc.value.body["message"]
+    resp = client.completions.create(model=probes.MODEL, prompt="Hi", max_tokens=2)
+    assert resp.choices[0].finish_reason == "length"

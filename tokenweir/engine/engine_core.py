@@ -31,14 +31,9 @@ from tokenweir import faults
 from tokenweir.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenweir.core.sched.scheduler import Scheduler
 from tokenweir.engine.metrics import EngineMetrics
-from tokenweir.request import Request, RequestStatus
+from tokenweir.request import INVALID_REQUEST, Request, RequestStatus
 
 logger = logging.getLogger("tokenweir")
-
-# The error message of a request refused at admission for a bad value (a ValueError: prompt +
-# max_tokens over max_model_len, a duplicate id) starts with this: the client's error (HTTP
-# 400). Every other failure (sampling, stop rules, output, the forward) is the server's (500).
-INVALID_REQUEST = "invalid request"
 
 
 def error_http_status(message: Optional[str]) -> int:

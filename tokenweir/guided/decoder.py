@@ -34,6 +34,10 @@ import torch
 from tokenweir.guided.grammar import compile_grammar
 from tokenweir.guided.masks import GuidedMask, GuidedRow, bitmask_words
 from tokenweir.guided.vocab import Vocabulary
+from tokenweir.request import INVALID_REQUEST
+
+# llguidance's stop reasons that mean "no token of the vocabulary continues the grammar".
+DEAD_END_REASONS = frozenset({"NoExtension", "NoExtensionBias"})
 
 
 @dataclass(slots=True)
@@ -145,13 +149,16 @@ class GuidedDecoder:
             self.fill_seconds += time.perf_counter() - start
 
     def _fill_rows(self, job: _Job) -> torch.Tensor:
+        """The rows' bitmasks; a request whose matcher is in error (before or while its mask
+        is filled) gets its message in `job.errors` and an unconstrained row (an all-forbidden
+        row must not reach the sampler; the runner fails the request instead)."""
         bitmask = torch.full((len(job.rows), bitmask_words(self.vocab_size)), -1,
                              dtype=torch.int32)
         ready = []
         for i, req_id in enumerate(job.req_ids):
             matcher = self._matcher(self._entries[req_id])
             if matcher.is_error():
-                job.errors[req_id] = f"guided decoding failed: {matcher.get_error()}"
+                job.errors[req_id] = matcher_failure(matcher)
             else:
                 ready.append((matcher, i))
         if ready:
@@ -159,6 +166,10 @@ class GuidedDecoder:
             import llguidance.torch as llg_torch
 
             llg_torch.fill_next_token_bitmask_par(self._executor, ready, bitmask)
+            for matcher, i in ready:
+                if matcher.is_error():
+                    job.errors[job.req_ids[i]] = matcher_failure(matcher)
+                    bitmask[i] = -1
         return bitmask
 
     def _matcher(self, entry: _Entry) -> llguidance.LLMatcher:
@@ -178,6 +189,18 @@ class GuidedDecoder:
             job.future.exception()  # waits; an exception is the taker's to see
 
 
+def matcher_failure(matcher: llguidance.LLMatcher) -> str:
+    """Why a request whose matcher is in error fails. A grammar that no token of this
+    vocabulary can continue (it needs bytes no token spells: SmolLM2 has none for 0xF1, the
+    first byte of U+40000 to U+7FFFF) is the request's fault: an INVALID_REQUEST message (HTTP
+    400). Anything else is the server's (500)."""
+    reason = matcher.get_error().split("\n", 1)[0]  # stop_reason() says "InternalError"
+    if reason in DEAD_END_REASONS:
+        return f"{INVALID_REQUEST}: guided_decoding: no token of this model can continue the " \
+               f"grammar here ({reason}: it needs bytes the model's vocabulary does not spell)"
+    return f"guided decoding failed: {matcher.get_error()}"
+
+
 class _Wrapper:
     """What llguidance.TokenizerWrapper reads: token bytes (special tokens as 0xFF + name),
     EOS, and a tokenize function."""
@@ -189,11 +212,26 @@ class _Wrapper:
                        for i, b in enumerate(vocabulary.token_bytes)]
         self.special_token_ids = sorted(vocabulary.special_ids)
         self._encode = vocabulary.encode
+        self._byte_token: dict[int, int] = {}  # byte -> the first token spelling it alone
+        for i, b in enumerate(vocabulary.token_bytes):
+            if len(b) == 1 and i not in vocabulary.special_ids:
+                self._byte_token.setdefault(b[0], i)
+        self._spelled = bytes(sorted(self._byte_token))
 
     def __call__(self, text: bytes | str) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._encode(text)
+        """Tokens whose bytes are exactly the longest prefix of `text` this vocabulary can
+        spell: the tokenizer's own split where it spells the prefix exactly, else one token
+        per byte. llguidance takes the bytes the ids spell as the text's (for forced bytes):
+        a byte dropped here (the tokenizer drops one it has no token for) became a mask that
+        allowed the wrong token and a grammar error mid-request."""
+        data = text.encode() if isinstance(text, str) else text
+        unspelled = data.translate(None, self._spelled)
+        if unspelled:
+            data = data[:data.index(unspelled[0])]
+        ids = self._encode(data.decode("utf-8", errors="replace"))
+        if b"".join(self.tokens[i] for i in ids) == data:
+            return ids
+        return [self._byte_token[b] for b in data]
 
 
 def llguidance_tokenizer(vocabulary: Vocabulary) -> llguidance.LLTokenizer:
