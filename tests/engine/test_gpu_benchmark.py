@@ -52,3 +52,35 @@ def test_step_profile_dry_run():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1 decodes per step: wall" in done.stdout and "4 decodes per step" in done.stdout
     assert "host functions by own time" in done.stdout
+
+
+def test_free_collects_what_was_dropped_then_freezes_the_survivors():
+    """free() between runs: a dropped object in a reference cycle (a model's modules) is
+    collected, and what survives is frozen, so the next pass does not walk the libraries
+    imported so far again; while an exception is handled (its traceback may hold a model),
+    nothing is frozen."""
+    import gc
+    import weakref
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_throughput
+
+    class Node:
+        pass
+
+    dropped = Node()
+    dropped.me = dropped
+    gone = weakref.ref(dropped)
+    del dropped
+    frozen = gc.get_freeze_count()
+    gpu_throughput.free("cpu")
+    assert gone() is None
+    assert gc.get_freeze_count() > frozen  # probe: the survivors were frozen
+    kept = Node()
+    kept.me = kept
+    frozen = gc.get_freeze_count()
+    try:
+        raise RuntimeError("a failed run")
+    except RuntimeError:
+        gpu_throughput.free("cpu")
+    assert gc.get_freeze_count() == frozen

@@ -103,9 +103,9 @@ def test_offline_max_tokens_beyond_the_context_is_refused(make_llm):
     with pytest.raises(ValueError, match=r"max_tokens=500 .* 100 tokens and max_model_len is "
                                          r"128, which leaves room for 28"):
         llm.generate([prompt], SamplingParams(max_tokens=500), use_tqdm=False)
-    fits = llm.generate([prompt], SamplingParams(max_tokens=28, ignore_eos=True),
-                        use_tqdm=False)  # probe: the edge itself is accepted, and honoured
-    assert len(fits[0].outputs[0].token_ids) == 28
-    unset = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True),
-                         use_tqdm=False)  # unset: all the room left
-    assert len(unset[0].outputs[0].token_ids) == 28
+    # probe: the edge itself is accepted, and honoured; unset: all the room left (one batch:
+    # 28 decode steps for both, not 56)
+    edge, left = (SamplingParams(max_tokens=n, ignore_eos=True) for n in (28, None))
+    fits, unset = llm.generate([prompt, prompt], [edge, left], use_tqdm=False)
+    assert len(fits.outputs[0].token_ids) == 28
+    assert len(unset.outputs[0].token_ids) == 28

@@ -102,11 +102,8 @@ def test_a_job_left_by_a_step_that_never_sampled_is_dropped():
     """A cut step starts masks but never takes them: the next step must not get them."""
     from tokenweir.guided.decoder import GuidedDecoder
     from tokenweir.guided.masks import GuidedRow
-    from tokenweir.guided.vocab import Vocabulary
 
-    vocab = Vocabulary([bytes([b]) for b in range(256)] + [b""], frozenset({256}),
-                       frozenset({256}), {256: "<eos>"}, lambda text: list(text.encode()))
-    decoder = GuidedDecoder(lambda: vocab, 257)
+    decoder = GuidedDecoder(_byte_vocabulary, 257)
     try:
         rows = [GuidedRow(3, "r", GuidedDecodingParams(regex="ab"), [])]
         decoder.start_masks(rows)  # the step is cut here: no take_masks
@@ -118,6 +115,44 @@ def test_a_job_left_by_a_step_that_never_sampled_is_dropped():
         assert allowed.flatten().tolist() == [ord("a")]
         assert decoder.advance("r", ord("a")) is None
         assert decoder.advance("r", ord("x")) is not None  # the grammar refuses it
+    finally:
+        decoder.close()
+
+
+def _byte_vocabulary():
+    from tokenweir.guided.vocab import Vocabulary
+    return Vocabulary([bytes([b]) for b in range(256)] + [b""], frozenset({256}),
+                      frozenset({256}), {256: "<eos>"}, lambda text: list(text.encode()))
+
+
+def test_masks_are_filled_without_importing_llguidance_torch(monkeypatch):
+    """llguidance.torch imports torch._dynamo (its @torch.compile decorator: 2-5 s on the
+    first guided request of a process): the decoder fills its masks without that module, with
+    the bits each matcher computes itself."""
+    import sys
+
+    import numpy as np
+
+    from tokenweir.guided.decoder import GuidedDecoder
+    from tokenweir.guided.masks import GuidedRow
+
+    monkeypatch.setitem(sys.modules, "llguidance.torch", None)
+    with pytest.raises(ImportError):  # probe: an import of it now fails
+        import llguidance.torch  # noqa: F401
+    vocab = _byte_vocabulary()
+    decoder = GuidedDecoder(lambda: vocab, 257)
+    try:
+        rows = [GuidedRow(0, "a", GuidedDecodingParams(regex="ab|cd"), []),
+                GuidedRow(2, "b", GuidedDecodingParams(choice=["xy", "z"]), [ord("x")])]
+        decoder.start_masks(rows)
+        mask = decoder.take_masks()
+        assert mask.errors == {} and mask.rows == [0, 2]
+        allowed = apply_guided_mask(torch.zeros(3, 257), mask).isfinite()
+        assert allowed[0].nonzero().flatten().tolist() == [ord("a"), ord("c")]
+        assert allowed[2].nonzero().flatten().tolist() == [ord("y")]  # "x" replayed first
+        for j, req_id in enumerate(("a", "b")):
+            own = np.frombuffer(decoder._entries[req_id].matcher.compute_bitmask(), np.int32)
+            assert mask.bitmask[j].tolist() == own.tolist()
     finally:
         decoder.close()
 

@@ -168,71 +168,20 @@ def test_kernels_pass_compiled_tritons_dependency_check(monkeypatch):
         assert sum(p.is_constexpr for p in jitted.params) >= 5
 
 
-_TTIR_TYPES = {"ptr": "*bf16", "table": "*i32", "scale": "fp32", "int": "i32"}
-_TTIR_CONSTANTS = dict(KV_HEADS=3, GROUP=3, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_M=16,
-                       BLOCK_Q=5, BLOCK_N=32, BLOCK_K=32, F32_DOT=False, SUM_DOT=False)
-
-
-def _ttir_signature(jitted):
-    """Each parameter as the JIT would type it: constexpr where the function's own params say
-    so (from its tl.constexpr annotations), else a pointer, an int32 or the float scale."""
-    signature, constants = {}, {}
-    for i, p in enumerate(jitted.params):
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constants[(i,)] = _TTIR_CONSTANTS[p.name]
-        elif p.name.endswith("_ptr"):
-            kind = "table" if p.name.startswith(("block", "seq", "query", "tile")) else "ptr"
-            signature[p.name] = _TTIR_TYPES[kind]
-        else:
-            signature[p.name] = _TTIR_TYPES["scale" if p.name == "scale" else "int"]
-    return signature, constants
-
-
 def test_kernels_lower_to_triton_ir_for_hopper():
     """Both kernels, jitted as the backends jit them, lower to Triton IR for sm_90 on the host
     (no GPU): the front end that refused `tl.arange(0, BLOCK_M)` on an H200 when a copy of
     the kernel had lost its tl.constexpr annotations. In a fresh process with the interpreter
-    off: triton cannot switch modes once its language modules are imported."""
-    script = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location("
-              f"'t', {__file__!r}); m = importlib.util.module_from_spec(spec); "
-              f"spec.loader.exec_module(m); sys.exit(m.lower_both_kernels())")
+    off: triton cannot switch modes once its language modules are imported (and without torch:
+    tests/model/triton_lowering.py)."""
+    script = os.path.join(os.path.dirname(__file__), "triton_lowering.py")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True,
                           text=True, timeout=120)
     if done.returncode == 3:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("tt.func") == 2, done.stdout
-
-
-def lower_both_kernels() -> int:
-    """Run by the test above in its own process; prints one line per kernel lowered, exit
-    status 3 (and why) where triton's CUDA back end cannot be imported."""
-    try:
-        from triton._C.libtriton import ir
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from triton.compiler.compiler import make_backend
-        target = GPUTarget("cuda", 90, 32)
-        backend = make_backend(target)
-    except (ImportError, RuntimeError) as exc:
-        print(f"triton's CUDA back end is not importable here: {exc}")
-        return 3
-    from tokenweir.model.backends import _triton_kernel as K
-    options = backend.parse_options({})
-    for source in (K.paged_attention_kernel, K.invariant_matmul_kernel):
-        jitted = K.jit_for_mode(source)
-        signature, constants = _ttir_signature(jitted)
-        context = ir.context()
-        ir.load_dialects(context)
-        backend.load_dialects(context)
-        module = ASTSource(fn=jitted, signature=signature, constexprs=constants).make_ir(
-            target, options, backend.get_codegen_implementation(options),
-            backend.get_module_map(), context)
-        print(source.__name__, "tt.func" if "tt.func" in str(module) else "no function")
-    return 0
-
 
 
 @pytest.mark.cuda

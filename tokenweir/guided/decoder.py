@@ -162,10 +162,7 @@ class GuidedDecoder:
             else:
                 ready.append((matcher, i))
         if ready:
-            # imported here: llguidance.torch imports torch._dynamo (~1-2 s of start-up)
-            import llguidance.torch as llg_torch
-
-            llg_torch.fill_next_token_bitmask_par(self._executor, ready, bitmask)
+            fill_bitmask_rows(self._executor, ready, bitmask)
             for matcher, i in ready:
                 if matcher.is_error():
                     job.errors[job.req_ids[i]] = matcher_failure(matcher)
@@ -199,6 +196,22 @@ def matcher_failure(matcher: llguidance.LLMatcher) -> str:
         return f"{INVALID_REQUEST}: guided_decoding: no token of this model can continue the " \
                f"grammar here ({reason}: it needs bytes the model's vocabulary does not spell)"
     return f"guided decoding failed: {matcher.get_error()}"
+
+
+def fill_bitmask_rows(executor: llguidance.LLExecutor,
+                      matchers: Sequence[tuple[llguidance.LLMatcher, int]],
+                      bitmask: torch.Tensor) -> None:
+    """Fill row `i` of `bitmask` (int32, CPU, contiguous) with matcher's next-token mask for
+    each (matcher, i), on llguidance's threads: what `llguidance.torch.
+    fill_next_token_bitmask_par` does, without importing that module, whose
+    `@torch.compile` decorator imports torch._dynamo at import (2-5 s on the first guided
+    request of every process, a served one included)."""
+    if bitmask.dtype != torch.int32 or not bitmask.is_cpu or bitmask.dim() != 2:
+        raise ValueError("a guided bitmask is a 2-D int32 tensor on the CPU")
+    if not bitmask.is_contiguous():
+        raise ValueError("a guided bitmask must be contiguous")
+    batch, words = bitmask.shape
+    executor.unsafe_compute_mask_ptr(list(matchers), bitmask.data_ptr(), words * 4, batch)
 
 
 class _Wrapper:
