@@ -46,6 +46,12 @@ def block_key_packer(block_size: int) -> Callable[..., bytes]:
     return struct.Struct(f"{block_size}q").pack
 
 
+# ids count -> block_key_packer(count), shared by every manager of the process: a Struct holds
+# one code per id (~24 bytes each), and a copy per manager (64 in a simulated cluster) of each
+# prompt length's went cold between two of its lookups
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
 def block_tokens_key(pack: Callable[..., bytes], tokens: list[int]) -> Union[bytes, tuple]:
     """A full block's token ids as its prefix-cache key holds them: packed as int64s by
     `pack`, or their tuple when one does not fit (such a block can match only blocks of the
@@ -157,7 +163,6 @@ class KVCacheManager:
         # publication reaches their end or the request is freed. `all_token_ids` only grows
         # by appends, so the ids packed stay its leading ones: the bytes stay their keys.
         self._packed: dict[str, bytes] = {}
-        self._packers: dict[int, Callable[..., bytes]] = {}  # n blocks -> their `pack`
         self.num_packed_prompts = 0  # probe: prompts packed in one call
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -262,11 +267,12 @@ class KVCacheManager:
         packed = self._packed.get(rid)
         if packed is not None and len(packed) >= num_blocks * size:
             return packed
-        pack = self._packers.get(num_blocks)
+        num_ids = num_blocks * self.block_size
+        pack = _PACKERS.get(num_ids)
         if pack is None:
-            pack = self._packers[num_blocks] = block_key_packer(num_blocks * self.block_size)
+            pack = _PACKERS[num_ids] = block_key_packer(num_ids)
         try:
-            packed = pack(*request.all_token_ids[:num_blocks * self.block_size])
+            packed = pack(*request.all_token_ids[:num_ids])
         except struct.error:
             return None
         self._packed[rid] = packed
