@@ -51,7 +51,8 @@ class PrefixAwareRouter(RoutingPolicy):
         n = min(len(tokens) // bs, self.max_blocks)
         chain, h = [], 0
         # zip over one iterator `bs` times: the blocks' tuples, made in C in one pass over
-        # the head (no copy of it, no slice per block; the same tuples, so the same hashes)
+        # the head's slice (no tuple of the head, no slice per block; the same tuples, so
+        # the same hashes)
         for block in zip(*[iter(tokens[:n * bs])] * bs):
             h = hash((h, block))
             chain.append(h)
