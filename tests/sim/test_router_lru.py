@@ -52,7 +52,7 @@ def test_the_lrus_hold_the_definitions_hashes_in_its_order():
     rng = random.Random(11)
     router = PrefixAwareRouter(6, 16, max_blocks=8, capacity=30, balance_slack=2)
     reference = ListLRURouter(6, 30, 2, router.block_chain)
-    full = refreshed = 0
+    full = refreshed = shared = 0
     for _ in range(2500):
         tokens = _prompt(rng)
         loads = [rng.randrange(6) for _ in range(6)]
@@ -60,5 +60,40 @@ def test_the_lrus_hold_the_definitions_hashes_in_its_order():
         refreshed += any(h in s for s in router._seen for h in chain)
         assert router.choose(tokens, loads) == reference.choose(tokens, loads)
         assert [list(s) for s in router._seen] == reference.seen
+        assert router._holders == holders_of(reference.seen)
         full += sum(1 for s in reference.seen if len(s) == 30)
-    assert full > 1000 and refreshed > 500  # probes: evictions and moves to the end happened
+        shared += sum(1 for mask in router._holders.values() if mask & (mask - 1))
+    # probes: evictions and moves to the end happened, and hashes held by several instances
+    assert full > 1000 and refreshed > 500 and shared > 1000
+
+
+def holders_of(lrus: list[list[int]]) -> dict[int, int]:
+    """The inverted index by definition: hash -> bitmask of the LRUs holding it."""
+    index: dict[int, int] = {}
+    for i, lru in enumerate(lrus):
+        for h in lru:
+            index[h] = index.get(h, 0) | 1 << i
+    return index
+
+
+def chain_by_definition(tokens: list[int], block_size: int, max_blocks: int) -> list[int]:
+    """Each leading full block's hash, chained: hash((previous hash, the block's tuple))."""
+    chain, h = [], 0
+    for k in range(min(len(tokens) // block_size, max_blocks)):
+        h = hash((h, tuple(tokens[k * block_size:(k + 1) * block_size])))
+        chain.append(h)
+    return chain
+
+
+def test_block_chain_is_the_definitions():
+    rng = random.Random(5)
+    for block_size, max_blocks in ((16, 8), (4, 32), (1, 5), (7, 3)):
+        router = PrefixAwareRouter(2, block_size, max_blocks=max_blocks)
+        lengths = set()
+        for _ in range(300):
+            length = rng.randint(0, block_size * (max_blocks + 3))
+            tokens = [rng.randrange(3) for _ in range(length)]
+            chain = router.block_chain(tokens)
+            assert chain == chain_by_definition(tokens, block_size, max_blocks)
+            lengths.add(len(chain))
+        assert {0, max_blocks} <= lengths  # probe: empty chains and capped ones

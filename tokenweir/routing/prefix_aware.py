@@ -49,10 +49,12 @@ class PrefixAwareRouter(RoutingPolicy):
         hashes of int tuples are not salted, so the chain is the same in every run."""
         bs = self.block_size
         n = min(len(tokens) // bs, self.max_blocks)
-        head = tuple(tokens[:n * bs])  # one copy; its slices are the blocks' tuples
         chain, h = [], 0
-        for k in range(0, n * bs, bs):
-            h = hash((h, head[k:k + bs]))
+        # zip over one iterator `bs` times: the blocks' tuples, made in C in one pass over
+        # the head's slice (no tuple of the head, no slice per block; the same tuples, so
+        # the same hashes)
+        for block in zip(*[iter(tokens[:n * bs])] * bs):
+            h = hash((h, block))
             chain.append(h)
         return chain
 
@@ -110,13 +112,16 @@ class PrefixAwareRouter(RoutingPolicy):
         oldest hashes beyond `capacity`, oldest first."""
         seen, holders, bit = self._seen[instance], self._holders, self._bits[instance]
         move_to_end = seen.move_to_end
+        setdefault = holders.setdefault
         for h in chain:
             if h in seen:
                 move_to_end(h)
             else:
                 seen[h] = None
-                holding = holders.get(h)
-                holders[h] = bit if holding is None else holding | bit
+                # a hash new to the index takes `bit` in one probe; a held one adds it
+                holding = setdefault(h, bit)
+                if holding is not bit:  # (bit is not in it: h was not in `seen`)
+                    holders[h] = holding | bit
         excess = len(seen) - self.capacity
         if excess > 0:
             pop_oldest = seen.popitem
