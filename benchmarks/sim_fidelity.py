@@ -664,6 +664,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-floor-drift", dest="floor_drift", action="store_false",
                    help="the perfect simulator's runs without the drift inside runs the "
                         "profile measured (its floor as before fid5: run and step sigma only)")
+    p.add_argument("--no-floor-holds", dest="floor_holds", action="store_false",
+                   help="the perfect simulator's runs each at its own speed, as before fid16; "
+                        "default: runs that shared a hold share the per-kind law's hold part "
+                        "(`suite_holds`, `drift.KindLaw.hold`)")
     p.add_argument("--kind-blind-noise", action="store_true",
                    help="the perfect simulator's and the speed-matched draws' noise one law "
                         "for every step (run, step and drift sigmas pooled over step kinds), "
@@ -794,6 +798,7 @@ def run_engine(args, loaded, name: str, seed: int, trace_path: Path,
     try:
         prompts = prompts_for(specs, args.seed, loaded.arch.vocab_size)
         _warm_up(engine, [FIRST_TEXT_TOKEN_ID + i for i in range(64)])
+        collected = time.time()
         engine.start_trace(str(trace_path))
         requests = _serve(engine, specs, prompts)
     finally:
@@ -803,8 +808,21 @@ def run_engine(args, loaded, name: str, seed: int, trace_path: Path,
                 "num_output": r.num_output_tokens} for r in requests]
     records_path(trace_path).write_text(json.dumps({"workload": name, "seed": seed,
                                                     "quick": args.quick, "slo_line": line,
+                                                    "hold": HOLD, "collected_at": collected,
                                                     "records": records}))
     return time.perf_counter() - started
+
+
+# The hold this invocation collects in (fid16): runs of one invocation, back to back, share the
+# machine's speed (drift.infer_holds). Recorded in each run's records ("hold", with the wall
+# time its trace started, "collected_at"), read back by the replay (`recorded_hold`).
+HOLD = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}-{os.getpid()}"
+
+
+def recorded_hold(trace: Path) -> Optional[str]:
+    """The hold a kept run's collector recorded (runs kept before fid16: None)."""
+    path = records_path(trace)
+    return json.loads(path.read_text()).get("hold") if path.exists() else None
 
 
 def suite_slo_line(args, trace_dir: Path) -> dict:
@@ -1243,7 +1261,11 @@ def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
     {metric: relative error} per suite, and with `counts` (the row's "counts_sim") each
     count's difference from the synthetic runs' mean ({count: predicted - synthetic}: the
     counts' floor, `count_floor`); suite g's run k draws from its own seed, so the
-    answer is the same on every call. It needs no real run beyond the arrivals, and it is
+    answer is the same on every call. Where the profile's per-kind law has a hold part
+    (fid16: `drift.KindLaw.hold`), the runs that shared a hold (`suite_holds`: one invocation,
+    back to back, as the three validation seeds of a workload are) share one draw of it per
+    suite, so their mean scatters as the real runs' does; runs of separate holds draw their
+    own, and each run alone keeps the law's run sigma. It needs no real run beyond the arrivals, and it is
     optimistic: a real machine varies in more ways than the sigmas (the transients and
     slow stretches of the module doc), so the real engine's floor lies above it."""
     from tokenweir.sim.drift import KindLaw, KindNoisyModel
@@ -1254,22 +1276,52 @@ def perfect_simulator(args, name: str, profile: dict, trace_dir: Path,
     run_sigma, step_sigma = float(v.get("run_sigma", 0.0)), float(v.get("step_sigma", 0.0))
     drift_sigma = float(v.get("drift_sigma", 0.0))
     law = KindLaw.from_variability(v)
-    specs = [(run_specs(name, t), run_line(name, t))
-             for t in validation_paths(args, trace_dir, name, args.repeats)]
+    traces = validation_paths(args, trace_dir, name, args.repeats)
+    specs = [(run_specs(name, t), run_line(name, t)) for t in traces]
+    shared = law is not None and any(law.hold_sigma(k) > 0 for k in law.run)
+    hold_of = suite_holds(trace_dir, traces) if shared else [None] * len(traces)
     suites = []
     for g in range(args.perfect_suites):
-        runs = []
+        runs, units = [], {}
         for k, (run, line) in enumerate(specs):
             rng = random.Random(f"perfect/{name}/{g}/{k}")
             scale = math.exp(rng.gauss(-run_sigma * run_sigma / 2, run_sigma))
             seed = rng.randrange(2**31)
-            machine = (KindNoisyModel(model, law, step_kind, seed=seed) if law else
+            h = hold_of[k]
+            if h is not None and h not in units:  # one hold draw per hold and suite
+                units[h] = law.draw_units(random.Random(f"perfect/{name}/{g}/hold/{h}"))
+            machine = (KindNoisyModel(model, law, step_kind, seed=seed,
+                                      hold_units=units.get(h)) if law else
                        NoisyLatencyModel(model, step_sigma, seed=seed, scale=scale,
                                          drift=_drift(drift_sigma, v, f"{name}/{g}/{k}")))
             records, trace = run_sim(WORKLOADS[name], machine, run, line)
             runs.append((records, step_counts(trace)))
         suites.append(_suite_errors(prediction, counts, runs))
     return suites
+
+
+def suite_holds(trace_dir: Path, traces: list[Path]) -> list[int]:
+    """Per run of `traces`, its hold (`drift.infer_holds`) among every run kept in
+    `trace_dir` (the runs between two of them decide whether they ran back to back): from
+    each trace's first and last step on the engine's clock and the hold its collector
+    recorded (`recorded_hold`)."""
+    from tokenweir.sim.drift import infer_holds
+
+    kept = sorted(set(trace_dir.glob("*.jsonl")) | set(traces))
+    holds = infer_holds([run_stamp(t) for t in kept])
+    return [holds[kept.index(t)] for t in traces]
+
+
+def run_stamp(trace: Path):
+    """A kept run's `drift.RunStamp`: its first step's start, its last step's end (the
+    trace's clock), its recorded hold."""
+    from tokenweir.sim.drift import RunStamp
+
+    steps = [json.loads(x) for x in trace.read_text().splitlines() if '"start"' in x[:400]]
+    if not steps:
+        return RunStamp(math.inf, math.inf, recorded_hold(trace))
+    return RunStamp(steps[0]["start"], steps[-1]["start"] + steps[-1]["duration"],
+                    recorded_hold(trace))
 
 
 def _suite_errors(prediction: dict, counts: Optional[dict],
@@ -1400,6 +1452,16 @@ def kind_blind(profile: dict) -> dict:
     return {**profile, "variability": v}
 
 
+def without_holds(profile: dict) -> dict:
+    """The profile without its per-kind law's hold part (--no-floor-holds): the perfect
+    simulator draws every run's speed alone, as before fid16."""
+    v = dict(profile.get("variability") or {})
+    if "kinds" in v:
+        v["kinds"] = {k: {key: x for key, x in law.items() if key != "hold_sigma"}
+                      for k, law in v["kinds"].items()}
+    return {**profile, "variability": v}
+
+
 def _drift(sigma: float, variability: dict, key: str):
     """A perfect-simulator run's drift inside the run (`drift.DriftProcess` as the profile's
     variability measured it, seeded by `key`), or None without any."""
@@ -1522,7 +1584,9 @@ def format_perfect(profile: dict, rows: list[dict], perfect: dict[str, list[dict
 def _kind_noise(v: dict) -> str:
     """The per-kind law's words in the perfect simulator's heading (`drift.KindLaw`)."""
     drifts = bool(v.get("drift_sigma"))
-    parts = [f"{kind} run {100 * k['run_sigma']:.1f}% step {100 * k['step_sigma']:.1f}%"
+    parts = [f"{kind} run {100 * k['run_sigma']:.1f}%"
+             + (f" (a hold's {100 * k['hold_sigma']:.1f}%)" if k.get("hold_sigma") else "")
+             + f" step {100 * k['step_sigma']:.1f}%"
              + (f" drift {100 * k['drift_sigma']:.1f}%" if drifts else "")
              for kind, k in v["kinds"].items()]
     return (f"noise per step kind: {'; '.join(parts)}; kinds correlated run "
@@ -1799,7 +1863,9 @@ def main() -> int:
         noise = ([noise_floor(args, name, trace_dir) for name in names]
                  if args.noise_floor else [])
         floor_profile = profile if args.floor_drift else without_drift(profile)
-        perfect = {r["workload"]: perfect_simulator(args, r["workload"], floor_profile,
+        # the hold part moves only run draws, which the speed-matched floor has none of
+        perfect_profile = floor_profile if args.floor_holds else without_holds(floor_profile)
+        perfect = {r["workload"]: perfect_simulator(args, r["workload"], perfect_profile,
                                                     trace_dir, r["sim"], r["counts_sim"])
                    for r in rows} if args.perfect_suites > 0 else {}
         # The rows' speed-matched predictions were drawn with `profile`: the floor's own
@@ -1816,7 +1882,7 @@ def main() -> int:
           + f"; suite {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
     if perfect:
-        print(format_perfect(floor_profile, rows, perfect))
+        print(format_perfect(perfect_profile, rows, perfect))
     print(format_speeds(rows))
     print(f"\n{SPEED_MATCHED_HEADING}")
     print(format_table([r["speed_matched"] for r in rows]))
