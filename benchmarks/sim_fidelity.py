@@ -664,6 +664,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-floor-drift", dest="floor_drift", action="store_false",
                    help="the perfect simulator's runs without the drift inside runs the "
                         "profile measured (its floor as before fid5: run and step sigma only)")
+    p.add_argument("--hold-runs", metavar="GLOB",
+                   help="more real runs of the machine (traces, kept with their records), "
+                        "collected in holds of their own: the profile's hold part of the run "
+                        "sigma (`drift.fit_hold_split`) refitted over them and its calibration "
+                        "runs (`calibrate_trace.refit_holds`); the step model stays the "
+                        "profile's")
     p.add_argument("--no-floor-holds", dest="floor_holds", action="store_false",
                    help="the perfect simulator's runs each at its own speed, as before fid16; "
                         "default: runs that shared a hold share the per-kind law's hold part "
@@ -1452,6 +1458,23 @@ def kind_blind(profile: dict) -> dict:
     return {**profile, "variability": v}
 
 
+def with_hold_runs(profile: dict, pattern: str) -> dict:
+    """--hold-runs: the profile's hold part refitted over the runs matching `pattern` and the
+    profile's calibration runs (`calibrate_trace.refit_holds`), each run's recorded hold read
+    from its records; the split printed."""
+    import glob
+
+    from tokenweir.sim.calibrate_trace import format_kind_law, refit_holds
+
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise SystemExit(f"--hold-runs {pattern}: no run")
+    profile = refit_holds(profile, paths, [recorded_hold(Path(p)) for p in paths])
+    print(f"hold runs ({len(paths)}, {pattern}): {format_kind_law(profile['variability'])}",
+          flush=True)
+    return profile
+
+
 def without_holds(profile: dict) -> dict:
     """The profile without its per-kind law's hold part (--no-floor-holds): the perfect
     simulator draws every run's speed alone, as before fid16."""
@@ -1855,6 +1878,8 @@ def main() -> int:
             run_real(args, names, trace_dir, calibrate=not args.profile)
         profile = (load_profile(args.profile) if args.profile
                    else calibrate_on_traces(args, names, trace_dir))
+        if args.hold_runs:
+            profile = with_hold_runs(profile, args.hold_runs)
         if args.save_profile:
             Path(args.save_profile).write_text(json.dumps(profile, indent=1))
         if args.kind_blind_noise:

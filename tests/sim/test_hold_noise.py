@@ -274,3 +274,44 @@ def test_the_floor_widens_when_the_runs_share_a_hold(fid, layouts):
         assert shared > 1.3 * separate, key
     plain = fid.without_holds(PROFILE)
     assert spread(together, plain, "total_s")[1] == spread(apart, plain, "total_s")[1]
+
+
+def test_more_runs_in_holds_refit_the_hold_part(fid, tmp_path):
+    """--hold-runs (`calibrate_trace.refit_holds`): runs kept in four holds, each hold's runs
+    slowed by its own factor (log +0.10, -0.10, +0.05, -0.05), give each kind the rms of the
+    hold logs (within a hold the two runs are the same simulation: no run part), capped at the
+    profile's run sigma; the step model and the other sigmas stay. The runs lie back to back
+    on one clock, so the holds their collectors recorded decide. Probe: the same runs
+    recorded as one hold give 0."""
+    import math as m
+
+    from tokenweir.sim.calibrate_trace import refit_holds
+    from tokenweir.sim.latency import FittedLatencyModel
+    from tokenweir.timeline.records import write_jsonl
+
+    w, model = fid.WORKLOADS["light"], FittedLatencyModel.from_profile(PROFILE)
+    paths, clock = [], 0.0
+    for h, log in enumerate((0.10, -0.10, 0.05, -0.05)):
+        for r in range(2):
+            _, trace = fid.run_sim(w, model, fid.make_specs(w, 1, quick=True))
+            first = trace.steps[0]["start"]
+            for s in trace.steps:
+                forward = (s["duration"] - 0.0004) * m.exp(log)
+                s["phases"] = {"schedule": 0.0004, "forward": forward}
+                s["start"] += clock - first
+                s["duration"] = forward + 0.0004
+            clock = max(s["start"] + s["duration"] for s in trace.steps) + 2.0
+            paths.append(str(tmp_path / f"h{h}-{r}.jsonl"))
+            write_jsonl(trace, paths[-1])
+    profile = {**PROFILE, "traces": []}
+    assert clock < HOLD_SPAN_S  # one span: only the recorded holds part them
+    refit = refit_holds(profile, paths, [f"h{i // 2}" for i in range(len(paths))])
+    want = m.sqrt(sum(x * x for x in (0.10, -0.10, 0.05, -0.05)) / 4)
+    for k in KINDS:
+        law = refit["variability"]["kinds"][k]
+        assert law["hold_sigma"] == pytest.approx(want, rel=0.1)
+        assert law["run_sigma"] == PROFILE["variability"]["kinds"][k]["run_sigma"]
+    assert refit["coefficients"] == PROFILE["coefficients"]
+    assert refit["variability"]["num_holds"] == 4
+    one = refit_holds(profile, paths, ["same"] * len(paths))  # recorded: one hold
+    assert all(law["hold_sigma"] == 0.0 for law in one["variability"]["kinds"].values())

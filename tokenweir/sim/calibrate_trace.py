@@ -280,6 +280,31 @@ def with_drift(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedSte
             **fit_kind_law(model, kept, step_kind, step_logs, holds=holds), **extra}
 
 
+def refit_holds(profile: dict, paths: Sequence[str],
+                recorded: Optional[Sequence[Optional[str]]] = None) -> dict:
+    """`profile` with each kind's hold part (`drift.fit_hold_split`) refitted over its own
+    calibration traces (profile["traces"]) and the runs at `paths` (more runs of the same
+    machine, collected in holds of their own: `recorded`, per path, the hold its collector
+    recorded), each run's log speed against the profile's model, stalls left out; each kind's
+    hold sigma capped at its run sigma (the profile's: a run alone draws as before). The
+    step model and every other sigma are the profile's."""
+    from tokenweir.sim.drift import fit_hold_split, kind_run_logs
+
+    model = FittedLatencyModel.from_profile(profile)
+    own = list(profile.get("traces") or [])
+    per_trace = []
+    for path in own + list(paths):
+        steps = traced_steps(load_jsonl(path))
+        per_trace.append([s for s, f in zip(steps, find_stalls(model, steps)) if not f])
+    holds = run_holds(per_trace, [None] * len(own) + list(recorded or [None] * len(paths)))
+    split = fit_hold_split([kind_run_logs(model, t, step_kind) for t in per_trace], holds)
+    v = dict(profile["variability"])
+    v["kinds"] = {k: {**law, "hold_sigma": min(law["run_sigma"], split[k])}
+                  for k, law in v["kinds"].items()}
+    return {**profile, "variability": {**v, "num_holds": len(set(holds)),
+                                       "hold_runs": list(map(str, paths))}}
+
+
 def run_holds(per_trace: Sequence[Sequence[TracedStep]],
               recorded: Optional[Sequence[Optional[str]]] = None) -> list[int]:
     """Per trace, its hold (`drift.infer_holds`: runs of one collecting invocation within

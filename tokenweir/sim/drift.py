@@ -189,6 +189,18 @@ class KindLaw:
                        {k: float(kinds.get(k, {}).get("hold_sigma", 0.0)) for k in KINDS})
 
 
+def kind_run_logs(model, steps: Sequence, kind_of) -> dict[str, float]:
+    """One run's {kind: log measured/modelled runner time}, the kinds with MIN_WINDOW_STEPS
+    steps in it."""
+    logs = {}
+    for kind in KINDS:
+        mine = [s for s in steps if kind_of(s.totals) == kind]
+        modelled = sum(model.runner_seconds(s.totals) for s in mine)
+        if len(mine) >= MIN_WINDOW_STEPS and modelled > 0:
+            logs[kind] = math.log(sum(s.runner for s in mine) / modelled)
+    return logs
+
+
 def _rho(products: Sequence[float], sd_a: float, sd_b: float) -> float:
     """A correlation from mean products of zero-mean logs over the two sigmas, in [-1, 1];
     0 without products or with a sigma of 0."""
@@ -213,15 +225,7 @@ def fit_kind_law(model, per_trace: Sequence[Sequence], kind_of,
     alone). With `holds` (per trace, its hold: `infer_holds`) each kind also gets
     "hold_sigma", the run sigma's part its hold shares (`fit_hold_split`)."""
     kinds: dict[str, dict] = {}
-    run_logs: list[dict[str, float]] = []
-    for steps in per_trace:
-        logs = {}
-        for kind in KINDS:
-            mine = [s for s in steps if kind_of(s.totals) == kind]
-            modelled = sum(model.runner_seconds(s.totals) for s in mine)
-            if len(mine) >= MIN_WINDOW_STEPS and modelled > 0:
-                logs[kind] = math.log(sum(s.runner for s in mine) / modelled)
-        run_logs.append(logs)
+    run_logs = [kind_run_logs(model, steps, kind_of) for steps in per_trace]
     for kind in KINDS:
         logs = sorted(abs(x) for x in step_logs.get(kind, ()))
         step = 1.4826 * _median(logs) if logs else 0.0
