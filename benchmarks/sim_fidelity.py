@@ -1323,11 +1323,12 @@ def run_stamp(trace: Path):
     trace's clock), its recorded hold."""
     from tokenweir.sim.drift import RunStamp
 
-    steps = [json.loads(x) for x in trace.read_text().splitlines() if '"start"' in x[:400]]
-    if not steps:
+    lines = [x for x in trace.read_text().splitlines()  # steps: the records without a type
+             if x.startswith("{") and not x.startswith('{"type"')]
+    if not lines:
         return RunStamp(math.inf, math.inf, recorded_hold(trace))
-    return RunStamp(steps[0]["start"], steps[-1]["start"] + steps[-1]["duration"],
-                    recorded_hold(trace))
+    first, last = json.loads(lines[0]), json.loads(lines[-1])
+    return RunStamp(first["start"], last["start"] + last["duration"], recorded_hold(trace))
 
 
 def _suite_errors(prediction: dict, counts: Optional[dict],

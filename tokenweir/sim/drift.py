@@ -35,7 +35,7 @@ calibrate_trace.with_drift), `KindNoisyModel` draws a run on it.
 The hold (issue 36, fid16): runs collected together share the machine's speed. On fid14's suite
 (one 19-min invocation, then three of ~5 min) the run logs of runs under 100 s apart correlate
 +0.2..+0.5 (prefill), those 10 min apart not at all; its three validation swap runs, 1.5 min
-apart, all measured 0.87-0.93x the profile. A run's log speed per kind is a hold part, shared
+apart, all measured 0.87-0.93x the profile's time (fitted to runs 5-10 min earlier). A run's log speed per kind is a hold part, shared
 by the runs of one hold (`infer_holds`), plus its own: run_sigma^2 = hold_sigma^2 +
 within^2. `fit_hold_split` splits the fitted run sigma from the runs' hold labels (one-way
 random effects: within^2 the pooled variance around each hold's mean; a single hold leaves the
@@ -257,9 +257,9 @@ def fit_kind_law(model, per_trace: Sequence[Sequence], kind_of,
 # runs of one invocation follow each other within 1.5-4.7 s (a retried run: one run's length).
 HOLD_GAP_S = 20.0
 # A hold's runs start within this of its first run. Measured, fid14's suite: run logs under 100
-# s apart correlate +0.2..+0.5 on prefill; 10 min apart not at all, inside one 19-min
-# invocation (its first six runs ran 1-15% slow, its last nineteen 4-13% fast): a long
-# invocation is several holds.
+# s apart correlate +0.2..+0.5 on prefill, 10 min apart not at all, inside one 19-min
+# invocation (its first six runs' logs, measured over modelled, average +0.017 decode and
+# +0.051 prefill, its next nineteen -0.059 and -0.071): a long invocation is several holds.
 HOLD_SPAN_S = 300.0
 
 
