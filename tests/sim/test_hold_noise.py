@@ -315,3 +315,38 @@ def test_more_runs_in_holds_refit_the_hold_part(fid, tmp_path):
     assert refit["variability"]["num_holds"] == 4
     one = refit_holds(profile, paths, ["same"] * len(paths))  # recorded: one hold
     assert all(law["hold_sigma"] == 0.0 for law in one["variability"]["kinds"].values())
+
+
+# ---- the drift's mean over steps (fid16) ----------------------------------------------------------
+def test_a_drifting_run_measures_the_profiles_speed_on_average():
+    """A run drawn with drift alone (no run draw, no step jitter), measured as real runs are
+    (its runner time over the model's, over all its steps), takes the model's time on average
+    over 40 runs: the drift's mean correction makes its mean 1 over steps, not over busy
+    time (with the old correction, exp(-s^2): 0.975 at fid14's prefill drift of 17%). Probe:
+    DRIFT_STEP_MEAN False gives the old mean, below 0.98."""
+    import tokenweir.sim.drift as drift
+
+    class Const:
+        def predict_totals(self, totals) -> float:
+            return 0.2 if step_kind(totals) == "prefill" else 0.04
+
+    prefill, decode = StepTotals.of_chunks([(128, 0)]), StepTotals.of_chunks([(1, 100)] * 4)
+    zero = {"decode": 0.0, "prefill": 0.0}
+    law = KindLaw(zero, zero, {"decode": 0.171, "prefill": 0.171}, 0.0, 1.0, 4.5)
+
+    def mean_ratio() -> float:
+        ratios = []
+        for seed in range(40):
+            m = KindNoisyModel(Const(), law, step_kind, seed=seed, run_draw=False)
+            steps = [prefill if i % 4 == 0 else decode for i in range(3000)]
+            ratios.append(sum(m.predict_totals(t) for t in steps)
+                          / sum(Const().predict_totals(t) for t in steps))
+        return statistics.fmean(ratios)
+
+    assert mean_ratio() == pytest.approx(1.0, abs=0.01)
+    old = drift.DRIFT_STEP_MEAN
+    try:
+        drift.DRIFT_STEP_MEAN = False
+        assert mean_ratio() < 0.98
+    finally:
+        drift.DRIFT_STEP_MEAN = old
