@@ -855,7 +855,7 @@ def run_engine(args, loaded, name: str, seed: int, trace_path: Path,
     try:
         prompts = prompts_for(specs, args.seed, loaded.arch.vocab_size)
         _warm_up(engine, [FIRST_TEXT_TOKEN_ID + i for i in range(64)])
-        collected = time.time()
+        collected = _wall_clock()
         engine.start_trace(str(trace_path))
         requests = _serve(engine, specs, prompts)
     finally:
@@ -874,6 +874,13 @@ def run_engine(args, loaded, name: str, seed: int, trace_path: Path,
 # machine's speed (drift.infer_holds). Recorded in each run's records ("hold", with the wall
 # time its trace started, "collected_at"), read back by the replay (`recorded_hold`).
 HOLD = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}-{os.getpid()}"
+
+
+def _wall_clock() -> float:
+    """Seconds since the epoch (not through `time`, which tests replace)."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).timestamp()
 
 
 def recorded_hold(trace: Path) -> Optional[str]:
