@@ -6,6 +6,7 @@ server/ and sim/ loads no part of the command line."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import sys
@@ -18,6 +19,18 @@ PACKAGE = Path(tokenweir.__file__).parent
 ROOT = PACKAGE.parent
 
 
+@functools.lru_cache(maxsize=None)
+def _parse(source: str) -> ast.Module:
+    """The tree of `source`, parsed once per process: each test below walks every module of the
+    package (~1 CPU-s of parsing per walk), and no walk changes a tree. Keyed by the text, so
+    a file that changes (the probe module a test writes) is parsed anew."""
+    return ast.parse(source)
+
+
+def parse(path: Path) -> ast.Module:
+    return _parse(path.read_text())
+
+
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -28,7 +41,7 @@ def imported_modules(path: Path) -> set[str]:
     name = module_name(path)
     base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -49,7 +62,7 @@ def package_of(module: str) -> str:
 def named_modules(path: Path) -> set[str]:
     """Modules named in "tokenweir.module:NAME" strings: the command table's functions and
     the configs' choices_from, which the command line imports when it needs them."""
-    return {node.value.partition(":")[0] for node in ast.walk(ast.parse(path.read_text()))
+    return {node.value.partition(":")[0] for node in ast.walk(parse(path))
             if isinstance(node, ast.Constant) and isinstance(node.value, str)
             and re.fullmatch(r"tokenweir(\.\w+)+:\w+", node.value)}
 
@@ -150,7 +163,7 @@ def module_imports(path: Path, modules: set[str]) -> set[str]:
     name = module_name(path)
     base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
-    for node in _outside_type_checking(ast.parse(path.read_text())):
+    for node in _outside_type_checking(parse(path)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):

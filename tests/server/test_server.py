@@ -21,11 +21,13 @@ import time
 import httpx
 import pytest
 
-openai = pytest.importorskip("openai")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-import forkserver  # noqa: E402  (tests/forkserver.py)
-import tiny_serve_model  # noqa: E402  (tests/tiny_serve_model.py)
+import forkserver  # tests/forkserver.py
+import probes  # tests/server/probes.py
+import tiny_serve_model  # tests/tiny_serve_model.py
+
+openai = probes.LazyModule("openai")
 
 API_KEY = "test-key"
 MODEL = "smollm2-135m"

@@ -14,7 +14,7 @@ import pytest
 
 import probes  # tests/server/probes.py
 
-openai = pytest.importorskip("openai")
+openai = probes.LazyModule("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from tiny_models import TOOLS_TEMPLATE, make_tiny_model, save_tiny_tokenizer  # noqa: E402
 

@@ -230,7 +230,7 @@ def test_with_the_window_fit_off_the_profile_is_the_one_before_it(tmp_path, monk
     def comparable(profile: dict) -> dict:
         kept = {k: v for k, v in profile.items() if k not in ("calibration_seconds", "traces")}
         assert kept.pop("forward_phases") is None  # fid9's key: null, these traces carry no phases
-        return before_fid7(before_fid15(kept))
+        return before_fid7(before_fid15(before_fid16(kept)))
 
     def sha(profile: dict) -> str:
         return hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()
@@ -247,6 +247,17 @@ def test_with_the_window_fit_off_the_profile_is_the_one_before_it(tmp_path, monk
     with pytest.raises(AssertionError):
         assert_values_close(on_profile, recorded)
     assert sha(on_profile) not in PRE_FID6_DIGESTS and on["fit"]["num_windows"] > 1
+
+
+def before_fid16(profile: dict) -> dict:
+    """The profile less the hold split fid16 added (`drift.fit_hold_split`: each kind's
+    "hold_sigma", the variability's "num_holds"), checked to be there."""
+    v = dict(profile["variability"])
+    assert v.pop("num_holds") >= 1
+    kinds = {k: dict(law) for k, law in v["kinds"].items()}
+    for law in kinds.values():
+        assert law.pop("hold_sigma") >= 0.0
+    return {**profile, "variability": {**v, "kinds": kinds}}
 
 
 def before_fid15(profile: dict) -> dict:

@@ -260,10 +260,12 @@ def variability(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedSt
 
 
 def with_drift(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedStep]],
-               stalled: Sequence[Sequence[bool]]) -> dict:
+               stalled: Sequence[Sequence[bool]],
+               holds: Optional[Sequence[int]] = None) -> dict:
     """`variability`, the drift inside runs (`drift.fit_drift`: "drift_sigma",
     "drift_tau_s", "num_windows") and the same per step kind (`drift.fit_kind_law`: "kinds",
-    "kind_run_rho", "kind_drift_rho"; fid15), stalls left out of all."""
+    "kind_run_rho", "kind_drift_rho"; fid15), stalls left out of all. With `holds` (per
+    trace, its hold: `run_holds`) each kind's "hold_sigma" too (fid16) and "num_holds"."""
     from tokenweir.sim.drift import fit_drift, fit_kind_law
 
     v = variability(model, per_trace, stalled)
@@ -273,8 +275,48 @@ def with_drift(model: FittedLatencyModel, per_trace: Sequence[Sequence[TracedSte
         for s, r in zip(steps, local_ratios(model, steps)):
             if r:
                 step_logs[step_kind(s.totals)].append(math.log(r))
+    extra = {} if holds is None else {"num_holds": len(set(holds))}
     return {**v, **fit_drift(model, kept, step_kind, v["step_sigma"]),
-            **fit_kind_law(model, kept, step_kind, step_logs)}
+            **fit_kind_law(model, kept, step_kind, step_logs, holds=holds), **extra}
+
+
+def refit_holds(profile: dict, paths: Sequence[str],
+                recorded: Optional[Sequence[Optional[str]]] = None) -> dict:
+    """`profile` with each kind's hold part (`drift.fit_hold_split`) refitted over its own
+    calibration traces (profile["traces"]) and the runs at `paths` (more runs of the same
+    machine, collected in holds of their own: `recorded`, per path, the hold its collector
+    recorded), each run's log speed against the profile's model, stalls left out; each kind's
+    hold sigma capped at its run sigma (the profile's: a run alone draws as before). The
+    step model and every other sigma are the profile's."""
+    from tokenweir.sim.drift import fit_hold_split, kind_run_logs
+
+    model = FittedLatencyModel.from_profile(profile)
+    own = list(profile.get("traces") or [])
+    per_trace = []
+    for path in own + list(paths):
+        steps = traced_steps(load_jsonl(path))
+        per_trace.append([s for s, f in zip(steps, find_stalls(model, steps)) if not f])
+    holds = run_holds(per_trace, [None] * len(own) + list(recorded or [None] * len(paths)))
+    split = fit_hold_split([kind_run_logs(model, t, step_kind) for t in per_trace], holds)
+    v = dict(profile["variability"])
+    v["kinds"] = {k: {**law, "hold_sigma": min(law["run_sigma"], split[k])}
+                  for k, law in v["kinds"].items()}
+    return {**profile, "variability": {**v, "num_holds": len(set(holds)),
+                                       "hold_runs": list(map(str, paths))}}
+
+
+def run_holds(per_trace: Sequence[Sequence[TracedStep]],
+              recorded: Optional[Sequence[Optional[str]]] = None) -> list[int]:
+    """Per trace, its hold (`drift.infer_holds`: runs of one collecting invocation within
+    HOLD_SPAN_S of each other share the machine's speed): from the traces' step clocks and, where
+    given, the hold each run's collector recorded (`recorded`, per trace; None: none)."""
+    from tokenweir.sim.drift import RunStamp, infer_holds
+
+    recorded = list(recorded) if recorded is not None else [None] * len(per_trace)
+    stamps = [RunStamp(steps[0].start, steps[-1].start + steps[-1].cycle, hold)
+              if steps else RunStamp(math.inf, math.inf, hold)
+              for steps, hold in zip(per_trace, recorded)]
+    return infer_holds(stamps)
 
 
 def find_stalls(model: FittedLatencyModel, steps: Sequence[TracedStep]) -> list[bool]:
@@ -377,22 +419,25 @@ def fit_runner(steps: Sequence[TracedStep], windows: Sequence, targets=None,
 
 
 def calibrate_from_traces(paths: Sequence[str], holdout_every: int = 5,
-                          hinge_tokens: Optional[int] = 0) -> dict:
+                          hinge_tokens: Optional[int] = 0,
+                          holds: Optional[Sequence[Optional[str]]] = None) -> dict:
     """The profile dict fitted to the traces at `paths` (see the module doc), with the
     decode-context hinge at `hinge_tokens` (0: none; None: the knee `choose_hinge` picks, what
-    `calibrate --from-trace` and the fidelity suite do: six fits instead of one)."""
+    `calibrate --from-trace` and the fidelity suite do: six fits instead of one). `holds`:
+    per path the hold its collector recorded, if any (`run_holds`; else inferred)."""
     started = time.perf_counter()
     traces = [load_jsonl(p) for p in paths]
     if hinge_tokens is not None:
-        profile = _fit_profile(traces, paths, holdout_every, hinge_tokens)
+        profile = _fit_profile(traces, paths, holdout_every, hinge_tokens, holds)
     else:
-        profile = choose_hinge(lambda knee: _fit_profile(traces, paths, holdout_every, knee))
+        profile = choose_hinge(lambda knee: _fit_profile(traces, paths, holdout_every, knee,
+                                                         holds))
     profile["calibration_seconds"] = round(time.perf_counter() - started, 2)
     return profile
 
 
 def _fit_profile(traces: list[Trace], paths: Sequence[str], holdout_every: int,
-                 hinge_tokens: int) -> dict:
+                 hinge_tokens: int, holds: Optional[Sequence[Optional[str]]] = None) -> dict:
     """`calibrate_from_traces` with the hinge's knee given."""
     from tokenweir.sim.step_fit import PROFILE_FORMAT
 
@@ -440,7 +485,8 @@ def _fit_profile(traces: list[Trace], paths: Sequence[str], holdout_every: int,
                     **_window_summary(windowed)},
             "heldout": heldout_errors(model, held, held_local),
             "machine_speed": [machine_speed(model, t) for t in per_trace],
-            "variability": with_drift(model, per_trace, _per_trace(stalled, per_trace)),
+            "variability": with_drift(model, per_trace, _per_trace(stalled, per_trace),
+                                      run_holds(per_trace, holds)),
             "stalls": {"num_steps": sum(stalled),
                        "seconds": sum(s.cycle for s, f in zip(steps, stalled) if f)},
             "ttft": _ttft_curve(model, budget, int(meta.get("max_model_len") or 2048)),
@@ -633,9 +679,12 @@ def format_heldout(profile: dict) -> str:
 
 def format_kind_law(v: dict) -> str:
     """One line: the variability per step kind (`drift.fit_kind_law`)."""
-    parts = [f"{kind} run {100 * k['run_sigma']:.1f}% step {100 * k['step_sigma']:.1f}% "
-             f"drift {100 * k['drift_sigma']:.1f}%" for kind, k in v["kinds"].items()]
-    return (f"per step kind (`drift.fit_kind_law`): {'; '.join(parts)}; the kinds' run logs "
+    parts = [f"{kind} run {100 * k['run_sigma']:.1f}%"
+             + (f" (hold {100 * k['hold_sigma']:.1f}%)" if "hold_sigma" in k else "")
+             + f" step {100 * k['step_sigma']:.1f}% drift {100 * k['drift_sigma']:.1f}%"
+             for kind, k in v["kinds"].items()]
+    holds = f" ({v['num_holds']} holds)" if "num_holds" in v else ""
+    return (f"per step kind (`drift.fit_kind_law`{holds}): {'; '.join(parts)}; the kinds' run logs "
             f"correlate {v.get('kind_run_rho', 0.0):.2f}, their drifts "
             f"{v.get('kind_drift_rho', 0.0):.2f}")
 

@@ -433,8 +433,12 @@ def sample_machines(profile: Mapping, count: int, seed: int = 0) -> list:
     run-to-run spread (which step an arrival lands in, which request a cut picks), the mean
     over the draws follows. Each noisy draw carries its own random stream: use it for one
     simulation. count 1, or a profile without "variability": the profile's own
-    deterministic model, once per draw."""
+    deterministic model, once per draw. Where the variability records a law per step kind
+    (fid15's "kinds": `drift.KindLaw`), each draw is a `drift.KindNoisyModel` on it instead
+    (`_kind_machines`): each kind's own run, step and drift sigmas."""
     from statistics import NormalDist
+
+    from tokenweir.sim.drift import KindLaw
 
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
@@ -443,7 +447,30 @@ def sample_machines(profile: Mapping, count: int, seed: int = 0) -> list:
     run_sigma, step_sigma = float(v.get("run_sigma", 0.0)), float(v.get("step_sigma", 0.0))
     if count == 1 or not (run_sigma or step_sigma):
         return [model] * count
+    law = KindLaw.from_variability(v)
+    if law is not None:
+        return _kind_machines(model, law, count, seed)
     unit = NormalDist()
     return [NoisyLatencyModel(model, step_sigma, seed=seed + k, scale=math.exp(
         run_sigma * unit.inv_cdf((k + 0.5) / count) - run_sigma * run_sigma / 2))
             for k in range(count)]
+
+
+def _kind_machines(model, law, count: int, seed: int) -> list:
+    """`sample_machines` on a per-kind law (fid16): draw k a `drift.KindNoisyModel` (seed
+    `seed + k`), its run units stratified as the kind-blind draws' scale is: decode's the k-th
+    of `count` evenly spaced normal quantiles, prefill's correlated run_rho with it through
+    the same quantiles in a seeded shuffle (a Latin square: every quantile once per kind)."""
+    from statistics import NormalDist
+
+    from tokenweir.sim.drift import KindNoisyModel
+
+    q = [NormalDist().inv_cdf((k + 0.5) / count) for k in range(count)]
+    other = q[:]
+    random.Random(f"kind-machines/{seed}").shuffle(other)
+    rho = max(-1.0, min(1.0, law.run_rho))
+    rest = math.sqrt(1.0 - rho * rho)
+    return [KindNoisyModel(model, law, step_kind, seed=seed + k,
+                           run_units={"decode": q[k], "prefill": rho * q[k] + rest * other[k]})
+            for k in range(count)]
+
