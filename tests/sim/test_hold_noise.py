@@ -261,19 +261,19 @@ def test_the_floor_widens_when_the_runs_share_a_hold(fid, layouts):
     with the whole run sigma the hold's). Probe: without the hold part the two layouts give
     the same suites, to the bit (the draws do not depend on the layout)."""
     together, apart = layouts
-    args = floor_args(24)
     prediction = {k: 1.0 for k in fid.METRICS}
 
-    def spread(directory, profile, key):
-        suites = fid.perfect_simulator(args, "light", profile, directory, prediction)
-        return statistics.pstdev(math.log(1 + e[key]) for e in suites), suites
+    def suites(directory, profile, count):
+        return fid.perfect_simulator(floor_args(count), "light", profile, directory, prediction)
 
+    def spread(drawn, key):
+        return statistics.pstdev(math.log(1 + e[key]) for e in drawn)
+
+    shared, separate = suites(together, PROFILE, 24), suites(apart, PROFILE, 24)
     for key in ("ttft_p50_ms", "tpot_p50_ms"):
-        shared, _ = spread(together, PROFILE, key)
-        separate, _ = spread(apart, PROFILE, key)
-        assert shared > 1.3 * separate, key
+        assert spread(shared, key) > 1.3 * spread(separate, key), key
     plain = fid.without_holds(PROFILE)
-    assert spread(together, plain, "total_s")[1] == spread(apart, plain, "total_s")[1]
+    assert suites(together, plain, 4) == suites(apart, plain, 4)
 
 
 def test_more_runs_in_holds_refit_the_hold_part(fid, tmp_path):
