@@ -46,12 +46,6 @@ def block_key_packer(block_size: int) -> Callable[..., bytes]:
     return struct.Struct(f"{block_size}q").pack
 
 
-# ids count -> block_key_packer(count), shared by every manager of the process: a Struct holds
-# one code per id (~24 bytes each), and a copy per manager (64 in a simulated cluster) of each
-# prompt length's went cold between two of its lookups
-_PACKERS: dict[int, Callable[..., bytes]] = {}
-
-
 def block_tokens_key(pack: Callable[..., bytes], tokens: list[int]) -> Union[bytes, tuple]:
     """A full block's token ids as its prefix-cache key holds them: packed as int64s by
     `pack`, or their tuple when one does not fit (such a block can match only blocks of the
@@ -157,13 +151,6 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self._num_skipped: dict[str, int] = {}  # leading blocks freed for the window, per request
         self._pack = block_key_packer(block_size)  # a full block's ids (block_tokens_key)
-        # A request's leading full blocks' ids, packed as `_pack` packs each block, back to
-        # back, in one call at its prefix lookup (`_packed_prompt`), sliced there and at its
-        # publication (each block's key bytes are its slice): request id -> bytes, until the
-        # publication reaches their end or the request is freed. `all_token_ids` only grows
-        # by appends, so the ids packed stay its leading ones: the bytes stay their keys.
-        self._packed: dict[str, bytes] = {}
-        self.num_packed_prompts = 0  # probe: prompts packed in one call
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
@@ -225,9 +212,6 @@ class KVCacheManager:
             return self._no_hits
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
-        packed = self._packed_prompt(request, max_blocks)
-        if packed is not None:
-            return self._lookup_packed(packed, max_blocks)
         hits: list[KVBlock] = []
         cached, pack, bs = self.pool.cached, self._pack, self.block_size
         parent_id, parent_generation = ROOT_PARENT
@@ -243,41 +227,6 @@ class KVCacheManager:
             hits.append(block)
             parent_id, parent_generation = block.block_id, block.generation
         return ComputedBlocks(tuple(hits), bs)
-
-    def _lookup_packed(self, packed: bytes, max_blocks: int) -> ComputedBlocks:
-        """`get_computed_blocks`' walk with each block's ids sliced from `packed`."""
-        hits: list[KVBlock] = []
-        cached, size = self.pool.cached, 8 * self.block_size
-        parent_id, parent_generation = ROOT_PARENT
-        for at in range(0, max_blocks * size, size):
-            block = cached.get((parent_id, parent_generation, packed[at:at + size]))
-            if block is None:
-                break
-            hits.append(block)
-            parent_id, parent_generation = block.block_id, block.generation
-        return ComputedBlocks(tuple(hits), self.block_size)
-
-    def _packed_prompt(self, request: Request, num_blocks: int) -> Optional[bytes]:
-        """The request's first `num_blocks` full blocks' ids packed in one call (kept in
-        `_packed`; a longer packing kept before serves), or None: no block, or an id that
-        int64 does not hold (each block then takes `block_tokens_key`, bytes or a tuple)."""
-        if num_blocks <= 0:
-            return None
-        rid, size = request.request_id, 8 * self.block_size
-        packed = self._packed.get(rid)
-        if packed is not None and len(packed) >= num_blocks * size:
-            return packed
-        num_ids = num_blocks * self.block_size
-        pack = _PACKERS.get(num_ids)
-        if pack is None:
-            pack = _PACKERS[num_ids] = block_key_packer(num_ids)
-        try:
-            packed = pack(*request.all_token_ids[:num_ids])
-        except struct.error:
-            return None
-        self._packed[rid] = packed
-        self.num_packed_prompts += 1
-        return packed
 
     def num_blocks_to_admit(self, num_tokens: int, computed: ComputedBlocks,
                             num_forks: int = 0, num_prompt_tokens: int = 0) -> int:
@@ -329,19 +278,12 @@ class KVCacheManager:
             return
         blocks, tokens, bs = self.req_to_blocks[rid], request.all_token_ids, self.block_size
         cached, pack = self.pool.cached, self._pack
-        packed, size = self._packed.get(rid), 8 * bs
-        num_packed = len(packed) // size if packed is not None else 0
-        if num_packed and full >= num_packed:  # published to their end (below): dropped
-            del self._packed[rid]
         for k in range(start, full):
-            if k < num_packed:  # packed at its lookup: the key's bytes are its slice
-                ids = packed[k * size:(k + 1) * size]
-            else:
-                chunk = tokens[k * bs:(k + 1) * bs]
-                try:  # block_tokens_key(pack, chunk), inlined
-                    ids = pack(*chunk)
-                except struct.error:
-                    ids = tuple(chunk)
+            chunk = tokens[k * bs:(k + 1) * bs]
+            try:  # block_tokens_key(pack, chunk), inlined
+                ids = pack(*chunk)
+            except struct.error:
+                ids = tuple(chunk)
             if k == 0:
                 key = (*ROOT_PARENT, ids)
             else:  # self._key((parent id, parent generation), tokens, k), inlined
@@ -496,8 +438,6 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, [])
         self.num_registered.pop(rid, None)
-        if self._packed:
-            self._packed.pop(rid, None)
         if self.registration_behind:  # (the sets are empty on a run without swaps, forks)
             self.registration_behind.discard(rid)
         if self._fresh_forks:
