@@ -25,6 +25,7 @@ from tokenweir.sim.latency import StepTotals, step_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_calibrate_trace import known_model  # noqa: E402
+from test_kind_noise import traced_run  # noqa: E402
 
 KINDS = ("decode", "prefill")
 # prefill's run speed mostly shared by its hold, decode's half
@@ -136,13 +137,7 @@ def test_calibration_fits_the_hold_part_from_traced_runs():
         for r in range(3):
             noisy = KindNoisyModel(_Runner(model), LAW, step_kind, seed=rng.randrange(2**31),
                                    hold_units=units)
-            run = []
-            for i in range(200):
-                totals = prefill if i % 4 == 0 else decode
-                runner = noisy.predict_totals(totals)
-                cycle = runner + model.overhead_seconds(totals)
-                run.append(TracedStep(totals, runner, cycle, clock))
-                clock += cycle
+            run, clock = traced_run(noisy, model, 200, clock, prefill, decode)
             runs.append(run)
             clock += 2.0
     stalled = [[False] * len(r) for r in runs]

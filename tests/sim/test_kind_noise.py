@@ -46,18 +46,23 @@ def synthetic_runs(law: KindLaw, runs: int = 40, steps: int = 1500) -> list[list
     """Runs of a fixed step pattern (every 4th step a prefill) whose runner times are drawn
     on `law` (one KindNoisyModel per run, seeded by the run), as calibrate_trace traces them."""
     model = known_model()
-    out = []
-    for r in range(runs):
-        noisy = KindNoisyModel(RunnerOnly(model), law, step_kind, seed=1000 + r)
-        clock, run = 0.0, []
-        for i in range(steps):
-            totals = PREFILL if i % 4 == 0 else DECODE
-            runner = noisy.predict_totals(totals)
-            cycle = runner + model.overhead_seconds(totals)
-            run.append(TracedStep(totals, runner, cycle, clock))
-            clock += cycle
-        out.append(run)
-    return out
+    return [traced_run(KindNoisyModel(RunnerOnly(model), law, step_kind, seed=1000 + r), model,
+                       steps)[0] for r in range(runs)]
+
+
+def traced_run(noisy, model, steps: int, clock: float = 0.0, prefill: StepTotals = PREFILL,
+               decode: StepTotals = DECODE) -> tuple[list[TracedStep], float]:
+    """`steps` steps of the fixed pattern (every 4th a `prefill`) whose runner times `noisy`
+    draws, as calibrate_trace traces them from `clock` (each step's cycle adds `model`'s
+    overhead): the run, and the clock after its last step."""
+    run = []
+    for i in range(steps):
+        totals = prefill if i % 4 == 0 else decode
+        runner = noisy.predict_totals(totals)
+        cycle = runner + model.overhead_seconds(totals)
+        run.append(TracedStep(totals, runner, cycle, clock))
+        clock += cycle
+    return run, clock
 
 
 def fitted(law: KindLaw) -> dict:
