@@ -13,6 +13,8 @@ from tokenweir import startup_gc
 from tokenweir.engine.llm import LLM as EngineLLM
 from tokenweir.engine.llm_engine import LLMEngine
 
+from gc_passes import counting_passes  # tests/gc_passes.py
+
 _INIT, _RUN = LLMEngine.__init__, EngineLLM._run  # unwrapped, whatever a test patched
 
 
@@ -20,17 +22,10 @@ _INIT, _RUN = LLMEngine.__init__, EngineLLM._run  # unwrapped, whatever a test p
 def collector():
     """Passes seen by the collector (gc.callbacks), counted while the test runs; afterwards
     the collector on and nothing frozen, as before the test."""
-    passes: list[int] = []
-
-    def count(phase: str, info: dict) -> None:
-        if phase == "start":
-            passes.append(info["generation"])
-
-    gc.callbacks.append(count)
     try:
-        yield passes
+        with counting_passes() as passes:
+            yield passes
     finally:
-        gc.callbacks.remove(count)
         gc.unfreeze()
         gc.enable()
 

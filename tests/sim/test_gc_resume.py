@@ -13,20 +13,14 @@ from tokenweir.sim.build import build_simulation
 from tokenweir.sim.sim_engine import gc_paused
 from tokenweir.sim.workload import synthetic
 
+from gc_passes import counting_passes  # tests/gc_passes.py
+
 
 def _passes_during(fn) -> tuple[list[int], object]:
     """The generations of the collector's passes from `fn()`'s start to its return."""
-    passes: list[int] = []
-
-    def count(phase: str, info: dict) -> None:
-        if phase == "start":
-            passes.append(info["generation"])
-    gc.callbacks.append(count)
-    try:
+    with counting_passes() as passes:
         result = fn()
         seen = list(passes)
-    finally:
-        gc.callbacks.remove(count)
     return seen, result
 
 
